@@ -1,0 +1,51 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: run test install install-test system-test-deps serve-distributed worker bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Reinstall only when the project's dependencies change.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+run: install
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py bootstrap_demo
+	@echo "Models:   curl -s http://$(HOST):$(PORT)/v1/infer/models -H \"Authorization: Bearer $$(cat var/demo-api-key)\""
+	@echo "Admin:    http://$(HOST):$(PORT)/admin/"
+	$(PY) manage.py serve --host $(HOST) --port $(PORT)
+
+# Servers and the browser the tests drive, from Debian's packages.
+system-test-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+		echo "Installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+test: install-test system-test-deps
+	$(PY) -m pytest
+
+bench: install-test system-test-deps
+	$(PY) bench/runner_throughput.py
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,219 @@
+"""All settings, read from the environment in this one module.
+
+Problems found while reading the environment are kept in ``CONFIG_PROBLEMS`` and reported by the
+system checks in ``config.checks`` with clear messages, instead of failing at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("B3OS_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+CONFIG_PROBLEMS: list[tuple[str, str, str]] = []  # (id, message, hint)
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    CONFIG_PROBLEMS.append(("config.E001", f"{name}={raw!r} is not a boolean.", "Use 1/0, true/false, yes/no or on/off."))
+    return default
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        CONFIG_PROBLEMS.append(("config.E002", f"{name}={raw!r} is not an integer.", f"Set {name} to a whole number."))
+        return default
+
+
+def _list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def _secret_key() -> str:
+    key = os.environ.get("SECRET_KEY")
+    if key:
+        return key
+    # A persistent generated key for local use, so sessions and key hashes survive restarts.
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+DEBUG = _bool("DEBUG", False)
+SECRET_KEY = _secret_key()
+SECRET_KEY_FROM_ENV = bool(os.environ.get("SECRET_KEY"))
+ALLOWED_HOSTS = _list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = _list("CSRF_TRUSTED_ORIGINS", [])
+
+# Keyed hash for API keys; rotating it invalidates every key, so it can be pinned apart from SECRET_KEY.
+API_KEY_HASH_SECRET = os.environ.get("API_KEY_HASH_SECRET", SECRET_KEY)
+
+# --- mode: distributed when REDIS_URL is set, embedded otherwise --------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+if REDIS_URL and urlparse(REDIS_URL).scheme not in {"redis", "rediss", "unix"}:
+    CONFIG_PROBLEMS.append(
+        ("config.E003", f"REDIS_URL={REDIS_URL!r} is not a redis:// URL.", "Use redis://host:6379/0 or leave it unset.")
+    )
+    REDIS_URL = ""
+DISTRIBUTED = bool(REDIS_URL)
+
+# --- database ----------------------------------------------------------------------------------
+_default_db = f"sqlite:///{VAR_DIR / 'b3os.sqlite3'}"
+try:
+    DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _default_db, conn_max_age=60)}
+except (ValueError, KeyError) as exc:
+    CONFIG_PROBLEMS.append(
+        ("config.E004", f"DATABASE_URL cannot be read: {exc}", "Use postgres://user:pass@host/db or sqlite:///path.")
+    )
+    DATABASES = {"default": dj_database_url.parse(_default_db)}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "adrf",
+    "channels",
+    "config",
+    "orgs",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "inference.middleware.api_envelope",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+# Request bodies are bounded: a chat with long context and images fits, a runaway upload does not.
+MAX_REQUEST_BODY_BYTES = _int("MAX_REQUEST_BODY_BYTES", 8 * 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False
+X_FRAME_OPTIONS = "DENY"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["orgs.authentication.APIKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONBodyParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "EXCEPTION_HANDLER": "inference.errors.drf_exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+# --- Channels and Celery -----------------------------------------------------------------------
+if DISTRIBUTED:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+# A job is acknowledged when a worker takes it: a worker that dies mid-job must not have the job
+# re-run later for a client that is long gone; the waiting API process reports the loss instead.
+CELERY_TASK_ACKS_LATE = False
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- inference ---------------------------------------------------------------------------------
+# Longest a stream may run before it is ended cleanly.
+STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
+# How long the API waits for a queued job to start on a worker, and for the next event once it runs.
+JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
+WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
+# In-process generation slots per model in embedded mode (each holds one loaded model).
+EMBEDDED_WORKERS_PER_MODEL = _int("EMBEDDED_WORKERS_PER_MODEL", 1)
+
+GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
+GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"request_id": {"()": "inference.middleware.RequestIdLogFilter"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.server": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}

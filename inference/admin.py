@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from .models import CatalogEntry, UsageRecord
+
+
+@admin.register(CatalogEntry)
+class CatalogEntryAdmin(admin.ModelAdmin):
+    list_display = [
+        "public_id",
+        "runner",
+        "enabled",
+        "context_length",
+        "max_output_tokens",
+        "json_schema",
+        "image_input",
+        "tools",
+        "reasoning",
+        "queue",
+    ]
+    list_filter = ["runner", "enabled"]
+    search_fields = ["public_id"]
+    readonly_fields = ["queue", "created"]
+    fieldsets = [
+        (None, {"fields": ["public_id", "enabled", "owned_by", "created"]}),
+        ("Runner", {"fields": ["runner", "runner_settings", "queue"]}),
+        ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
+        ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
+    ]
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    list_display = [
+        "created",
+        "organization",
+        "model",
+        "endpoint",
+        "route",
+        "status",
+        "error_code",
+        "input_tokens",
+        "output_tokens",
+        "total_ms",
+        "request_id",
+    ]
+    list_filter = ["organization", "model", "endpoint", "route", "status"]
+    search_fields = ["request_id", "model", "organization__slug"]
+    date_hierarchy = "created"
+    list_select_related = ["organization"]
+
+    def has_add_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False

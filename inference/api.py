@@ -1,0 +1,60 @@
+"""The node API's views: validate, call one service, render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adrf.views import APIView
+from django.http import HttpResponseBase, StreamingHttpResponse
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from . import protocol, services
+from .catalog import get_enabled_model, list_enabled_models
+from .models import CatalogEntry
+
+
+def _model_object(entry: CatalogEntry) -> dict[str, Any]:
+    return protocol.model_object(
+        model_id=entry.public_id,
+        created=int(entry.created.timestamp()),
+        owned_by=entry.owned_by,
+        capabilities=entry.capabilities(),
+    )
+
+
+def _caller(request: Request) -> services.Caller:
+    request._request.infer_route = "node"
+    return services.Caller(api_key=request.auth, request_id=request._request.request_id)
+
+
+def render_result(request: Request, result: services.Result) -> HttpResponseBase:
+    request._request.infer_route = result.route
+    response: HttpResponseBase
+    if result.stream is not None:
+        response = StreamingHttpResponse(result.stream, content_type="text/event-stream; charset=utf-8")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+    else:
+        response = Response(result.body)
+    for name, value in result.headers.items():
+        response[name] = value
+    return response
+
+
+class ModelListView(APIView):
+    async def get(self, request: Request) -> Response:
+        return Response(protocol.model_list([_model_object(entry) for entry in await list_enabled_models()]))
+
+
+class ModelDetailView(APIView):
+    async def get(self, request: Request, model_id: str) -> Response:
+        return Response(_model_object(await get_enabled_model(model_id)))
+
+
+class ChatCompletionsView(APIView):
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        params = protocol.parse(protocol.ChatCompletionRequest, request.data)
+        return render_result(request, await services.create_chat_completion(params=params, caller=_caller(request)))

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from daphne import http_protocol
+from daphne.server import Server
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+
+logger = logging.getLogger("inference.serve")
+
+
+class _HTTPOnlyRequest(http_protocol.WebRequest):
+    """The API serves HTTP only: a WebSocket upgrade is handled as the plain HTTP request it came with,
+    so the endpoint answers it at once (405 with ``Allow: POST`` on the POST-only endpoints)."""
+
+    def process(self) -> Any:
+        self.requestHeaders.removeHeader(b"Upgrade")
+        return super().process()
+
+
+class Command(BaseCommand):
+    help = "Serve the API and the admin with daphne. In embedded mode (no REDIS_URL) this process also runs the model workers."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--no-warm-up", action="store_true", help="Load models on first use instead of at start")
+
+    def handle(self, *args: Any, host: str, port: int, no_warm_up: bool, **options: Any) -> None:
+        from config.asgi import application
+        from inference import dispatch
+
+        if not settings.DISTRIBUTED and not no_warm_up:
+            dispatch.warm_up_embedded()
+        http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
+        mode = "distributed" if settings.DISTRIBUTED else "embedded"
+        self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")
+        interface = host.strip("[]")
+        endpoint = f"tcp:port={port}:interface={interface.replace(':', chr(92) + ':')}"
+        Server(
+            application=application,
+            endpoints=[endpoint],
+            signal_handlers=True,
+            verbosity=0,
+            http_timeout=None,
+            application_close_timeout=10,
+            server_name="b3os",
+        ).run()

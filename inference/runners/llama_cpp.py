@@ -1,0 +1,210 @@
+"""The CPU runner: llama-cpp-python on a GGUF model (the embedded default is SmolLM2-135M-Instruct).
+
+A ``Llama`` object holds one sequence and is not thread-safe, so each loaded model serves one job at
+a time behind a lock; jobs waiting for it still notice cancellation. The KV cache is reset before
+every job: reusing it across requests makes greedy output depend on the previous request.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import Constraint, Finished, GenerationJob, PromptRenderer, RawEvent, RunnerError, TextChunk, TokenLogprob
+
+LOCK_POLL_SECONDS = 0.1
+
+
+def model_path(settings: dict[str, Any]) -> str:
+    if path := settings.get("model_path"):
+        return str(path)
+    package, file = settings.get("package"), settings.get("file")
+    if not package or not file:
+        raise RunnerError("llama_cpp settings need model_path, or package and file", code="runner_unavailable")
+    try:
+        located = resources.files(package).joinpath(file)
+    except ModuleNotFoundError:
+        raise RunnerError(f"the package {package!r} is not installed", code="runner_unavailable") from None
+    if not located.is_file():
+        raise RunnerError(f"{file!r} is not in the package {package!r}", code="runner_unavailable")
+    return str(Path(str(located)))
+
+
+def _llama(settings: dict[str, Any], *, vocab_only: bool) -> Any:
+    from llama_cpp import Llama
+
+    threads = int(settings.get("n_threads") or min(4, os.cpu_count() or 1))
+    try:
+        return Llama(
+            model_path=model_path(settings),
+            n_ctx=int(settings.get("n_ctx", 8192)),
+            n_threads=threads,
+            n_threads_batch=threads,
+            vocab_only=vocab_only,
+            verbose=False,
+        )
+    except (ValueError, OSError) as exc:
+        raise RunnerError(f"could not load the model: {exc}", code="runner_unavailable") from None
+
+
+def grammar_for(constraint: Constraint) -> Any:
+    """A GBNF grammar for the constraint, built from its JSON schema."""
+    from llama_cpp import LlamaGrammar
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    if constraint.kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    else:
+        schema = constraint.schema or {}
+    schema = converter.resolve_refs(schema, "schema")
+    if constraint.kind == "tool_calls":
+        converter.visit(schema, "call")
+        # Free text (not starting with a tag), or a tool call in the Hermes format.
+        converter._add_rule("free-text", r'[^<\x00] [^\x00]*')
+        converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
+    else:
+        converter.visit(schema, "")
+    return LlamaGrammar.from_string(converter.format_grammar(), verbose=False)
+
+
+def _end_of_generation(llm: Any) -> Callable[[int], bool]:
+    from llama_cpp import llama_cpp as lib
+
+    vocab = llm._model.vocab
+    return lambda token: bool(lib.llama_vocab_is_eog(vocab, token))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+class LlamaCppRunner:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._llm = _llama(settings, vocab_only=False)
+        self._lock = threading.Lock()
+
+    def _acquire(self, cancelled: Callable[[], bool]) -> bool:
+        while not self._lock.acquire(timeout=LOCK_POLL_SECONDS):
+            if cancelled():
+                return False
+        return True
+
+    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
+        if not self._acquire(cancelled):
+            yield Finished("cancelled", job.prompt_tokens, 0)
+            return
+        try:
+            yield from self._generate(job, cancelled)
+        finally:
+            self._lock.release()
+
+    def _generate(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
+        llm = self._llm
+        sampling = job.sampling
+        prompt = llm.tokenize(job.prompt.encode("utf-8"), add_bos=False, special=True)
+        if len(prompt) + 1 > llm.n_ctx():
+            raise RunnerError("the prompt does not fit the model's context", code="context_length_exceeded")
+        max_tokens = min(sampling.max_tokens, llm.n_ctx() - len(prompt))
+        grammar = grammar_for(job.constraint) if job.constraint else None
+        llm.reset()
+        if sampling.seed is not None:
+            llm.set_seed(sampling.seed)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stops = sampling.stop
+        holdback = max((len(s) for s in stops), default=1) - 1
+        # Decoded text not yet sent (it may be the start of a stop sequence), with its tokens.
+        pending = ""
+        pending_tokens = 0
+        pending_logprobs: list[TokenLogprob] = []
+        produced = 0
+        reason = "length"
+        is_end = _end_of_generation(llm)
+        for token in llm.generate(
+            prompt,
+            top_k=0,
+            top_p=sampling.top_p,
+            min_p=0.0,
+            temp=sampling.temperature,
+            repeat_penalty=1.0,
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            grammar=grammar,
+        ):
+            if cancelled():
+                reason = "cancelled"
+                break
+            if is_end(token):
+                reason = "stop"
+                break
+            produced += 1
+            pending_tokens += 1
+            if sampling.logprobs:
+                pending_logprobs.append(self._logprob(token, sampling.top_logprobs))
+            pending += decoder.decode(llm.detokenize([token], special=False))
+            cut = len(pending)
+            if stops:
+                hit = min((i for s in stops if (i := pending.find(s)) >= 0), default=-1)
+                if hit >= 0:
+                    pending = pending[:hit]
+                    reason = "stop"
+                    break
+                cut = max(0, len(pending) - holdback)
+            if cut:
+                yield TextChunk(pending[:cut], pending_tokens, tuple(pending_logprobs))
+                pending, pending_tokens, pending_logprobs = pending[cut:], 0, []
+            if produced >= max_tokens:
+                break
+        if reason != "cancelled":
+            pending += decoder.decode(b"", final=True)
+            if pending or pending_tokens:
+                yield TextChunk(pending, pending_tokens, tuple(pending_logprobs))
+        yield Finished(reason, len(prompt), produced)  # type: ignore[arg-type]
+
+    def _logprob(self, token: int, top: int) -> TokenLogprob:
+        llm = self._llm
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+        logprobs = _log_softmax(logits.astype(np.float64))
+        text = lambda t: llm.detokenize([t], special=False).decode("utf-8", errors="replace")  # noqa: E731
+        best: tuple[tuple[str, float], ...] = ()
+        if top:
+            ids = np.argpartition(-logprobs, top)[:top]
+            ids = ids[np.argsort(-logprobs[ids])]
+            best = tuple((text(int(i)), float(logprobs[i])) for i in ids)
+        return TokenLogprob(text(token), float(logprobs[token]), best)
+
+
+def load(settings: dict[str, Any]) -> LlamaCppRunner:
+    return LlamaCppRunner(settings)
+
+
+def renderer(settings: dict[str, Any]) -> PromptRenderer:
+    """The GGUF's own chat template, and its tokenizer (loaded without weights) to count."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    vocab = _llama(settings, vocab_only=True)
+    template = vocab.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise RunnerError("the GGUF has no chat template", code="runner_unavailable")
+    eos = vocab.detokenize([vocab.token_eos()], special=True).decode("utf-8", errors="replace")
+    bos_id = vocab.token_bos()
+    bos = vocab.detokenize([bos_id], special=True).decode("utf-8", errors="replace") if bos_id >= 0 else ""
+    formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+    native_tools = "tools" in template
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return formatter(messages=messages, tools=tools).prompt
+
+    def count_tokens(text: str) -> int:
+        return len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    return PromptRenderer(render=render, count_tokens=count_tokens, native_tools=native_tools)
+

@@ -1,0 +1,154 @@
+"""Request workflows of the node API: admission, generation, usage, in one place per endpoint."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from orgs.admission import Grant, admit
+from orgs.models import APIKey
+
+from . import chat, protocol
+from .catalog import get_enabled_model
+from .errors import to_api_error
+from .generation import Done, Generation, prepare
+from .models import CatalogEntry
+from .usage import Meter
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    api_key: APIKey
+    request_id: str
+
+    @property
+    def organization_id(self) -> int:
+        return self.api_key.organization_id
+
+
+@dataclass
+class Result:
+    """A JSON body, or an SSE stream; ``headers`` go on the HTTP response either way."""
+
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[str] | None = None
+    route: str = "node"
+
+
+def _meter(caller: Caller, *, model: str, endpoint: str, route: str = "node") -> Meter:
+    return Meter(
+        organization_id=caller.organization_id,
+        api_key_id=caller.api_key.pk,
+        model=model,
+        endpoint=endpoint,
+        route=route,
+        request_id=caller.request_id,
+    )
+
+
+def _record_done(meter: Meter, generation: Generation, done: Done) -> None:
+    meter.record(
+        status=200,
+        input_tokens=done.prompt_tokens,
+        output_tokens=done.completion_tokens,
+        reasoning_tokens=done.reasoning_tokens,
+        cached_tokens=done.cached_tokens,
+        time_to_first_token_ms=generation.time_to_first_token_ms,
+    )
+
+
+def _record_error(meter: Meter, generation: Generation | None, exc: BaseException) -> None:
+    error = to_api_error(exc)
+    meter.record(
+        status=error.status if error else 500,
+        error_code=error.code if error else "internal_error",
+        input_tokens=generation.prompt_tokens if generation else 0,
+        output_tokens=generation.completion_tokens if generation else 0,
+        time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
+    )
+
+
+async def _admitted_stream(
+    *, chunks: AsyncIterator[str], grant: Grant, meter: Meter, generation: Generation, outcome: dict[str, Any]
+) -> AsyncIterator[str]:
+    """Relays a stream; whatever way it ends (done, failed, client gone), the slot is released and usage recorded."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        grant.release()
+        if (done := outcome.get("done")) is not None:
+            _record_done(meter, generation, done)
+        elif (failed := outcome.get("failed")) is not None:
+            meter.record(
+                status=200,
+                error_code=failed.code,
+                input_tokens=generation.prompt_tokens,
+                output_tokens=generation.completion_tokens,
+                time_to_first_token_ms=generation.time_to_first_token_ms,
+            )
+        else:
+            # The client went away mid-stream: record what was produced.
+            meter.record(
+                status=499,
+                error_code="client_disconnected",
+                input_tokens=generation.prompt_tokens,
+                output_tokens=generation.completion_tokens,
+                time_to_first_token_ms=generation.time_to_first_token_ms,
+            )
+
+
+async def run_admitted(
+    *,
+    caller: Caller,
+    model: str,
+    endpoint: str,
+    build: Callable[[CatalogEntry], Awaitable[Generation]],
+    respond: Callable[[Generation, Grant, Meter], Awaitable[Result]],
+) -> Result:
+    """The common path after validation: prepare (context check), admit, respond; usage in every case."""
+    entry = await get_enabled_model(model)
+    generation = await build(entry)
+    meter = _meter(caller, model=entry.public_id, endpoint=endpoint)
+    grant = await admit(
+        organization_id=caller.organization_id,
+        model_pk=entry.pk,
+        tokens=generation.prompt_tokens + generation.job.sampling.max_tokens,
+    )
+    try:
+        return await respond(generation, grant, meter)
+    except BaseException as exc:
+        grant.release()
+        _record_error(meter, generation, exc)
+        raise
+
+
+async def create_chat_completion(*, params: protocol.ChatCompletionRequest, caller: Caller) -> Result:
+    extra = {"b3os": {"route": "node"}}
+
+    async def build(entry: CatalogEntry) -> Generation:
+        return await prepare(entry=entry, request=chat.to_generation_request(params, entry))
+
+    async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
+        want_logprobs = bool(params.logprobs)
+        if params.stream:
+            outcome: dict[str, Any] = {}
+            chunks = chat.stream_chunks(
+                generation=generation,
+                model=params.model,
+                include_usage=bool(params.stream_options and params.stream_options.include_usage),
+                want_logprobs=want_logprobs,
+                extra=extra,
+                outcome=outcome,
+            )
+            stream = _admitted_stream(chunks=chunks, grant=grant, meter=meter, generation=generation, outcome=outcome)
+            return Result(headers=grant.headers, stream=stream)
+        body, done = await chat.complete(generation=generation, model=params.model, want_logprobs=want_logprobs, extra=extra)
+        grant.release()
+        _record_done(meter, generation, done)
+        return Result(headers=grant.headers, body=body)
+
+    return await run_admitted(caller=caller, model=params.model, endpoint="chat.completions", build=build, respond=respond)
+

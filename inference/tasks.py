@@ -1,0 +1,28 @@
+"""Celery tasks: thin interfaces over the dispatch services."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from celery import shared_task
+
+from .dispatch import serve_job
+from .runners.base import GenerationJob
+
+_local = threading.local()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """One event loop per worker thread, kept for the thread's life: the Channels layer and the Redis
+    client pool connections per loop, so a new loop per task would reconnect every time."""
+    loop = getattr(_local, "loop", None)
+    if loop is None:
+        loop = _local.loop = asyncio.new_event_loop()
+    return loop
+
+
+@shared_task(name="inference.generate", ignore_result=True, acks_late=False)
+def generate(job: dict[str, Any], reply_channel: str) -> None:
+    _loop().run_until_complete(serve_job(GenerationJob.from_dict(job), reply_channel))

@@ -1,0 +1,9 @@
+from django.urls import path
+
+from . import api
+
+urlpatterns = [
+    path("models", api.ModelListView.as_view()),
+    path("models/<path:model_id>", api.ModelDetailView.as_view()),
+    path("chat/completions", api.ChatCompletionsView.as_view()),
+]

@@ -1,0 +1,129 @@
+"""Usage records, written off the request path.
+
+Each request that reaches admission gets a ``Meter``; finishing it queues one ``UsageRecord``. A
+background thread writes queued records in batches, so the response never waits on the database.
+``flush()`` waits for everything queued so far (tests, shutdown).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from .models import UsageRecord
+
+logger = logging.getLogger("inference.usage")
+
+BATCH_SIZE = 200
+BATCH_SECONDS = 0.25
+
+
+@dataclass
+class Meter:
+    organization_id: int
+    api_key_id: int | None
+    model: str
+    endpoint: str
+    route: str
+    request_id: str
+    started: float = field(default_factory=time.monotonic)
+    created: object = field(default_factory=timezone.now)
+    recorded: bool = False
+
+    def record(
+        self,
+        *,
+        status: int,
+        error_code: str = "",
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        reasoning_tokens: int = 0,
+        cached_tokens: int = 0,
+        time_to_first_token_ms: int | None = None,
+    ) -> None:
+        """Queue this request's one record; later calls are ignored."""
+        if self.recorded:
+            return
+        self.recorded = True
+        _writer.put(
+            UsageRecord(
+                organization_id=self.organization_id,
+                api_key_id=self.api_key_id,
+                model=self.model,
+                endpoint=self.endpoint,
+                route=self.route,
+                status=status,
+                error_code=error_code,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                reasoning_tokens=reasoning_tokens,
+                cached_tokens=cached_tokens,
+                time_to_first_token_ms=time_to_first_token_ms,
+                total_ms=int((time.monotonic() - self.started) * 1000),
+                request_id=self.request_id,
+                created=self.created,
+            )
+        )
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self._queue: queue.Queue[UsageRecord] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition()
+        self._pending = 0
+
+    def put(self, record: UsageRecord) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put(record)
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+                    self._thread.start()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0, timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + BATCH_SECONDS
+            while len(batch) < BATCH_SIZE:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(self._queue.get(timeout=remaining))
+                except queue.Empty:
+                    break
+            self._write(batch)
+            with self._idle:
+                self._pending -= len(batch)
+                self._idle.notify_all()
+
+    @staticmethod
+    def _write(batch: list[UsageRecord]) -> None:
+        for attempt in range(3):
+            try:
+                close_old_connections()
+                UsageRecord.objects.bulk_create(batch)
+                return
+            except Exception:  # noqa: BLE001  (the database may be briefly busy; never lose the batch silently)
+                logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
+                time.sleep(0.5 * (attempt + 1))
+
+
+_writer = _Writer()
+flush = _writer.flush
+atexit.register(flush, 5.0)

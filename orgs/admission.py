@@ -1,0 +1,402 @@
+"""Admission control: requests per minute, tokens per minute and requests in flight, per organization and model.
+
+Windows slide: a request is admitted only if, counting it, no 60-second window holds more requests or
+tokens than the limit. All three checks and the charge happen in one atomic step, in Redis (a Lua
+script) when ``REDIS_URL`` is set, so every API process enforces the same numbers, or in this process
+otherwise. In-flight slots expire unless their holder refreshes them, so a process that dies cannot
+hold a slot for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from .exceptions import LimitExceeded
+from .models import Limit
+
+WINDOW = 60.0
+SLOT_TTL = 15.0
+SLOT_REFRESH = 5.0
+LIMITS_CACHE_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    requests_in_flight: int | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return self.tokens_per_minute is None and self.requests_per_minute is None and self.requests_in_flight is None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    admitted: bool
+    limit: str = ""  # which limit refused: requests_per_minute, tokens_per_minute, requests_in_flight
+    retry_after: float = 0.0
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests: float = 0.0
+    reset_tokens: float = 0.0
+
+
+@dataclass
+class Grant:
+    """An admitted request: its rate-limit headers, and its in-flight slot until ``release``."""
+
+    headers: dict[str, str]
+    _release: Any = None
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            if self._release is not None:
+                self._release()
+
+
+# --- limits, from the database, cached briefly so admin changes apply within seconds ----------
+
+_limits_cache: dict[tuple[int, int | None], tuple[float, Limits]] = {}
+
+
+def _load_limits(organization_id: int, model_pk: int | None) -> Limits:
+    rows = {row.model_id: row for row in Limit.objects.filter(organization_id=organization_id)}
+    # A per-model row replaces the organization's default for that model.
+    row = rows.get(model_pk) if model_pk is not None and model_pk in rows else rows.get(None)
+    if row is None:
+        return Limits()
+    return Limits(row.tokens_per_minute, row.requests_per_minute, row.requests_in_flight)
+
+
+async def limits_for(organization_id: int, model_pk: int | None) -> Limits:
+    key = (organization_id, model_pk)
+    now = time.monotonic()
+    cached = _limits_cache.get(key)
+    if cached and now - cached[0] < LIMITS_CACHE_SECONDS:
+        return cached[1]
+    limits = await sync_to_async(_load_limits, thread_sensitive=False)(organization_id, model_pk)
+    _limits_cache[key] = (now, limits)
+    return limits
+
+
+def clear_limits_cache() -> None:
+    _limits_cache.clear()
+
+
+# --- the in-process store --------------------------------------------------------------------
+
+
+@dataclass
+class _Window:
+    requests: deque[float] = field(default_factory=deque)
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    token_sum: int = 0
+    slots: dict[str, float] = field(default_factory=dict)
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._windows: dict[str, _Window] = {}
+        self._lock = threading.Lock()
+
+    def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float) -> Decision:
+        with self._lock:
+            w = self._windows.setdefault(key, _Window())
+            while w.requests and w.requests[0] <= now - WINDOW:
+                w.requests.popleft()
+            while w.tokens and w.tokens[0][0] <= now - WINDOW:
+                w.token_sum -= w.tokens.popleft()[1]
+            for held, expires in list(w.slots.items()):
+                if expires <= now:
+                    del w.slots[held]
+            rpm, tpm, inflight = limits.requests_per_minute, limits.tokens_per_minute, limits.requests_in_flight
+            if rpm is not None and len(w.requests) + 1 > rpm:
+                retry = (w.requests[len(w.requests) - rpm] + WINDOW - now) if rpm > 0 else WINDOW
+                return Decision(False, "requests_per_minute", retry)
+            if tpm is not None and w.token_sum + tokens > tpm:
+                return Decision(False, "tokens_per_minute", _token_retry(list(w.tokens), w.token_sum, tokens, tpm, now))
+            if inflight is not None and len(w.slots) + 1 > inflight:
+                return Decision(False, "requests_in_flight", 1.0)
+            w.requests.append(now)
+            if tokens:
+                w.tokens.append((now, tokens))
+                w.token_sum += tokens
+            w.slots[slot] = now + SLOT_TTL
+            return Decision(
+                True,
+                remaining_requests=None if rpm is None else rpm - len(w.requests),
+                remaining_tokens=None if tpm is None else tpm - w.token_sum,
+                reset_requests=w.requests[0] + WINDOW - now if w.requests else 0.0,
+                reset_tokens=w.tokens[0][0] + WINDOW - now if w.tokens else 0.0,
+            )
+
+    def release(self, key: str, slot: str) -> None:
+        with self._lock:
+            window = self._windows.get(key)
+            if window is not None:
+                window.slots.pop(slot, None)
+
+    def refresh(self, held: dict[str, set[str]], now: float) -> None:
+        with self._lock:
+            for key, slots in held.items():
+                window = self._windows.get(key)
+                for slot in slots:
+                    if window is not None and slot in window.slots:
+                        window.slots[slot] = now + SLOT_TTL
+
+    def reset(self) -> None:
+        with self._lock:
+            self._windows.clear()
+
+
+def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limit: int, now: float) -> float:
+    """Seconds until enough charged tokens leave the window for ``wanted`` more to fit."""
+    if wanted > limit:
+        return WINDOW
+    for at, tokens in entries:
+        total -= tokens
+        if total + wanted <= limit:
+            return at + WINDOW - now
+    return WINDOW
+
+
+# --- the Redis store ---------------------------------------------------------------------------
+
+# KEYS: requests zset, tokens zset, slots zset. ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce.
+# Limits of -1 mean unlimited. Token entries are members "nonce:tokens" scored by time.
+_ADMIT_LUA = """
+local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local rpm, tpm, inflight = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local wanted, slot, ttl, nonce = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV[9]
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local nreq = redis.call('ZCARD', KEYS[1])
+if rpm >= 0 and nreq + 1 > rpm then
+  local retry = window
+  if rpm > 0 then
+    local e = redis.call('ZRANGE', KEYS[1], nreq - rpm, nreq - rpm, 'WITHSCORES')
+    retry = tonumber(e[2]) + window - now
+  end
+  return {0, 'requests_per_minute', tostring(retry)}
+end
+local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+local total = 0
+for i = 1, #entries, 2 do
+  total = total + tonumber(string.match(entries[i], ':(%d+)$'))
+end
+if tpm >= 0 and total + wanted > tpm then
+  local retry = window
+  if wanted <= tpm then
+    local left = total
+    for i = 1, #entries, 2 do
+      left = left - tonumber(string.match(entries[i], ':(%d+)$'))
+      if left + wanted <= tpm then
+        retry = tonumber(entries[i + 1]) + window - now
+        break
+      end
+    end
+  end
+  return {0, 'tokens_per_minute', tostring(retry)}
+end
+if inflight >= 0 and redis.call('ZCARD', KEYS[3]) + 1 > inflight then
+  return {0, 'requests_in_flight', '1'}
+end
+redis.call('ZADD', KEYS[1], now, nonce)
+if wanted > 0 then
+  redis.call('ZADD', KEYS[2], now, nonce .. ':' .. wanted)
+  total = total + wanted
+end
+redis.call('ZADD', KEYS[3], now + ttl, slot)
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
+local oldest_req = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local oldest_tok = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+local reset_req, reset_tok = 0, 0
+if #oldest_req > 0 then reset_req = tonumber(oldest_req[2]) + window - now end
+if #oldest_tok > 0 then reset_tok = tonumber(oldest_tok[2]) + window - now end
+return {1, '', '0', tostring(nreq + 1), tostring(total), tostring(reset_req), tostring(reset_tok)}
+"""
+
+
+class RedisStore:
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._clients: dict[int, Any] = {}
+        self._scripts: dict[int, Any] = {}
+
+    def _client(self) -> tuple[Any, Any]:
+        import redis.asyncio as aioredis
+
+        loop_id = id(asyncio.get_running_loop())
+        if loop_id not in self._clients:
+            client = aioredis.from_url(self._url)
+            self._clients[loop_id] = client
+            self._scripts[loop_id] = client.register_script(_ADMIT_LUA)
+        return self._clients[loop_id], self._scripts[loop_id]
+
+    @staticmethod
+    def _keys(key: str) -> list[str]:
+        return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots"]
+
+    async def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float) -> Decision:
+        _, script = self._client()
+        unlimited = lambda v: -1 if v is None else v  # noqa: E731
+        result = await script(
+            keys=self._keys(key),
+            args=[
+                now,
+                WINDOW,
+                unlimited(limits.requests_per_minute),
+                unlimited(limits.tokens_per_minute),
+                unlimited(limits.requests_in_flight),
+                tokens,
+                slot,
+                SLOT_TTL,
+                secrets.token_hex(8),
+            ],
+        )
+        if int(result[0]) == 0:
+            return Decision(False, result[1].decode(), float(result[2]))
+        used_requests, used_tokens = int(result[3]), int(result[4])
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        return Decision(
+            True,
+            remaining_requests=None if rpm is None else rpm - used_requests,
+            remaining_tokens=None if tpm is None else tpm - used_tokens,
+            reset_requests=float(result[5]),
+            reset_tokens=float(result[6]),
+        )
+
+    async def release(self, key: str, slot: str) -> None:
+        client, _ = self._client()
+        await client.zrem(self._keys(key)[2], slot)
+
+    async def refresh(self, held: dict[str, set[str]], now: float) -> None:
+        client, _ = self._client()
+        async with client.pipeline(transaction=False) as pipe:
+            for key, slots in held.items():
+                for slot in slots:
+                    pipe.zadd(self._keys(key)[2], {slot: now + SLOT_TTL}, xx=True)
+            await pipe.execute()
+
+
+# --- admission -----------------------------------------------------------------------------------
+
+memory_store = MemoryStore()
+_held: dict[str, set[str]] = {}
+_refresher: asyncio.Task[None] | None = None
+_redis_store: RedisStore | None = None
+
+
+def _store() -> MemoryStore | RedisStore:
+    global _redis_store
+    if not settings.DISTRIBUTED:
+        return memory_store
+    if _redis_store is None:
+        _redis_store = RedisStore(settings.REDIS_URL)
+    return _redis_store
+
+
+async def _refresh_forever() -> None:
+    while True:
+        await asyncio.sleep(SLOT_REFRESH)
+        held = {key: set(slots) for key, slots in _held.items() if slots}
+        if held:
+            store = _store()
+            try:
+                if isinstance(store, RedisStore):
+                    await store.refresh(held, time.time())
+                else:
+                    store.refresh(held, time.time())
+            except Exception:  # noqa: BLE001  (a missed refresh only risks an early expiry)
+                pass
+
+
+def _ensure_refresher() -> None:
+    global _refresher
+    if _refresher is None or _refresher.done() or _refresher.get_loop() is not asyncio.get_running_loop():
+        _refresher = asyncio.get_running_loop().create_task(_refresh_forever())
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: 1s, 6m0s, 150ms."""
+    if seconds < 1:
+        return f"{max(0, int(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def _headers(limits: Limits, decision: Decision) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if limits.requests_per_minute is not None:
+        headers["x-ratelimit-limit-requests"] = str(limits.requests_per_minute)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, decision.remaining_requests or 0))
+        headers["x-ratelimit-reset-requests"] = _duration(decision.reset_requests)
+    if limits.tokens_per_minute is not None:
+        headers["x-ratelimit-limit-tokens"] = str(limits.tokens_per_minute)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, decision.remaining_tokens or 0))
+        headers["x-ratelimit-reset-tokens"] = _duration(decision.reset_tokens)
+    return headers
+
+
+_DESCRIPTIONS = {
+    "requests_per_minute": "requests per minute",
+    "tokens_per_minute": "tokens per minute",
+    "requests_in_flight": "requests in flight",
+}
+
+
+async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> Grant:
+    """Admit a request charging ``tokens`` (input estimate + maximum output), or raise ``LimitExceeded``."""
+    limits = await limits_for(organization_id, model_pk)
+    if limits.unlimited:
+        return Grant(headers={})
+    key = f"{organization_id}:{model_pk or 0}"
+    slot = secrets.token_hex(8)
+    store = _store()
+    now = time.time()
+    if isinstance(store, RedisStore):
+        decision = await store.try_admit(key, limits, tokens, slot, now)
+    else:
+        decision = store.try_admit(key, limits, tokens, slot, now)
+    if not decision.admitted:
+        retry = max(1, math.ceil(decision.retry_after))
+        value = {
+            "requests_per_minute": limits.requests_per_minute,
+            "tokens_per_minute": limits.tokens_per_minute,
+            "requests_in_flight": limits.requests_in_flight,
+        }[decision.limit]
+        detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
+        if decision.limit == "tokens_per_minute":
+            detail += f" This request needs {tokens} tokens (input estimate plus maximum output)."
+            if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
+                detail += " It can never fit: lower max_tokens or the input."
+        detail += f" Try again in {retry}s."
+        raise LimitExceeded(
+            limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, decision)
+        )
+    _held.setdefault(key, set()).add(slot)
+    _ensure_refresher()
+
+    def release() -> None:
+        _held.get(key, set()).discard(slot)
+        if isinstance(store, RedisStore):
+            asyncio.get_running_loop().create_task(store.release(key, slot))
+        else:
+            store.release(key, slot)
+
+    return Grant(headers=_headers(limits, decision), _release=release)

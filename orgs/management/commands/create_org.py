@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils.text import slugify
+
+from orgs.services import create_organization
+
+
+class Command(BaseCommand):
+    help = "Create an organization (or leave an existing one as it is) and print its slug."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("slug", help="Unique short name, e.g. acme")
+        parser.add_argument("--name", default="", help="Display name (defaults to the slug)")
+
+    def handle(self, *args: Any, slug: str, name: str, **options: Any) -> None:
+        if slugify(slug) != slug:
+            raise CommandError(f"{slug!r} is not a valid slug: use lowercase letters, digits and hyphens.")
+        org, created = create_organization(slug=slug, name=name)
+        self.stderr.write(f"{'Created' if created else 'Exists'}: organization {org.slug}")
+        self.stdout.write(org.slug)

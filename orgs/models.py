@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+KEY_PREFIX = "b3os"
+PREFIX_LENGTH = 10  # random, URL-safe characters used to find the row
+SECRET_BYTES = 32
+LAST_USED_GRANULARITY = timedelta(minutes=1)
+
+
+class Organization(models.Model):
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=64, unique=True)
+    active = models.BooleanField(default=True, help_text="Inactive organizations' keys are refused.")
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    # An organization is the API's authenticated principal (``request.user``).
+    is_authenticated = True
+    is_anonymous = False
+
+
+def hash_key(raw_key: str) -> str:
+    """Keyed hash of a whole API key; the only form in which a key is stored."""
+    return hmac.new(settings.API_KEY_HASH_SECRET.encode(), raw_key.encode(), hashlib.sha256).hexdigest()
+
+
+def split_key(raw_key: str) -> str | None:
+    """The lookup prefix of a well-formed key, or None."""
+    parts = raw_key.split("_")
+    if len(parts) != 3 or parts[0] != KEY_PREFIX or len(parts[1]) != PREFIX_LENGTH or len(parts[2]) < 32:
+        return None
+    return parts[1]
+
+
+class APIKeyQuerySet(models.QuerySet["APIKey"]):
+    def usable(self) -> APIKeyQuerySet:
+        now = timezone.now()
+        return self.filter(revoked_at__isnull=True, organization__active=True).filter(
+            models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now)
+        )
+
+
+class APIKey(models.Model):
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=200, blank=True)
+    prefix = models.CharField(max_length=PREFIX_LENGTH, unique=True, editable=False)
+    hashed_key = models.CharField(max_length=64, editable=False)
+    created = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Leave blank for a key that does not expire.")
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    objects = APIKeyQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.name or 'key'} ({self.display_prefix})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{KEY_PREFIX}_{self.prefix}_…" if self.prefix else "—"
+
+    @classmethod
+    def generate(cls, *, organization: Organization, name: str = "", expires_at: datetime | None = None) -> tuple[APIKey, str]:
+        """Create a key; the raw secret is returned here once and never stored."""
+        while True:
+            prefix = secrets.token_urlsafe(PREFIX_LENGTH)[:PREFIX_LENGTH].replace("_", "x")
+            if not cls.objects.filter(prefix=prefix).exists():
+                break
+        raw = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES).replace('_', 'x')}"
+        key = cls.objects.create(
+            organization=organization, name=name, prefix=prefix, hashed_key=hash_key(raw), expires_at=expires_at
+        )
+        return key, raw
+
+    def matches(self, raw_key: str) -> bool:
+        return hmac.compare_digest(self.hashed_key, hash_key(raw_key))
+
+    @property
+    def state(self) -> str:
+        if self.revoked_at:
+            return "revoked"
+        if self.expires_at and self.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+    def revoke(self) -> None:
+        if self.revoked_at is None:
+            self.revoked_at = timezone.now()
+            self.save(update_fields=["revoked_at"])
+
+    def needs_last_used_update(self, now: datetime) -> bool:
+        return self.last_used_at is None or now - self.last_used_at >= LAST_USED_GRANULARITY
+
+
+class Limit(models.Model):
+    """An organization's limits: its default (no model) or an override for one catalog model.
+
+    A blank number means unlimited.
+    """
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="limits")
+    model = models.ForeignKey(
+        "inference.CatalogEntry",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="limits",
+        help_text="Blank: the organization's default for every model.",
+    )
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    requests_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "model"], name="one_limit_per_org_and_model"),
+            models.UniqueConstraint(
+                fields=["organization"], condition=models.Q(model__isnull=True), name="one_default_limit_per_org"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        scope = self.model.public_id if self.model_id else "all models"
+        return f"{self.organization.slug} / {scope}"

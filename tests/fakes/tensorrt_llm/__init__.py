@@ -1,0 +1,39 @@
+"""A stand-in for the part of TensorRT-LLM's Python API that ``inference.runners.tensorrt_llm`` uses.
+
+TensorRT-LLM needs an NVIDIA GPU and several GB of CUDA wheels, so the runner's tests put this
+package on ``sys.path`` instead. Names, constructor keywords, output objects and their behaviour
+mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
+
+- ``tensorrt_llm/__init__.py`` (c40f1157): top-level ``LLM`` and ``SamplingParams``.
+- ``tensorrt_llm/llmapi/__init__.py`` (5ca85aff): ``LLM``, ``RequestOutput``, ``CompletionOutput``,
+  ``GuidedDecodingParams``, ``SamplingParams``, ``KvCacheConfig``, ``RequestError``.
+- ``tensorrt_llm/llmapi/llm.py`` (4c05a748): ``BaseLLM.__init__`` (unknown keyword arguments raise
+  ``ValueError("LLM got invalid argument: …")``), ``generate_async(inputs, sampling_params, …,
+  streaming=…)``, ``_prepare_sampling_params``, ``_check_arguments`` (PyTorch backend: prompt longer
+  than ``max_num_tokens`` without chunked prefill raises ``ValueError``), ``shutdown``,
+  ``RequestOutput`` (not constructible directly).
+- ``tensorrt_llm/llmapi/llm_args.py``: ``BaseLlmArgs`` field names, ``KvCacheConfig`` (strict model).
+- ``tensorrt_llm/llmapi/tokenizer.py`` (89fd9b74): ``TransformersTokenizer`` wrapping a Hugging Face
+  tokenizer (``encode``, ``decode``, ``apply_chat_template``, ``eos_token_id``).
+- ``tensorrt_llm/sampling_params.py`` (000a01de): ``SamplingParams`` (``max_tokens`` defaults to 32,
+  ``logprobs=True`` becomes 1) and ``GuidedDecodingParams`` (``json``, ``regex``, ``grammar``,
+  ``json_object``, ``structural_tag``).
+- ``tensorrt_llm/executor/result.py`` (a678b91a): ``CompletionOutput`` (``text``, ``token_ids``,
+  ``logprobs``, ``finish_reason`` in stop/length/timeout/cancelled, ``stop_reason``, the ``*_diff``
+  properties), ``Logprob``, ``GenerationResult`` (async iteration only when created inside a running
+  event loop, ``abort()``, ``finished``, ``prompt_token_ids``, ``cached_tokens``, stop strings
+  detected on the detokenized text, which is cut there and the request aborted).
+- ``tensorrt_llm/executor/utils.py`` (015884d6) and ``executor/executor.py`` (ed53795b):
+  ``RequestError(RuntimeError)``, raised from the iteration for a per-request failure.
+
+What is not real lives in ``tensorrt_llm/_toy.py``: a whitespace tokenizer and an in-flight-batching
+"engine" that echoes the prompt's words, or writes a minimal instance of a guided JSON schema, one
+token per step for every request in flight.
+"""
+
+from .llmapi import LLM
+from .sampling_params import SamplingParams
+
+__version__ = "0.0.0+stand-in"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

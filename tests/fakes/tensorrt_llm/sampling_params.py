@@ -1,0 +1,91 @@
+"""Mirrors ``tensorrt_llm/sampling_params.py``: the fields the runner sets, with the real defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        # The real class rejects more than one guide in ``_validate``; an empty one is accepted there
+        # but guides nothing, which in this platform can only be a bug, so the stand-in refuses it too.
+        count = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if count != 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {count}.")
+
+    def _validate(self) -> None:
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    end_id: int | None = None
+    pad_id: int | None = None
+    max_tokens: int = 32
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
+    ignore_eos: bool = False
+    detokenize: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    _stop_word_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pad_id is None:
+            self.pad_id = self.end_id
+        self.best_of = self.best_of or self.n
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
+        # As in the real class: users may pass logprobs=True for top-1 logprobs.
+        self.logprobs = self.logprobs and int(self.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)
+
+    def _setup(self, tokenizer: Any, add_special_tokens: bool = False) -> SamplingParams:
+        if self.end_id is None:
+            self.end_id = tokenizer.eos_token_id
+            self.pad_id = tokenizer.pad_token_id
+            if self.pad_id is None:
+                self.pad_id = self.end_id
+        if self.stop is not None:
+            strs = [self.stop] if isinstance(self.stop, str) else self.stop
+            self._stop_word_ids = [tokenizer.encode(s, add_special_tokens=add_special_tokens) for s in strs]
+        return self
+
+    def _get_stop_reasons(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
