@@ -2,14 +2,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import json
-
+import orjson
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 
 
 class JSONBodyParser(BaseParser):
-    """JSON bodies; an empty body parses as an empty object so that validation names the missing fields."""
+    """Strict JSON bodies (orjson: no lone surrogates, no NaN); an empty body parses as an empty object,
+    so that validation names the missing fields."""
 
     media_type = "application/json"
 
@@ -18,6 +18,6 @@ class JSONBodyParser(BaseParser):
         if not raw.strip():
             return {}
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
             raise ParseError(str(exc)) from None

@@ -7,13 +7,13 @@ plain dicts, which are cheaper to serialize on the hot path than model instances
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import APIError, invalid_request, unsupported_parameter
+from ..errors import APIError, invalid_request, unsupported_parameter
 
 MAX_TOOLS = 128
 
@@ -31,17 +31,28 @@ class LooseModel(BaseModel):
 # --- errors from validation ---------------------------------------------------------------------
 
 
-def _param(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p.startswith("function-") or "[" in p or p in _UNION_TAGS))]
+def _param(loc: tuple[Any, ...], data: Any) -> str:
+    """The dotted path of a validation error in the request body (``messages.1.content``).
+
+    Pydantic's locations also hold union members and discriminator tags; walking the body keeps only
+    the parts that address it.
+    """
+    parts: list[str] = []
+    node = data
+    for index, part in enumerate(loc):
+        last = index == len(loc) - 1
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or last):
+            parts.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            parts.append(str(part))
+            node = node[part]
     return ".".join(parts)
 
 
-_UNION_TAGS = {"str", "list", "dict", "int", "float", "bool", "none", "literal"}
-
-
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError, data: Any) -> APIError:
     first = exc.errors(include_url=False)[0]
-    param = _param(tuple(first["loc"]))
+    param = _param(tuple(first["loc"]), data)
     kind = first["type"]
     if kind == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
@@ -50,11 +61,7 @@ def validation_error(exc: ValidationError) -> APIError:
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    ctx_error = (first.get("ctx") or {}).get("error")
-    if isinstance(ctx_error, APIError):
-        ctx_error.param = ctx_error.param or param
-        return ctx_error
-    return invalid_request(f"Invalid value for '{param}': {message}.", param=param, code="invalid_value")
+    return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -63,7 +70,7 @@ def parse(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, data) from None
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -436,4 +443,4 @@ def now() -> int:
 
 
 def dumps(payload: Any) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return orjson.dumps(payload).decode()

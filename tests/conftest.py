@@ -1,0 +1,226 @@
+"""Personas, factories, the OpenAI spec validator, and a live server for clients that need a real socket."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from django.test import AsyncClient
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+from inference.models import CatalogEntry
+from orgs.models import Organization
+from orgs.services import create_api_key
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+DEFAULT_MODEL = importlib.import_module("inference.migrations.0003_embedded_default_model").DEFAULT_MODEL
+MODEL_ID = DEFAULT_MODEL["public_id"]
+
+
+# --- the OpenAI spec ------------------------------------------------------------------------------
+
+
+class OpenAISpec:
+    def __init__(self, document: dict[str, Any]) -> None:
+        self._registry = Registry().with_resource("openai", Resource.from_contents(document, default_specification=_dialect()))
+        self._validators: dict[str, Draft202012Validator] = {}
+
+    def validator(self, name: str) -> Draft202012Validator:
+        if name not in self._validators:
+            self._validators[name] = Draft202012Validator(
+                {"$ref": f"openai#/components/schemas/{name}"}, registry=self._registry
+            )
+        return self._validators[name]
+
+    def validate(self, name: str, instance: Any) -> None:
+        errors = sorted(self.validator(name).iter_errors(instance), key=lambda e: e.path)
+        if errors:
+            details = "\n".join(f"{list(e.absolute_path)}: {e.message[:300]}" for e in errors[:5])
+            raise AssertionError(f"not a valid {name}:\n{details}")
+
+
+def _dialect() -> Any:
+    from referencing.jsonschema import DRAFT202012
+
+    return DRAFT202012
+
+
+@pytest.fixture(scope="session")
+def openai_spec() -> OpenAISpec:
+    cache = DATA / ".openai-openapi.json"
+    source = DATA / "openai-openapi.yaml"
+    if cache.exists() and cache.stat().st_mtime >= source.stat().st_mtime:
+        document = json.loads(cache.read_text())
+    else:
+        document = yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        cache.write_text(json.dumps(document, default=str))
+    return OpenAISpec(document)
+
+
+# --- personas and factories -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def catalog_model(transactional_db: None) -> CatalogEntry:
+    entry, _ = CatalogEntry.objects.get_or_create(public_id=MODEL_ID, defaults=DEFAULT_MODEL)
+    return entry
+
+
+@pytest.fixture
+def organization(transactional_db: None) -> Organization:
+    return Organization.objects.create(slug="acme", name="Acme Inc.")
+
+
+@pytest.fixture
+def api_key(organization: Organization) -> str:
+    return create_api_key(organization=organization, name="tests")
+
+
+@dataclass
+class API:
+    """The node API in this process, as a client with a key sees it."""
+
+    client: AsyncClient
+    key: str | None
+
+    def _headers(self, key: str | None) -> dict[str, str]:
+        key = self.key if key is None else key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def get(self, path: str, *, key: str | None = None) -> Any:
+        return await self.client.get(path, headers=self._headers(key))
+
+    async def post(self, path: str, body: Any, *, key: str | None = None, raw: bool = False) -> Any:
+        data = body if raw else json.dumps(body)
+        return await self.client.post(path, data=data, content_type="application/json", headers=self._headers(key))
+
+
+@pytest.fixture
+def api(api_key: str, catalog_model: CatalogEntry) -> API:
+    return API(client=AsyncClient(), key=api_key)
+
+
+async def read_stream(response: Any) -> str:
+    chunks = []
+    async for chunk in response.streaming_content:
+        chunks.append(chunk.decode() if isinstance(chunk, bytes) else chunk)
+    return "".join(chunks)
+
+
+def sse_data(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_limits() -> Iterator[None]:
+    from orgs.admission import clear_limits_cache, memory_store
+
+    clear_limits_cache()
+    memory_store.reset()
+    yield
+
+
+# --- a live server in its own process -------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def manage(*args: str, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def wait_for_http(url: str, timeout: float = 60.0, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout}s")
+
+
+@dataclass
+class LiveServer:
+    url: str
+    key: str
+    org: str
+    env: dict[str, str]
+    db_path: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1/infer"
+
+    def manage(self, *args: str) -> str:
+        return manage(*args, env=self.env)
+
+    def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(self.db_path) as conn:
+            return conn.execute(sql, params).fetchall()
+
+
+def start_server(var_dir: Path, *, extra_env: dict[str, str] | None = None, org: str = "live") -> LiveServer:
+    var_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "B3OS_VAR_DIR": str(var_dir), "DATABASE_URL": "", "REDIS_URL": "", **(extra_env or {})}
+    manage("migrate", "--noinput", "-v0", env=env)
+    manage("create_org", org, env=env)
+    key = manage("create_key", org, "--name", "live-tests", env=env).strip()
+    port = free_port()
+    log = open(var_dir / "server.log", "wb")
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_http(url + "/v1/infer/models", process=process)
+    return LiveServer(url=url, key=key, org=org, env=env, db_path=var_dir / "b3os.sqlite3", process=process)
+
+
+def stop_server(server: LiveServer) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = start_server(tmp_path_factory.mktemp("live"))
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+async def aclient(live_server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(
+        base_url=live_server.url, headers={"Authorization": f"Bearer {live_server.key}"}, timeout=120
+    ) as client:
+        yield client

@@ -1,0 +1,145 @@
+"""Mirrors ``tensorrt_llm/llmapi/llm.py``: ``LLM`` (PyTorch backend, the default) and ``RequestOutput``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from .._toy import ToyExecutor, ToyTokenizer
+from ..executor.result import GenerationResult
+from ..sampling_params import SamplingParams
+from .llm_args import TorchLlmArgs
+from .tokenizer import TransformersTokenizer
+
+
+class RequestOutput(GenerationResult):
+    """The output data of a completion request to the LLM."""
+
+    _prompt: str | None
+
+    def __init__(self) -> None:
+        raise RuntimeError(
+            f"{self.__class__.__name__} is designed to be instantiated using "
+            f"{self.__class__.__name__}._from_generation_result by GenerationExecutor. "
+            f"Users are not expected to create {self.__class__.__name__} directly."
+        )
+
+    @property
+    def prompt(self) -> str | None:
+        return self._prompt
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer: Any = None,
+        tokenizer_mode: Literal["auto", "slow"] = "auto",
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        backend = kwargs.pop("backend", "pytorch")
+        valid_keys = set(TorchLlmArgs.model_fields) | {"_mpi_session", "backend"}
+        for key in kwargs:
+            if key not in valid_keys:
+                raise ValueError(f"{self.__class__.__name__} got invalid argument: {key}")
+        self.args = TorchLlmArgs.from_kwargs(
+            model=model,
+            tokenizer=tokenizer,
+            tokenizer_mode=tokenizer_mode,
+            skip_tokenizer_init=skip_tokenizer_init,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            revision=revision,
+            tokenizer_revision=tokenizer_revision,
+            backend=backend,
+            **kwargs,
+        )
+        self._tokenizer = TransformersTokenizer(ToyTokenizer(str(tokenizer or model)))
+        self._executor: ToyExecutor | None = ToyExecutor(
+            self._tokenizer.tokenizer,
+            max_batch_size=self.args.max_batch_size,
+            guided_decoding_backend=self.args.guided_decoding_backend,
+        )
+
+    @property
+    def tokenizer(self) -> TransformersTokenizer:
+        return self._tokenizer
+
+    def generate_async(
+        self,
+        inputs: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        lora_request: Any = None,
+        prompt_adapter_request: Any = None,
+        streaming: bool = False,
+        kv_cache_retention_config: Any = None,
+        disaggregated_params: Any = None,
+        _postproc_params: Any = None,
+        scheduling_params: Any = None,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
+        if self._executor is None or self._executor.is_shutdown():
+            raise RuntimeError("LLM is shutting down")
+        sampling_params = self._prepare_sampling_params(sampling_params)
+        if isinstance(inputs, str):
+            prompt: str | None = inputs
+            prompt_token_ids = self._tokenizer.encode(inputs, add_special_tokens=sampling_params.add_special_tokens)
+        elif isinstance(inputs, list) and all(isinstance(i, int) for i in inputs):
+            prompt, prompt_token_ids = None, list(inputs)
+        else:
+            raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
+        self._check_arguments(len(prompt_token_ids), 0, sampling_params, is_gen_only=False)
+
+        output = RequestOutput.__new__(RequestOutput)
+        GenerationResult.__init__(
+            output,
+            prompt_token_ids,
+            sampling_params,
+            streaming=streaming,
+            executor=self._executor,
+            tokenizer=self._tokenizer,
+        )
+        output._prompt = prompt
+        output.id = self._executor.submit(prompt_token_ids, sampling_params, output._deliver)
+        return output
+
+    def _prepare_sampling_params(self, sampling_params: SamplingParams | None = None) -> SamplingParams:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}"
+            )
+        if sampling_params.end_id is None:
+            sampling_params._setup(self._tokenizer)
+        return sampling_params
+
+    def _check_arguments(
+        self, prompt_len: int, query_len: int, sampling_params: SamplingParams, is_gen_only: bool
+    ) -> None:
+        max_num_tokens = self.args.max_num_tokens
+        if not self.args.enable_chunked_prefill and not is_gen_only:
+            if max_num_tokens and prompt_len + query_len > max_num_tokens:
+                raise ValueError(
+                    f"The sum of prompt length ({prompt_len}), query length ({query_len}) should not exceed "
+                    f"max_num_tokens ({max_num_tokens})"
+                )
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> bool:
+        self.shutdown()
+        return False

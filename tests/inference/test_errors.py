@@ -1,0 +1,163 @@
+"""Every error of every API path has OpenAI's shape, a request id and timing; bad input never gets a 500."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from django.test import override_settings
+
+from tests.conftest import API, MODEL_ID
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/infer/chat/completions"
+
+
+def assert_error(response, status: int, code: str, param: str | None = ...) -> dict:  # type: ignore[assignment]
+    assert response.status_code == status, response.content
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["code"], str) and body["error"]["message"]
+    assert body["error"]["code"] == code
+    if param is not ...:
+        assert body["error"]["param"] == param
+    assert re.fullmatch(r"req_[0-9a-z]{26}", response["x-request-id"])
+    assert re.match(r"total;dur=\d+\.\d+", response["Server-Timing"])
+    return body["error"]
+
+
+async def test_every_response_carries_a_request_id_and_timing(api: API) -> None:
+    response = await api.get("/v1/infer/models")
+    assert re.fullmatch(r"req_[0-9a-z]{26}", response["x-request-id"])
+    assert response["Server-Timing"].startswith("total;dur=")
+
+
+async def test_an_unknown_api_path_is_a_json_404(api: API) -> None:
+    assert_error(await api.get("/v1/infer/nothing-here"), 404, "not_found")
+
+
+@override_settings(DEBUG=True)
+async def test_an_unknown_api_path_is_a_json_404_with_debug_on(api: API) -> None:
+    assert_error(await api.get("/v1/nothing"), 404, "not_found")
+
+
+async def test_a_wrong_method_is_a_json_405_with_allow(api: API) -> None:
+    response = await api.get(CHAT)
+    assert_error(response, 405, "method_not_allowed")
+    assert response["Allow"] == "POST"
+
+
+async def test_a_body_that_is_not_json_is_a_400(api: API) -> None:
+    assert_error(await api.post(CHAT, "{not json", raw=True), 400, "invalid_json")
+
+
+async def test_a_body_that_is_not_an_object_is_a_400(api: API) -> None:
+    assert_error(await api.post(CHAT, [1, 2]), 400, "invalid_json")
+
+
+async def test_a_body_that_is_not_declared_json_is_a_415(api: API) -> None:
+    response = await api.client.post(
+        CHAT, data="model=x", content_type="application/x-www-form-urlencoded", headers={"Authorization": f"Bearer {api.key}"}
+    )
+    assert_error(response, 415, "unsupported_media_type")
+
+
+@override_settings(MAX_REQUEST_BODY_BYTES=2048, DATA_UPLOAD_MAX_MEMORY_SIZE=2048)
+async def test_a_huge_body_is_a_413(api: API) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_error(await api.post(CHAT, body), 413, "request_too_large")
+
+
+async def test_a_missing_field_is_named(api: API) -> None:
+    assert_error(await api.post(CHAT, {"model": MODEL_ID}), 400, "missing_required_parameter", "messages")
+
+
+async def test_a_wrong_type_is_named(api: API) -> None:
+    error = assert_error(
+        await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+        400,
+        "invalid_value",
+        "temperature",
+    )
+    assert "temperature" in error["message"]
+
+
+async def test_an_out_of_range_value_is_named(api: API) -> None:
+    assert_error(
+        await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}),
+        400,
+        "invalid_value",
+        "temperature",
+    )
+
+
+async def test_an_unknown_parameter_is_named(api: API) -> None:
+    assert_error(
+        await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}),
+        400,
+        "unknown_parameter",
+        "frobnicate",
+    )
+
+
+async def test_a_bad_message_names_its_index(api: API) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}, {"role": "user"}]}
+    assert_error(await api.post(CHAT, body), 400, "missing_required_parameter", "messages.1.content")
+
+
+async def test_an_unknown_role_is_refused(api: API) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}
+    assert_error(await api.post(CHAT, body), 400, "invalid_value")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"model": 5, "messages": "hi"},
+        {"model": MODEL_ID, "messages": []},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": [{"type": "nope"}]}]},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": None}]},
+        {"model": MODEL_ID, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function"}},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "stop": [1, 2]},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "metadata": {"k": 1}},
+        {"model": MODEL_ID, "messages": [{"role": "user", "content": "\ud800"}]},
+    ],
+)
+async def test_bad_input_is_never_a_500(api: API, body: dict) -> None:
+    response = await api.post(CHAT, body)
+    assert 400 <= response.status_code < 500, response.content
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_n_other_than_one_is_refused_by_name(api: API) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "n": 2}
+    error = assert_error(await api.post(CHAT, body), 400, "unsupported_parameter", "n")
+    assert error["message"] == "n must be 1 on this model"
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_an_unknown_model_is_not_available_and_mentions_the_gateway(api: API) -> None:
+    body = {"model": "b3os/nope", "messages": [{"role": "user", "content": "hi"}]}
+    error = assert_error(await api.post(CHAT, body), 404, "model_not_available", "model")
+    assert '"route": "gateway"' in error["message"]
+
+
+async def test_an_unhandled_exception_is_a_500_in_the_error_shape(api: API, monkeypatch, caplog) -> None:
+    from inference import services
+
+    async def explode(**kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(services, "create_chat_completion", explode)
+    response = await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
+    error = assert_error(response, 500, "internal_error")
+    assert "boom" not in json.dumps(error)
+    assert any(response["x-request-id"] in record.getMessage() for record in caplog.records)

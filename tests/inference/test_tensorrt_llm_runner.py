@@ -1,0 +1,621 @@
+"""The TensorRT-LLM runner, driven through the stand-in of the ``tensorrt_llm`` API in ``tests/fakes``.
+
+The stand-in's engine echoes the prompt's words, one whitespace token per step, or writes a minimal
+instance of a guided JSON schema; see ``tests/fakes/tensorrt_llm/__init__.py`` for what it mirrors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+
+from inference.runners import tensorrt_llm as runner_module
+from inference.runners.base import (
+    Constraint,
+    Finished,
+    GenerationJob,
+    RawEvent,
+    RunnerError,
+    Sampling,
+    TextChunk,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKES = ROOT / "tests" / "fakes"
+SETTINGS: dict[str, Any] = {"model": "/models/toy-chat"}
+
+
+def _drop_tensorrt_llm_modules() -> None:
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def trtllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """The stand-in, importable as ``tensorrt_llm`` (shadowing a real install, if any)."""
+    _drop_tensorrt_llm_modules()
+    monkeypatch.syspath_prepend(str(FAKES))
+    module = importlib.import_module("tensorrt_llm")
+    assert Path(module.__file__ or "").is_relative_to(FAKES)
+    yield module
+    runner_module.shutdown_all()
+    _drop_tensorrt_llm_modules()
+
+
+@pytest.fixture
+def toy(trtllm: types.ModuleType) -> types.ModuleType:
+    return importlib.import_module("tensorrt_llm._toy")
+
+
+@dataclass
+class Call:
+    inputs: Any
+    sampling_params: Any
+    streaming: bool
+    output: Any
+    submitted: float
+
+
+@dataclass
+class Seen:
+    """What the stand-in LLM class saw: the instances built and every ``generate_async`` call."""
+
+    llms: list[Any] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+
+
+@pytest.fixture
+def engine(trtllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> Seen:
+    seen = Seen()
+    llm_class = trtllm.LLM
+    original_init = llm_class.__init__
+    original_generate_async = llm_class.generate_async
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        seen.llms.append(self)
+
+    def generate_async(self: Any, inputs: Any, sampling_params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        output = original_generate_async(self, inputs, sampling_params, *args, **kwargs)
+        seen.calls.append(Call(inputs, sampling_params, kwargs.get("streaming", False), output, time.monotonic()))
+        return output
+
+    monkeypatch.setattr(llm_class, "__init__", init)
+    monkeypatch.setattr(llm_class, "generate_async", generate_async)
+    return seen
+
+
+def make_job(
+    prompt: str,
+    *,
+    max_tokens: int = 64,
+    stop: tuple[str, ...] = (),
+    constraint: Constraint | None = None,
+    settings: dict[str, Any] | None = None,
+    prompt_tokens: int = 0,
+    **sampling: Any,
+) -> GenerationJob:
+    return GenerationJob(
+        job_id="job-1",
+        model_id="b3os/toy-chat",
+        runner="tensorrt_llm",
+        runner_settings=settings or SETTINGS,
+        prompt=prompt,
+        prompt_tokens=prompt_tokens,
+        sampling=Sampling(max_tokens=max_tokens, stop=stop, **sampling),
+        constraint=constraint,
+    )
+
+
+def collect(events: Iterator[RawEvent]) -> tuple[list[TextChunk], Finished]:
+    chunks: list[TextChunk] = []
+    finished: list[Finished] = []
+    for event in events:
+        assert not finished, "nothing may follow Finished"
+        if isinstance(event, TextChunk):
+            chunks.append(event)
+        else:
+            finished.append(event)
+    assert len(finished) == 1
+    return chunks, finished[0]
+
+
+def never() -> bool:
+    return False
+
+
+def words(count: int, prefix: str = "w") -> str:
+    return " ".join(f"{prefix}{i}" for i in range(count))
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- streaming, usage and finish reasons -------------------------------------------------------------
+
+
+def test_it_streams_the_generated_text_and_reports_exact_usage(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    # The job's own estimate is deliberately wrong: usage comes from the engine.
+    chunks, finished = collect(runner.stream(make_job("one two three four", prompt_tokens=999), never))
+
+    assert [c.text for c in chunks] == ["one", " two", " three", " four"]
+    assert [c.tokens for c in chunks] == [1, 1, 1, 1]
+    assert finished == Finished(reason="stop", prompt_tokens=4, completion_tokens=4, cached_tokens=0)
+    (call,) = engine.calls
+    assert call.inputs == "one two three four"
+    assert call.streaming is True
+    assert finished.prompt_tokens == len(call.output.prompt_token_ids)
+    assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
+
+
+def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    job = make_job(
+        "a b",
+        max_tokens=7,
+        stop=("zz",),
+        temperature=0.2,
+        top_p=0.9,
+        seed=42,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+    )
+
+    collect(runner.stream(job, never))
+
+    params = engine.calls[0].sampling_params
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (7, 0.2, 0.9, 42)
+    assert (params.stop, params.frequency_penalty, params.presence_penalty) == (["zz"], 0.5, -0.5)
+    # The rendered chat template carries BOS already; the renderer counts tokens the same way.
+    assert params.add_special_tokens is False
+    assert params.logprobs is None
+    assert params.guided_decoding is None
+
+
+def test_it_finishes_with_length_when_max_tokens_runs_out(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(runner.stream(make_job(words(10), max_tokens=3), never))
+
+    assert "".join(c.text for c in chunks) == "w0 w1 w2"
+    assert finished.reason == "length"
+    assert finished.completion_tokens == 3
+    assert engine.calls[0].sampling_params.max_tokens == 3
+
+
+def test_it_never_leaves_max_tokens_at_the_librarys_default_of_32(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(runner.stream(make_job(words(40), max_tokens=100), never))
+
+    assert "".join(c.text for c in chunks) == words(40)
+    assert (finished.reason, finished.completion_tokens) == ("stop", 40)
+
+
+def test_it_stops_at_a_stop_sequence_without_leaking_the_start_of_it(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    job = make_job("alpha beta gamma delta epsilon", stop=("gamma delta",))
+    chunks, finished = collect(runner.stream(job, never))
+
+    # The library sends " gamma" in a text_diff before it sees " delta" complete the stop string.
+    assert "".join(c.text for c in chunks) == "alpha beta "
+    assert not any("gamma" in c.text for c in chunks)
+    assert finished.reason == "stop"
+    assert engine.calls[0].output.outputs[0].stop_reason == "gamma delta"
+
+
+def test_it_sends_held_back_text_once_it_cannot_become_a_stop_sequence(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(runner.stream(make_job("alpha beta gamma epsilon", stop=("gamma delta",)), never))
+
+    assert "".join(c.text for c in chunks) == "alpha beta gamma epsilon"
+    assert sum(c.tokens for c in chunks) == finished.completion_tokens == 4
+    assert finished.reason == "stop"
+
+
+def test_it_returns_logprobs_when_asked(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(runner.stream(make_job("red green", logprobs=True, top_logprobs=2), never))
+
+    assert engine.calls[0].sampling_params.logprobs == 2
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token for lp in logprobs] == ["red", " green"]
+    assert all(lp.logprob == -0.25 for lp in logprobs)
+    assert [len(lp.top) for lp in logprobs] == [2, 2]
+    assert logprobs[0].top[0] == ("red", -0.25)
+
+
+# -- cancellation ------------------------------------------------------------------------------------
+
+
+def test_it_aborts_the_request_when_cancelled(engine: Seen, toy: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(toy, "STEP_SECONDS", 0.02)  # 400 tokens would take 8 s
+    runner = runner_module.load(SETTINGS)
+    cancel = threading.Event()
+    chunks: list[TextChunk] = []
+    finished: Finished | None = None
+    cancelled_at = finished_at = 0.0
+
+    for event in runner.stream(make_job(words(400), max_tokens=400), cancel.is_set):
+        if isinstance(event, TextChunk):
+            chunks.append(event)
+            if len(chunks) == 3:
+                cancel.set()
+                cancelled_at = time.monotonic()
+        else:
+            finished, finished_at = event, time.monotonic()
+
+    assert finished is not None
+    assert finished.reason == "cancelled"
+    assert finished_at - cancelled_at < 1.0
+    assert len(chunks) == 3  # nothing is sent once the client is gone
+    (call,) = engine.calls
+    assert call.output.aborted()
+    assert call.output.outputs[0].finish_reason == "cancelled"
+    # Usage still counts what the engine generated before the abort landed.
+    assert 3 <= finished.completion_tokens < 400
+    assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
+    assert finished.prompt_tokens == 400
+
+
+def test_it_finishes_cancelled_when_cancelled_before_any_output(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(runner.stream(make_job(words(300), max_tokens=300), lambda: True))
+
+    assert chunks == []
+    assert finished.reason == "cancelled"
+    assert finished.prompt_tokens == 300
+    assert engine.calls[0].output.aborted()
+
+
+def test_it_aborts_the_request_when_the_consumer_stops_reading(
+    engine: Seen, toy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(toy, "STEP_SECONDS", 0.02)
+    runner = runner_module.load(SETTINGS)
+    events = runner.stream(make_job(words(300), max_tokens=300), never)
+
+    assert isinstance(next(events), TextChunk)
+    events.close()
+
+    (call,) = engine.calls
+    assert wait_until(lambda: call.output.aborted())
+
+
+# -- guided decoding ---------------------------------------------------------------------------------
+
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "age": {"type": "integer", "minimum": 18},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_it_sends_a_json_schema_to_guided_decoding_and_the_output_parses(
+    trtllm: types.ModuleType, engine: Seen
+) -> None:
+    runner = runner_module.load(SETTINGS)
+    job = make_job("Who is it?", constraint=Constraint(kind="json_schema", schema=PERSON_SCHEMA))
+
+    chunks, finished = collect(runner.stream(job, never))
+
+    assert engine.calls[0].sampling_params.guided_decoding == trtllm.llmapi.GuidedDecodingParams(json=PERSON_SCHEMA)
+    value = json.loads("".join(c.text for c in chunks))
+    assert set(value) == {"name", "age", "tags"}
+    assert isinstance(value["name"], str) and len(value["name"]) >= 1
+    assert isinstance(value["age"], int) and value["age"] >= 18
+    assert value["tags"] == []
+    assert finished.reason == "stop"
+
+
+GRAMMAR = 'root ::= "{" ws "}"\nws ::= [ \\t\\n]*'
+
+
+@pytest.mark.parametrize(
+    ("constraint", "guide"),
+    [
+        (Constraint(kind="json_object"), {"json_object": True}),
+        (Constraint(kind="grammar", grammar=GRAMMAR, schema=PERSON_SCHEMA), {"grammar": GRAMMAR}),
+        (Constraint(kind="grammar", schema=PERSON_SCHEMA), {"json": PERSON_SCHEMA}),
+    ],
+    ids=["json_object", "grammar", "grammar given as its schema"],
+)
+def test_it_maps_each_constraint_to_one_guide(
+    trtllm: types.ModuleType, engine: Seen, constraint: Constraint, guide: dict[str, Any]
+) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    collect(runner.stream(make_job("x", constraint=constraint), never))
+
+    assert engine.calls[0].sampling_params.guided_decoding == trtllm.llmapi.GuidedDecodingParams(**guide)
+
+
+def test_a_json_object_constraint_produces_a_json_object(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(runner.stream(make_job("x", constraint=Constraint(kind="json_object")), never))
+
+    assert json.loads("".join(c.text for c in chunks)) == {}
+
+
+# -- concurrency -------------------------------------------------------------------------------------
+
+
+def test_it_serves_concurrent_jobs_from_threads_on_one_engine(
+    engine: Seen, toy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(toy, "STEP_SECONDS", 0.005)  # 40 tokens: at least 0.2 s a request
+    runner = runner_module.load(SETTINGS)
+    prompts = [words(40, prefix=f"job{n}-") for n in range(8)]
+    start = threading.Barrier(len(prompts))
+    results: dict[int, tuple[str, Finished, float]] = {}
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            start.wait()
+            chunks, finished = collect(runner.stream(make_job(prompts[n], max_tokens=100), never))
+            results[n] = ("".join(c.text for c in chunks), finished, time.monotonic())
+        except BaseException as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert errors == []
+    assert len(engine.llms) == 1
+    for n, prompt in enumerate(prompts):
+        text, finished, _ = results[n]
+        assert text == prompt
+        assert (finished.reason, finished.prompt_tokens, finished.completion_tokens) == ("stop", 40, 40)
+    # All eight were in the engine together: the last was submitted before the first finished.
+    assert max(call.submitted for call in engine.calls) < min(done for _, _, done in results.values())
+
+
+# -- settings and loading ----------------------------------------------------------------------------
+
+
+def test_it_builds_one_llm_per_process_from_the_settings(trtllm: types.ModuleType, engine: Seen) -> None:
+    settings = {
+        "model": "/models/toy-chat",
+        "tensor_parallel_size": 2,
+        "max_batch_size": 64,
+        "max_num_tokens": 4096,
+        "max_seq_len": 8192,
+        "kv_cache_free_gpu_memory_fraction": 0.75,
+    }
+
+    runner = runner_module.load(settings)
+    runner_module.load(dict(settings))
+    collect(runner.stream(make_job("hello there", settings=settings), never))
+    collect(runner.stream(make_job("hello again", settings=settings), never))
+
+    (llm,) = engine.llms
+    args = llm.args
+    assert str(args.model) == "/models/toy-chat"
+    assert (args.tensor_parallel_size, args.max_batch_size, args.max_num_tokens, args.max_seq_len) == (2, 64, 4096, 8192)
+    assert isinstance(args.kv_cache_config, trtllm.llmapi.KvCacheConfig)
+    assert args.kv_cache_config.free_gpu_memory_fraction == 0.75
+    assert args.guided_decoding_backend == "xgrammar"
+
+
+def test_unknown_llm_settings_surface_as_a_runner_error(engine: Seen) -> None:
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load({"model": "/models/toy-chat", "not_an_llm_argument": 1})
+
+    assert raised.value.code == "invalid_settings"
+    assert "not_an_llm_argument" in str(raised.value)
+
+
+def test_settings_without_a_model_surface_as_a_runner_error(engine: Seen) -> None:
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load({"max_batch_size": 8})
+
+    assert raised.value.code == "invalid_settings"
+
+
+def test_a_missing_tensorrt_llm_surfaces_as_a_runner_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # makes the import fail
+
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load(SETTINGS)
+
+    assert raised.value.code == "engine_unavailable"
+
+
+# -- failures ----------------------------------------------------------------------------------------
+
+
+def test_a_request_the_engine_refuses_surfaces_as_a_runner_error(engine: Seen) -> None:
+    settings = {"model": "/models/toy-chat", "max_num_tokens": 4}
+    runner = runner_module.load(settings)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job(words(10), settings=settings), never))
+
+    assert raised.value.code == "invalid_request"
+    assert "max_num_tokens" in str(raised.value)
+
+
+def test_a_failure_during_generation_surfaces_as_a_runner_error(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    bad = Constraint(kind="grammar", grammar='answer ::= "yes" | "no"')  # xgrammar needs a root rule
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("x", constraint=bad), never))
+
+    assert raised.value.code == "generation_failed"
+    assert "root" in str(raised.value)
+    # A per-request failure leaves the engine serving.
+    chunks, finished = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    assert len(engine.llms) == 1
+
+
+# -- imports -----------------------------------------------------------------------------------------
+
+
+def test_importing_the_runner_module_does_not_import_tensorrt_llm() -> None:
+    # The stand-in is importable in the child, so an eager import would show.
+    code = (
+        f"import sys; sys.path.insert(0, {str(FAKES)!r}); import inference.runners.tensorrt_llm; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt_llm', 'transformers', 'torch')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+
+    assert result.stdout.strip() == "[]"
+
+
+# -- the prompt renderer -----------------------------------------------------------------------------
+
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>You can call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for message in messages %}<|{{ message.role }}|>{{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}<|{{ message.role }}|>{{ message.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+class StandInTokenizer:
+    """What the renderer uses of a transformers tokenizer: a Jinja chat template and ``encode``."""
+
+    def __init__(self, chat_template: str) -> None:
+        self.chat_template = chat_template
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+    ) -> str:
+        assert tokenize is False
+        environment = jinja2.Environment()
+        environment.filters["tojson"] = lambda value: json.dumps(value)
+        template = environment.from_string(chat_template or self.chat_template)
+        return template.render(
+            messages=conversation, tools=tools, add_generation_prompt=add_generation_prompt, bos_token="<s>"
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(range(len(text.split())))
+        return [-1, *ids] if add_special_tokens else ids
+
+
+@dataclass
+class Loads:
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    template: str = TOOLS_TEMPLATE
+
+
+@pytest.fixture
+def hf(monkeypatch: pytest.MonkeyPatch) -> Loads:
+    """A stand-in ``transformers`` whose ``AutoTokenizer`` records how it was asked to load."""
+    loads = Loads()
+
+    class AutoTokenizer:
+        @staticmethod
+        def from_pretrained(path: str, **kwargs: Any) -> StandInTokenizer:
+            loads.calls.append((path, kwargs))
+            return StandInTokenizer(loads.template)
+
+    module = types.ModuleType("transformers")
+    module.AutoTokenizer = AutoTokenizer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", module)
+    monkeypatch.setattr(runner_module, "_TOKENIZERS", {})
+    return loads
+
+
+def test_the_renderer_renders_tools_with_the_models_own_chat_template(hf: Loads) -> None:
+    render = runner_module.renderer({"model": "/models/toy-chat", "tokenizer": "/models/toy-tokenizer"})
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+
+    text = render.render(messages, [WEATHER_TOOL])
+
+    assert render.native_tools is True
+    assert hf.calls == [("/models/toy-tokenizer", {"local_files_only": True, "trust_remote_code": False})]
+    assert text.startswith("<s><|system|>You can call these tools:\n")
+    assert json.dumps(WEATHER_TOOL) in text
+    assert text.endswith("<|user|>Weather in Oslo?\n<|assistant|>")
+    assert render.count_tokens(text) == len(text.split())  # no BOS added on top of the template's
+
+
+def test_the_renderer_renders_without_tools_when_there_are_none(hf: Loads) -> None:
+    render = runner_module.renderer(SETTINGS)
+
+    text = render.render([{"role": "user", "content": "Hi"}], None)
+
+    assert text == "<s><|user|>Hi\n<|assistant|>"
+    assert hf.calls[0][0] == "/models/toy-chat"
+
+
+def test_the_renderer_leaves_tools_to_the_decoding_layer_when_the_template_knows_none(hf: Loads) -> None:
+    hf.template = PLAIN_TEMPLATE
+
+    render = runner_module.renderer(SETTINGS)
+
+    assert render.native_tools is False
+
+
+def test_the_renderer_loads_a_tokenizer_once(hf: Loads) -> None:
+    runner_module.renderer(SETTINGS)
+    runner_module.renderer(dict(SETTINGS))
+
+    assert len(hf.calls) == 1
+
+
+def test_a_chat_template_setting_overrides_the_tokenizers(hf: Loads) -> None:
+    render = runner_module.renderer({**SETTINGS, "chat_template": PLAIN_TEMPLATE})
+
+    assert render.native_tools is False
+    assert render.render([{"role": "user", "content": "Hi"}], None) == "<|user|>Hi\n<|assistant|>"

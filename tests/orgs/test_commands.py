@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from inference.models import CatalogEntry
+from orgs.models import APIKey, Limit, Organization
+from orgs.services import authenticate_key
+from tests.conftest import MODEL_ID, ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", ["create_org", "create_key", "set_limit", "serve", "bootstrap_demo"])
+def test_each_command_explains_itself_with_help(command: str) -> None:
+    result = subprocess.run([sys.executable, "manage.py", command, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "usage:" in result.stdout
+
+
+def test_create_org_creates_once_and_prints_the_slug() -> None:
+    assert run("create_org", "globex", "--name", "Globex Corp").strip() == "globex"
+    assert run("create_org", "globex").strip() == "globex"
+    org = Organization.objects.get(slug="globex")
+    assert org.name == "Globex Corp" and org.active
+
+
+def test_create_org_refuses_an_invalid_slug() -> None:
+    with pytest.raises(CommandError):
+        run("create_org", "Not A Slug")
+
+
+def test_create_key_prints_a_working_key_alone() -> None:
+    run("create_org", "globex")
+    output = run("create_key", "globex", "--name", "ci")
+    assert output.endswith("\n") and output.count("\n") == 1
+    key = authenticate_key(raw_key=output.strip())
+    assert key.name == "ci" and key.organization.slug == "globex"
+    assert APIKey.objects.count() == 1
+
+
+def test_create_key_refuses_an_unknown_organization() -> None:
+    with pytest.raises(CommandError, match="No organization"):
+        run("create_key", "nobody")
+
+
+def test_set_limit_sets_the_default_and_a_per_model_override(catalog_model: CatalogEntry) -> None:
+    run("create_org", "globex")
+    run("set_limit", "globex", "--tpm", "1000", "--rpm", "10", "--in-flight", "2")
+    run("set_limit", "globex", MODEL_ID, "--rpm", "5")
+    default = Limit.objects.get(organization__slug="globex", model__isnull=True)
+    override = Limit.objects.get(organization__slug="globex", model=catalog_model)
+    assert (default.tokens_per_minute, default.requests_per_minute, default.requests_in_flight) == (1000, 10, 2)
+    assert (override.tokens_per_minute, override.requests_per_minute, override.requests_in_flight) == (None, 5, None)
+    run("set_limit", "globex", "--rpm", "20")
+    assert Limit.objects.filter(organization__slug="globex").count() == 2
+    assert Limit.objects.get(organization__slug="globex", model__isnull=True).requests_per_minute == 20
+
+
+def test_set_limit_refuses_an_unknown_model() -> None:
+    run("create_org", "globex")
+    with pytest.raises(CommandError, match="No catalog model"):
+        run("set_limit", "globex", "nobody/model", "--rpm", "1")
