@@ -185,8 +185,11 @@ async def stream_chunks(
     cid = completion_id()
     created = protocol.now()
 
-    def chunk(delta: dict[str, Any] | None, **kwargs: Any) -> str:
+    def chunk(delta: dict[str, Any] | None, usage: dict[str, Any] | None = None, **kwargs: Any) -> str:
         payload = protocol.chat_chunk(completion_id=cid, created=created, model=model, delta=delta, extra=extra, **kwargs)
+        if include_usage:
+            # With include_usage, OpenAI sends "usage": null on every chunk but the last.
+            payload["usage"] = usage
         return f"data: {protocol.dumps(payload)}\n\n"
 
     yield chunk({"role": "assistant", "content": "", "refusal": None})

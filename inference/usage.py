@@ -117,6 +117,8 @@ class _Writer:
         for attempt in range(3):
             try:
                 close_old_connections()
+                for record in batch:
+                    record.pk = None  # a failed attempt may have assigned ids
                 UsageRecord.objects.bulk_create(batch)
                 return
             except Exception:  # noqa: BLE001  (the database may be briefly busy; never lose the batch silently)

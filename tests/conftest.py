@@ -60,6 +60,23 @@ def _dialect() -> Any:
     return DRAFT202012
 
 
+def _honour_nullable(node: Any) -> Any:
+    """The spec still marks some schemas ``nullable: true`` (OpenAPI 3.0); JSON Schema needs an explicit null."""
+    if isinstance(node, list):
+        return [_honour_nullable(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _honour_nullable(value) for key, value in node.items()}
+    if node.pop("nullable", False) is True:
+        if "enum" in node and None not in node["enum"]:
+            node["enum"] = [*node["enum"], None]
+        if isinstance(node.get("type"), str):
+            node["type"] = [node["type"], "null"]
+        elif "type" not in node:
+            return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
 @pytest.fixture(scope="session")
 def openai_spec() -> OpenAISpec:
     cache = DATA / ".openai-openapi.json"
@@ -67,7 +84,7 @@ def openai_spec() -> OpenAISpec:
     if cache.exists() and cache.stat().st_mtime >= source.stat().st_mtime:
         document = json.loads(cache.read_text())
     else:
-        document = yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        document = _honour_nullable(yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
         cache.write_text(json.dumps(document, default=str))
     return OpenAISpec(document)
 
@@ -127,12 +144,14 @@ def sse_data(text: str) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_limits() -> Iterator[None]:
+def _fresh_limits_and_usage() -> Iterator[None]:
+    from inference import usage
     from orgs.admission import clear_limits_cache, memory_store
 
     clear_limits_cache()
     memory_store.reset()
     yield
+    usage.flush()  # records of this test land before its database is flushed
 
 
 # --- a live server in its own process -------------------------------------------------------------

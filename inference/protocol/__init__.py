@@ -387,7 +387,6 @@ def chat_completion(
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage,
         "service_tier": "default",
-        "system_fingerprint": None,
         **extra,
     }
 
@@ -400,7 +399,6 @@ def chat_chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
-    usage: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
@@ -409,13 +407,10 @@ def chat_chunk(
         "created": created,
         "model": model,
         "service_tier": "default",
-        "system_fingerprint": None,
         "choices": []
         if delta is None
         else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
-    if usage is not None:
-        chunk["usage"] = usage
     if extra:
         chunk.update(extra)
     return chunk

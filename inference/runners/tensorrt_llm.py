@@ -12,8 +12,9 @@ renderer is built, so the API process and CPU-only machines import this module f
 
 API surface used, as read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/llmapi/llm.py``,
 ``tensorrt_llm/sampling_params.py``, ``tensorrt_llm/executor/result.py``,
-``tensorrt_llm/llmapi/tokenizer.py``, ``tensorrt_llm/serve/openai_server.py`` and
-``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve builds ``SamplingParams`` for chat).
+``tensorrt_llm/llmapi/tokenizer.py``, ``tensorrt_llm/serve/openai_server.py``,
+``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve builds ``SamplingParams`` for chat) and
+``docs/source/features/guided-decoding.md`` (structural tags for tool calls).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..decoding import TOOL_CLOSE, TOOL_OPEN
 from .base import (
     Constraint,
     Finished,
@@ -82,7 +84,7 @@ def _import_api() -> _API:
     except ImportError as exc:
         raise RunnerError(
             f"TensorRT-LLM is not available here ({exc}); it needs an NVIDIA GPU and the 'gpu' extra.",
-            code="engine_unavailable",
+            code="runner_unavailable",
         ) from exc
     return _API(LLM, SamplingParams, GuidedDecodingParams, KvCacheConfig, RequestError)
 
@@ -112,7 +114,7 @@ class _Failed:
     error: BaseException
     code: str
     # The engine itself is broken (not just this request): drop it so the next job builds a new one.
-    fatal: bool
+    fatal: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,10 +185,10 @@ class _Engine:
         try:
             output = self.llm.generate_async(prompt, params, streaming=True)
         except (ValueError, TypeError) as exc:  # the library's checks on the request itself
-            request.events.put(_Failed(exc, "invalid_request", fatal=False))
+            request.events.put(_Failed(exc, _refusal_code(exc)))
             return
-        except Exception as exc:  # e.g. "LLM is shutting down"
-            request.events.put(_Failed(exc, "engine_failed", fatal=True))
+        except Exception as exc:  # noqa: BLE001  (e.g. "LLM is shutting down": the engine is gone)
+            request.events.put(_Failed(exc, "runner_unavailable", fatal=True))
             return
         request._output = output
         request.events.put(_Started(len(output.prompt_token_ids)))
@@ -196,9 +198,9 @@ class _Engine:
             async for step in output:
                 request.events.put(self._snapshot(step, top_logprobs))
         except self.api.RequestError as exc:
-            request.events.put(_Failed(exc, "generation_failed", fatal=False))
-        except Exception as exc:  # a background error: the library has shut the executor down
-            request.events.put(_Failed(exc, "engine_failed", fatal=True))
+            request.events.put(_Failed(exc, "generation_failed"))
+        except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
+            request.events.put(_Failed(exc, "generation_failed", fatal=True))
         else:
             request.events.put(_END)
 
@@ -223,7 +225,7 @@ class _Engine:
             self._active.clear()
         # Their coroutines stop with the loop; tell the waiting worker threads rather than leave them hanging.
         for request in stranded:
-            request.events.put(_Failed(RuntimeError("the TensorRT-LLM engine was shut down"), "engine_failed", False))
+            request.events.put(_Failed(RuntimeError("the TensorRT-LLM engine was shut down"), "runner_unavailable"))
         try:
             self.llm.shutdown()
         finally:
@@ -231,6 +233,12 @@ class _Engine:
             self._thread.join(timeout=10)
             if not self._thread.is_alive():
                 self.loop.close()
+
+
+def _refusal_code(exc: BaseException) -> str:
+    # generate_async checks the prompt against max_num_tokens / max_seq_len before anything runs.
+    message = str(exc)
+    return "context_length_exceeded" if "max_num_tokens" in message or "max_seq_len" in message else "generation_failed"
 
 
 def _token_logprobs(
@@ -244,9 +252,7 @@ def _token_logprobs(
             chosen = entry.get(token_id)
             logprob = max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB
             ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
-            top = tuple(
-                (tokenizer.decode([tid]), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs]
-            )
+            top = tuple((tokenizer.decode([tid]), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs])
         else:  # TensorRT backend without gathered logits: one float per token, no alternatives
             logprob, top = max(float(entry), _MIN_LOGPROB), ()
         result.append(TokenLogprob(token=token, logprob=logprob, top=top))
@@ -267,8 +273,10 @@ def _engine_key(settings: Mapping[str, Any]) -> str:
 def _llm_kwargs(settings: Mapping[str, Any], api: _API) -> dict[str, Any]:
     model = settings.get("model")
     if not isinstance(model, str) or not model:
-        raise RunnerError("tensorrt_llm settings need 'model': the path of a Hugging Face model directory.",
-                          code="invalid_settings")
+        raise RunnerError(
+            "tensorrt_llm settings need 'model': the path of a Hugging Face model directory.",
+            code="runner_unavailable",
+        )
     kwargs = {k: v for k, v in settings.items() if k not in _NOT_LLM_ARGS}
     # Without a backend, guided decoding (structured output, strict tools) has nothing to enforce it.
     kwargs.setdefault("guided_decoding_backend", "xgrammar")
@@ -294,9 +302,9 @@ def _engine_for(settings: Mapping[str, Any], api: _API) -> _Engine:
             except RunnerError:
                 raise
             except (ValueError, TypeError) as exc:  # unknown or invalid LLM() arguments
-                raise RunnerError(f"Invalid tensorrt_llm settings: {exc}", code="invalid_settings") from exc
+                raise RunnerError(f"invalid tensorrt_llm settings: {exc}", code="runner_unavailable") from exc
             except Exception as exc:
-                raise RunnerError(f"TensorRT-LLM could not load the model: {exc}", code="engine_unavailable") from exc
+                raise RunnerError(f"TensorRT-LLM could not load the model: {exc}", code="runner_unavailable") from exc
             engine = _ENGINES[key] = _Engine(llm, api)
         return engine
 
@@ -326,17 +334,41 @@ def shutdown_all() -> None:
 # -- the runner --------------------------------------------------------------------------------------
 
 
+def _tool_calls_tag(call_schema: dict[str, Any]) -> str:
+    """An xgrammar structural tag: free text, in which every ``<tool_call>`` block holds a valid call.
+
+    The form is the one TensorRT-LLM documents for tool calls (``docs/source/features/guided-decoding.md``):
+    text is unconstrained until the trigger appears, then the tag's JSON schema and end are enforced,
+    and free text may follow, so one or several calls fit.
+    """
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [TOOL_OPEN],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": TOOL_OPEN + "\n",
+                    "content": {"type": "json_schema", "json_schema": call_schema},
+                    "end": "\n" + TOOL_CLOSE,
+                }
+            ],
+        },
+    }
+    return json.dumps(tag)
+
+
 def _guide(constraint: Constraint | None, api: _API) -> Any:
     if constraint is None:
         return None
     if constraint.kind == "json_object":
         return api.GuidedDecodingParams(json_object=True)
-    # xgrammar's EBNF is GBNF's dialect, so the grammar built by the decoding layer goes in unchanged.
-    if constraint.kind == "grammar" and constraint.grammar:
-        return api.GuidedDecodingParams(grammar=constraint.grammar)
-    if constraint.schema is not None:
-        return api.GuidedDecodingParams(json=constraint.schema)
-    raise RunnerError(f"A {constraint.kind} constraint came without its grammar or schema.", code="invalid_request")
+    if constraint.schema is None:
+        raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
+    if constraint.kind == "tool_calls":
+        return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema))
+    return api.GuidedDecodingParams(json=constraint.schema)
 
 
 def _sampling_params(job: GenerationJob, api: _API) -> Any:
@@ -362,7 +394,7 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
     try:
         return api.SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="invalid_request") from exc
+        raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="generation_failed") from exc
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -386,7 +418,8 @@ class TensorRTLLMRunner:
         if settings is not None:  # load the model now, not on the first job
             _engine_for(settings, self._api)
 
-    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
+    # A generator, so that a consumer that stops reading early (close()) still aborts the request.
+    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Generator[RawEvent, None, None]:
         engine = _engine_for(job.runner_settings, self._api)
         params = _sampling_params(job, self._api)
         request = engine.submit(job.prompt, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
@@ -459,29 +492,19 @@ def load(settings: dict[str, Any]) -> TensorRTLLMRunner:
 
 # -- prompt rendering, in the API process ------------------------------------------------------------
 
-_TOKENIZERS: dict[tuple[str, bool], Any] = {}
-_TOKENIZERS_LOCK = threading.Lock()
-
 
 def _hf_tokenizer(source: str, trust_remote_code: bool) -> Any:
-    key = (source, trust_remote_code)
-    with _TOKENIZERS_LOCK:
-        if key not in _TOKENIZERS:
-            try:
-                from transformers import AutoTokenizer
-            except ImportError as exc:
-                raise RunnerError(
-                    "Rendering prompts for tensorrt_llm models needs transformers (the 'gpu' extra).",
-                    code="engine_unavailable",
-                ) from exc
-            try:
-                # local_files_only: a serving process never downloads; the model directory must be there.
-                _TOKENIZERS[key] = AutoTokenizer.from_pretrained(
-                    source, local_files_only=True, trust_remote_code=trust_remote_code
-                )
-            except (OSError, ValueError) as exc:
-                raise RunnerError(f"Cannot load the tokenizer from {source!r}: {exc}", code="invalid_settings") from exc
-        return _TOKENIZERS[key]
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise RunnerError(
+            "rendering prompts for tensorrt_llm models needs transformers (the 'gpu' extra)", code="runner_unavailable"
+        ) from exc
+    try:
+        # local_files_only: a serving process never downloads; the model directory must be there.
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise RunnerError(f"cannot load the tokenizer from {source!r}: {exc}", code="runner_unavailable") from exc
 
 
 def _knows_tools(template: Any) -> bool:
@@ -500,18 +523,21 @@ def _knows_tools(template: Any) -> bool:
 def renderer(settings: dict[str, Any]) -> PromptRenderer:
     source = settings.get("tokenizer") or settings.get("model")
     if not source:
-        raise RunnerError("tensorrt_llm settings need 'model' (or 'tokenizer') to render prompts.",
-                          code="invalid_settings")
+        raise RunnerError(
+            "tensorrt_llm settings need 'model' (or 'tokenizer') to render prompts", code="runner_unavailable"
+        )
     tokenizer = _hf_tokenizer(str(source), bool(settings.get("trust_remote_code", False)))
     override: str | None = settings.get("chat_template")
     template = override if override is not None else getattr(tokenizer, "chat_template", None)
     if not template:
-        raise RunnerError(f"The tokenizer at {source!r} has no chat template; set 'chat_template'.",
-                          code="invalid_settings")
+        raise RunnerError(
+            f"the tokenizer at {source!r} has no chat template; set 'chat_template'", code="runner_unavailable"
+        )
     extra: dict[str, Any] = {"chat_template": override} if override is not None else {}
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+        return str(text)
 
     def count_tokens(text: str) -> int:
         # As the runner tokenizes the prompt: the template placed the special tokens already.

@@ -26,9 +26,14 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
 - ``tensorrt_llm/executor/utils.py`` (015884d6) and ``executor/executor.py`` (ed53795b):
   ``RequestError(RuntimeError)``, raised from the iteration for a per-request failure.
 
+- ``tensorrt_llm/_torch/pyexecutor/grammar_matcher.py`` (2a9abd95) and
+  ``docs/source/features/guided-decoding.md`` (14e6b10f): how each guide reaches xgrammar; the
+  structural tag is a JSON string ``{"type": "structural_tag", "format": {"type": "triggered_tags",
+  "triggers": [...], "tags": [{"begin", "content": {"type": "json_schema", "json_schema"}, "end"}]}}``.
+
 What is not real lives in ``tensorrt_llm/_toy.py``: a whitespace tokenizer and an in-flight-batching
-"engine" that echoes the prompt's words, or writes a minimal instance of a guided JSON schema, one
-token per step for every request in flight.
+"engine" that echoes the prompt's words, or writes a minimal instance of a guided JSON schema (or of
+a structural tag's first tag), one token per step for every request in flight.
 """
 
 from .llmapi import LLM

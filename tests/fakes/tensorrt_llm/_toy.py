@@ -10,8 +10,11 @@ check text, token counts, stop strings, ``max_tokens``, guided JSON, cancellatio
   token for every request in flight (up to ``max_batch_size``) and delivers a response to that
   request's result object. A request's output is fixed when it is submitted: the prompt's words
   echoed, or, under guided decoding, a minimal instance of the JSON schema (``"{}"`` for a JSON
-  object). An EBNF grammar is only checked for the root rule xgrammar needs; the stand-in does not
-  enforce it. ``abort_request`` ends a request at the next step with ``CANCELLED``.
+  object), or for a ``triggered_tags`` structural tag its first tag wrapped around a minimal
+  instance of the tag's schema (the toy model "calls the first tool"). A schema xgrammar could not
+  compile (a remote ``$ref``) or a malformed structural tag fails the request, as xgrammar would.
+  Regex and EBNF guides are accepted but not enforced. ``abort_request`` ends a request at the
+  next step with ``CANCELLED``.
 - ``STEP_SECONDS`` is the time a step takes; tests raise it to keep a request in flight.
 """
 
@@ -90,6 +93,8 @@ def minimal_instance(schema: Any, root: Any = None) -> Any:
     if not isinstance(schema, dict):
         return None
     if "$ref" in schema:
+        if not schema["$ref"].startswith("#"):
+            raise ValueError(f"cannot resolve $ref {schema['$ref']!r}: only local references are supported")
         target: Any = root
         for part in schema["$ref"].lstrip("#/").split("/"):
             if part:
@@ -130,6 +135,20 @@ def minimal_instance(schema: Any, root: Any = None) -> Any:
     if kind == "boolean":
         return False
     return None
+
+
+def _first_tag_instance(structural_tag: dict[str, Any]) -> str:
+    """What the toy model writes under a ``triggered_tags`` structural tag: its first tag, filled in."""
+    if structural_tag["type"] != "structural_tag" or structural_tag["format"]["type"] != "triggered_tags":
+        raise ValueError("the stand-in knows only a structural_tag of triggered_tags")
+    triggers, tags = structural_tag["format"]["triggers"], structural_tag["format"]["tags"]
+    for tag in tags:
+        if not any(tag["begin"].startswith(trigger) for trigger in triggers):
+            raise ValueError(f"tag begin {tag['begin']!r} does not start with a trigger")
+        if tag["content"]["type"] != "json_schema":
+            raise ValueError("the stand-in knows only json_schema tag content")
+    first = tags[0]
+    return first["begin"] + json.dumps(minimal_instance(first["content"]["json_schema"])) + first["end"]
 
 
 @dataclass(slots=True)
@@ -222,18 +241,16 @@ class ToyExecutor:
         if guide is not None:
             if self._guided_decoding_backend is None:
                 return [], "Guided decoding requested, but the LLM was built without guided_decoding_backend."
-            if guide.json is not None:
-                schema = guide.json
-                if isinstance(schema, str):
-                    try:
-                        schema = json.loads(schema)
-                    except ValueError as exc:
-                        return [], f"xgrammar: invalid JSON schema: {exc}"
-                text = json.dumps(minimal_instance(schema))
-            elif guide.json_object:
-                text = "{}"
-            elif guide.grammar is not None and not re.search(r"^\s*root\s*::=", guide.grammar, re.MULTILINE):
-                return [], "xgrammar: the grammar has no root rule"
+            try:
+                if guide.json is not None:
+                    schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
+                    text = json.dumps(minimal_instance(schema))
+                elif guide.json_object:
+                    text = "{}"
+                elif guide.structural_tag is not None:
+                    text = _first_tag_instance(json.loads(guide.structural_tag))
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                return [], f"xgrammar: cannot compile the guide: {exc}"
         return self._tokenizer.encode(text, add_special_tokens=False), None
 
     def _run(self) -> None:

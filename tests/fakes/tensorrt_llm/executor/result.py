@@ -172,9 +172,9 @@ class GenerationResult:
         assert output.token_ids is not None
         output.token_ids.extend(response.token_ids)
         if response.logprobs is not None:
-            assert isinstance(output.logprobs, list)
-            output._last_logprobs_len = len(output.logprobs)
-            output.logprobs += response.logprobs
+            logprobs: list[Any] = output.logprobs if output.logprobs is not None else []
+            output._last_logprobs_len = len(logprobs)
+            output.logprobs = logprobs + response.logprobs
         if response.finish_reason == CANCELLED:
             output.finish_reason = "cancelled"
         if self._done:

@@ -8,10 +8,10 @@ from .llm_args import KvCacheConfig, TorchLlmArgs
 __all__ = [
     "LLM",
     "CompletionOutput",
-    "RequestOutput",
     "GuidedDecodingParams",
-    "SamplingParams",
     "KvCacheConfig",
     "RequestError",
+    "RequestOutput",
+    "SamplingParams",
     "TorchLlmArgs",
 ]

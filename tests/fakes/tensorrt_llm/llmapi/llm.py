@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from .._toy import ToyExecutor, ToyTokenizer
 from ..executor.result import GenerationResult
@@ -114,9 +114,7 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}"
-            )
+            raise TypeError(f"The sampling_params must be type SamplingParams or None, but got {type(sampling_params)}")
         if sampling_params.end_id is None:
             sampling_params._setup(self._tokenizer)
         return sampling_params
@@ -125,21 +123,25 @@ class LLM:
         self, prompt_len: int, query_len: int, sampling_params: SamplingParams, is_gen_only: bool
     ) -> None:
         max_num_tokens = self.args.max_num_tokens
-        if not self.args.enable_chunked_prefill and not is_gen_only:
-            if max_num_tokens and prompt_len + query_len > max_num_tokens:
-                raise ValueError(
-                    f"The sum of prompt length ({prompt_len}), query length ({query_len}) should not exceed "
-                    f"max_num_tokens ({max_num_tokens})"
-                )
+        if (
+            not self.args.enable_chunked_prefill
+            and not is_gen_only
+            and max_num_tokens
+            and prompt_len + query_len > max_num_tokens
+        ):
+            raise ValueError(
+                f"The sum of prompt length ({prompt_len}), query length ({query_len}) should not exceed "
+                f"max_num_tokens ({max_num_tokens})"
+            )
 
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
 
-    def __enter__(self) -> LLM:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> bool:
+    def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> Literal[False]:
         self.shutdown()
         return False

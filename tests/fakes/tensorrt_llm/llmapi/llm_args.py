@@ -96,6 +96,14 @@ MODEL_FIELDS: dict[str, Any] = {
 
 class TorchLlmArgs:
     model_fields = MODEL_FIELDS
+    # Every MODEL_FIELDS name is set as an attribute; these are the ones the stand-in reads.
+    model: str | Path
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int | None
+    enable_chunked_prefill: bool
+    guided_decoding_backend: str | None
+    kv_cache_config: KvCacheConfig
 
     def __init__(self, **kwargs: Any) -> None:
         for key, default in MODEL_FIELDS.items():
@@ -106,8 +114,8 @@ class TorchLlmArgs:
         model = kwargs.get("model")
         if not model:
             raise ValueError("model should be provided.")
-        if not isinstance(model, (str, Path)):
-            raise ValueError(f"Invalid model: {model}")
+        if not isinstance(model, (str, Path)):  # the real check is an assertion in _ModelWrapper
+            raise TypeError(f"Invalid model: {model}")
         if kwargs.get("guided_decoding_backend") not in (None, "xgrammar", "llguidance"):
             raise ValueError(
                 "1 validation error for TorchLlmArgs\nguided_decoding_backend\n"

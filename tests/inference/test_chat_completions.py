@@ -1,0 +1,289 @@
+"""POST /v1/infer/chat/completions on the real CPU model, in this process (embedded mode)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from inference import usage
+from inference.models import CatalogEntry, UsageRecord
+from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream, sse_data
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/infer/chat/completions"
+QUESTION = [{"role": "user", "content": "Name one river in Oregon."}]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["name", "population"],
+    "additionalProperties": False,
+}
+
+
+def body(**overrides: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 24, "temperature": 0, "seed": 7, **overrides}
+
+
+async def complete(api: API, openai_spec: OpenAISpec, **overrides: Any) -> dict[str, Any]:
+    response = await api.post(CHAT, body(**overrides))
+    assert response.status_code == 200, response.content
+    data = response.json()
+    openai_spec.validate("CreateChatCompletionResponse", data)
+    return data
+
+
+async def stream(api: API, openai_spec: OpenAISpec, **overrides: Any) -> list[dict[str, Any]]:
+    response = await api.post(CHAT, body(stream=True, **overrides))
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/event-stream")
+    data = sse_data(await read_stream(response))
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(item) for item in data[:-1]]
+    for chunk in chunks:
+        openai_spec.validate("CreateChatCompletionStreamResponse", chunk)
+    return chunks
+
+
+async def test_it_completes_a_chat_with_exact_usage(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec)
+    choice = data["choices"][0]
+    assert data["object"] == "chat.completion" and data["model"] == MODEL_ID
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert data["usage"]["prompt_tokens"] > 10
+    assert 0 < data["usage"]["completion_tokens"] <= 24
+    assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + data["usage"]["completion_tokens"]
+    assert data["b3os"] == {"route": "node"}
+
+
+async def test_streaming_sends_openai_chunks_that_add_up_to_the_same_answer(api: API, openai_spec: OpenAISpec) -> None:
+    whole = await complete(api, openai_spec)
+    chunks = await stream(api, openai_spec)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert finishes == [whole["choices"][0]["finish_reason"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+async def test_include_usage_adds_a_final_chunk_with_empty_choices(api: API, openai_spec: OpenAISpec) -> None:
+    chunks = await stream(api, openai_spec, stream_options={"include_usage": True})
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_stream_options_without_stream_is_refused(api: API) -> None:
+    response = await api.post(CHAT, body(stream_options={"include_usage": True}))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+async def test_the_output_limit_ends_with_finish_reason_length(api: API, openai_spec: OpenAISpec, limit: str) -> None:
+    data = await complete(api, openai_spec, **{"max_tokens": None, limit: 3})
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 3
+
+
+async def test_a_stop_sequence_ends_the_answer_before_it(api: API, openai_spec: OpenAISpec) -> None:
+    free = (await complete(api, openai_spec))["choices"][0]["message"]["content"]
+    word = free.split()[2]
+    stopped = await complete(api, openai_spec, stop=[word])
+    content = stopped["choices"][0]["message"]["content"]
+    assert word not in content and free.startswith(content)
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_seed_and_temperature_zero_are_deterministic(api: API, openai_spec: OpenAISpec) -> None:
+    first = await complete(api, openai_spec, temperature=0.8, seed=42)
+    second = await complete(api, openai_spec, temperature=0.8, seed=42)
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+async def test_logprobs_come_with_the_top_alternatives(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = data["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    assert "".join(item["token"] for item in content) == data["choices"][0]["message"]["content"]
+    for item in content:
+        assert item["logprob"] <= 0 and len(item["top_logprobs"]) == 2
+        assert item["top_logprobs"][0]["logprob"] >= item["logprob"] - 1e-6
+
+
+async def test_json_schema_output_always_matches_the_schema(api: API, openai_spec: OpenAISpec) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    data = await complete(api, openai_spec, response_format=fmt, max_tokens=60, messages=[
+        {"role": "user", "content": "Name a city in Oregon and its population as JSON."}
+    ])
+    assert data["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), CITY_SCHEMA)
+
+
+async def test_json_object_output_is_an_object(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec, response_format={"type": "json_object"}, max_tokens=60)
+    assert isinstance(json.loads(data["choices"][0]["message"]["content"]), dict)
+
+
+async def test_structured_output_is_refused_on_a_model_without_it(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(json_schema=False)
+    response = await api.post(CHAT, body(response_format={"type": "json_object"}))
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "unsupported_parameter"
+    assert response.json()["error"]["param"] == "response_format"
+
+
+async def test_an_image_is_refused_on_a_model_without_image_input(api: API) -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            ],
+        }
+    ]
+    response = await api.post(CHAT, body(messages=messages))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.0.content.1"
+
+
+async def test_text_parts_and_every_role_are_accepted(api: API, openai_spec: OpenAISpec) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Eugene?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "52F and raining"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Rainy."}]},
+        {"role": "user", "content": "Thanks. And tomorrow?"},
+    ]
+    data = await complete(api, openai_spec, messages=messages, tools=[WEATHER_TOOL])
+    assert data["usage"]["prompt_tokens"] > 50
+
+
+async def test_a_tool_message_must_answer_an_earlier_call(api: API) -> None:
+    messages = [*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}]
+    response = await api.post(CHAT, body(messages=messages))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.1.tool_call_id"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_a_forced_tool_call_always_parses_and_matches_its_schema(
+    api: API, openai_spec: OpenAISpec, choice: Any
+) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
+    data = await complete(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], tool_choice=choice, max_tokens=60)
+    choice_out = data["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls"
+    (call,) = choice_out["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+
+
+async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: OpenAISpec) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
+    chunks = await stream(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60)
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert json.loads(arguments)["city"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_a_strict_tool_in_auto_mode_is_either_text_or_a_valid_call(api: API, openai_spec: OpenAISpec) -> None:
+    strict_tool = {
+        "type": "function",
+        "function": {**WEATHER_TOOL["function"], "strict": True, "parameters": {
+            **WEATHER_TOOL["function"]["parameters"], "additionalProperties": False}},
+    }
+    messages = [{"role": "user", "content": "Use the tool: what is the weather in Eugene, Oregon?"}]
+    data = await complete(api, openai_spec, messages=messages, tools=[strict_tool], max_tokens=60)
+    message = data["choices"][0]["message"]
+    for call in message.get("tool_calls") or []:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), strict_tool["function"]["parameters"])
+    assert message.get("tool_calls") or message["content"]
+
+
+async def test_tool_choice_none_answers_in_text(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec, tools=[WEATHER_TOOL], tool_choice="none")
+    assert "tool_calls" not in data["choices"][0]["message"]
+    assert data["choices"][0]["message"]["content"]
+
+
+async def test_more_than_128_tools_are_refused(api: API) -> None:
+    tools = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(129)]
+    response = await api.post(CHAT, body(tools=tools))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize(
+    "param, value",
+    [
+        ("logit_bias", {"50256": -100}),
+        ("functions", [{"name": "f"}]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("store", True),
+        ("modalities", ["text", "audio"]),
+    ],
+)
+async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, param: str, value: Any) -> None:
+    response = await api.post(CHAT, body(**{param: value}))
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": response.json()["error"]["message"],
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "unsupported_parameter",
+    }
+
+
+async def test_a_prompt_longer_than_the_context_is_refused_before_generation(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=16)
+    response = await api.post(CHAT, body(messages=[{"role": "user", "content": "river " * 100}]))
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    usage.flush()
+    assert await UsageRecord.objects.acount() == 0
+
+
+async def test_asking_for_more_output_than_the_context_allows_is_refused(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
+    response = await api.post(CHAT, body(max_tokens=120))
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["param"] == "max_tokens"
+
+
+async def test_each_completion_leaves_one_usage_record(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec)
+    await stream(api, openai_spec)
+    usage.flush()
+    records = [r async for r in UsageRecord.objects.order_by("created")]
+    assert len(records) == 2
+    assert records[0].input_tokens == data["usage"]["prompt_tokens"]
+    assert records[0].output_tokens == data["usage"]["completion_tokens"]
+    assert {r.endpoint for r in records} == {"chat.completions"}
+    assert all(r.status == 200 and r.time_to_first_token_ms is not None for r in records)
