@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
+from jinja2 import TemplateError
 from django.conf import settings
 
 from .decoding import DecodePlan, FunctionTool, Piece, StreamDecoder, TextPiece, ToolCallPiece, ToolChoice, plan_decoding
@@ -158,9 +159,13 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     except RunnerError as exc:
         raise APIError(str(exc), code="model_not_available", status=503, type="server_error") from None
     describe_tools = bool(request.tools) and request.tool_choice != "none"
-    prompt = await sync_to_async(render_prompt, thread_sensitive=False)(
-        renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
-    )
+    try:
+        prompt = await sync_to_async(render_prompt, thread_sensitive=False)(
+            renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
+        )
+    except TemplateError as exc:
+        # The model's chat template refuses this conversation (e.g. roles out of order).
+        raise APIError(f"The model's chat template cannot render these messages: {exc}", code="invalid_request") from None
     room = check_context(
         prompt_tokens=prompt.tokens,
         max_output=request.max_output_tokens,

@@ -152,3 +152,22 @@ async def create_chat_completion(*, params: protocol.ChatCompletionRequest, call
 
     return await run_admitted(caller=caller, model=params.model, endpoint="chat.completions", build=build, respond=respond)
 
+
+
+async def create_response(*, params: ResponseCreateRequest, caller: Caller) -> Result:
+    async def build(entry: CatalogEntry) -> Generation:
+        return await prepare(entry=entry, request=responses.to_generation_request(params, entry))
+
+    async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
+        encoder = responses.ResponseEncoder(echo=responses.echo(params))
+        if params.stream:
+            outcome: dict[str, Any] = {}
+            events = responses.stream_events(generation=generation, encoder=encoder, outcome=outcome)
+            stream = _admitted_stream(chunks=events, grant=grant, meter=meter, generation=generation, outcome=outcome)
+            return Result(headers=grant.headers, stream=stream)
+        body, done = await responses.complete(generation=generation, encoder=encoder)
+        grant.release()
+        _record_done(meter, generation, done)
+        return Result(headers=grant.headers, body=body)
+
+    return await run_admitted(caller=caller, model=params.model, endpoint="responses", build=build, respond=respond)

@@ -231,15 +231,15 @@ def stop_server(server: LiveServer) -> None:
 
 
 @pytest.fixture(scope="session")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def node_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     server = start_server(tmp_path_factory.mktemp("live"))
     yield server
     stop_server(server)
 
 
 @pytest.fixture
-async def aclient(live_server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
+async def aclient(node_server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(
-        base_url=live_server.url, headers={"Authorization": f"Bearer {live_server.key}"}, timeout=120
+        base_url=node_server.url, headers={"Authorization": f"Bearer {node_server.key}"}, timeout=120
     ) as client:
         yield client

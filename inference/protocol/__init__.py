@@ -179,8 +179,9 @@ class AssistantMessage(WireModel):
     tool_calls: list[ToolCall] | None = None
     function_call: Any = None
     audio: Any = None
-    # Reasoning echoed back by clients of reasoning models.
+    # Echoed back by clients that replay the message they received.
     reasoning_content: str | None = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _has_something(self) -> AssistantMessage:

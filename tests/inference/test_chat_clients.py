@@ -1,0 +1,127 @@
+"""Real clients against a live server: the openai SDK, and a client that hangs up mid-stream."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel
+
+from tests.conftest import MODEL_ID, LiveServer
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture
+def client(node_server: LiveServer) -> OpenAI:
+    return OpenAI(api_key=node_server.key, base_url=node_server.base_url, max_retries=0, timeout=120)
+
+
+def test_the_sdk_lists_and_retrieves_models(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL_ID]
+    model = client.models.retrieve(MODEL_ID)
+    assert model.id == MODEL_ID and model.owned_by == "b3os"
+    assert model.model_extra["b3os"]["json_schema"] is True
+
+
+def test_the_sdk_creates_a_completion(client: OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name one river in Oregon."}], max_tokens=16, temperature=0
+    )
+    assert completion.choices[0].message.content
+    assert completion.usage.completion_tokens > 0
+
+
+def test_the_sdk_streams_a_completion_with_usage(client: OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Name one river in Oregon."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_the_sdk_parses_into_a_pydantic_model(client: OpenAI) -> None:
+    class City(BaseModel):
+        name: str
+        state: str
+
+    completion = client.chat.completions.parse(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Name a city in Oregon."}],
+        response_format=City,
+        max_tokens=60,
+        temperature=0,
+    )
+    city = completion.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+def test_the_sdk_runs_a_tool_round_trip(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
+    first = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert "city" in json.loads(call.function.arguments)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "52F and raining"},
+    ]
+    answer = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+
+
+def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: LiveServer) -> None:
+    headers = {"Authorization": f"Bearer {node_server.key}"}
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about rivers."}],
+        "max_tokens": 2000,
+        "temperature": 0.9,
+        "stream": True,
+    }
+    with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/infer/chat/completions", json=body) as response:
+            request_id = response.headers["x-request-id"]
+            lines = 0
+            for line in response.iter_lines():
+                lines += line.startswith("data: ")
+                if lines >= 5:
+                    break
+        # The model is free again at once: the abandoned job does not run on to 2000 tokens.
+        started = time.monotonic()
+        quick = http.post(
+            "/v1/infer/chat/completions",
+            json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
+        assert quick.status_code == 200
+        assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    rows: list[tuple] = []
+    while time.monotonic() < deadline and not rows:
+        rows = node_server.query(
+            "select status, error_code, output_tokens from inference_usagerecord where request_id = ?", request_id
+        )
+        time.sleep(0.2)
+    assert rows, "the disconnected request left no usage record"
+    status, error_code, output_tokens = rows[0]
+    assert (status, error_code) == (499, "client_disconnected")
+    assert 3 <= output_tokens < 2000
