@@ -179,7 +179,8 @@ if DISTRIBUTED:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60},
+            # redis-py reads time out after 5 s by default, as long as the layer's blocking pop: give reads room.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 60},
         }
     }
 else:

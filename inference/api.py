@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from . import protocol, services
 from .catalog import get_enabled_model, list_enabled_models
 from .models import CatalogEntry
+from .protocol.responses import ResponseCreateRequest
 
 
 def _model_object(entry: CatalogEntry) -> dict[str, Any]:
@@ -58,3 +59,12 @@ class ChatCompletionsView(APIView):
     async def post(self, request: Request) -> HttpResponseBase:
         params = protocol.parse(protocol.ChatCompletionRequest, request.data)
         return render_result(request, await services.create_chat_completion(params=params, caller=_caller(request)))
+
+
+class ResponsesView(APIView):
+    # POST only: a GET, or a WebSocket upgrade that serve hands over as one, is answered 405 with Allow: POST.
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        params = protocol.parse(ResponseCreateRequest, request.data)
+        return render_result(request, await services.create_response(params=params, caller=_caller(request)))

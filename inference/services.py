@@ -9,11 +9,12 @@ from typing import Any
 from orgs.admission import Grant, admit
 from orgs.models import APIKey
 
-from . import chat, protocol
+from . import chat, protocol, responses
 from .catalog import get_enabled_model
 from .errors import to_api_error
 from .generation import Done, Generation, prepare
 from .models import CatalogEntry
+from .protocol.responses import ResponseCreateRequest
 from .usage import Meter
 
 

@@ -6,4 +6,5 @@ urlpatterns = [
     path("models", api.ModelListView.as_view()),
     path("models/<path:model_id>", api.ModelDetailView.as_view()),
     path("chat/completions", api.ChatCompletionsView.as_view()),
+    path("responses", api.ResponsesView.as_view()),
 ]

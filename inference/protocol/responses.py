@@ -407,7 +407,7 @@ def response_object(
     echo: dict[str, Any],
 ) -> dict[str, Any]:
     """A Response; ``echo`` holds the request's settings as applied (see ``request_echo``)."""
-    return {
+    response = {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -416,15 +416,17 @@ def response_object(
         "error": error,
         "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
         "output": output,
-        "usage": usage,
         **echo,
     }
+    if usage is not None:
+        response["usage"] = usage  # OpenAI's schema has no null usage: until it is known, it is left out
+    return response
 
 
 def request_echo(request: ResponseCreateRequest, *, tool_choice: str | dict[str, Any]) -> dict[str, Any]:
     """The parts of a Response that repeat the request's settings, as applied."""
     reasoning = request.reasoning
-    return {
+    echo: dict[str, Any] = {
         "model": request.model,
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
@@ -446,12 +448,14 @@ def request_echo(request: ResponseCreateRequest, *, tool_choice: str | dict[str,
         "tool_choice": tool_choice,
         "tools": [function_tool_echo(tool) for tool in request.function_tools],
         "truncation": "disabled",
-        "user": request.user,
         "safety_identifier": request.safety_identifier,
         "prompt_cache_key": request.prompt_cache_key,
         "prompt_cache_retention": request.prompt_cache_retention,
         "metadata": request.metadata or {},
     }
+    if request.user is not None:
+        echo["user"] = request.user  # OpenAI's schema has no null user: unset, it is left out
+    return echo
 
 
 def output_text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:

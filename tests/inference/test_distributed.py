@@ -1,0 +1,201 @@
+"""The distributed path end to end: a real redis-server, a real Celery worker process, the API in another process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server
+
+pytestmark = pytest.mark.distributed
+
+QUEUE = "model." + MODEL_ID.replace("/", ".")
+
+
+@dataclass
+class Worker:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: `make test` installs it")
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        probe = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True)
+        if probe.stdout.strip() == "PONG":
+            return process, f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.1)
+    raise RuntimeError("redis-server did not start")
+
+
+def start_worker(env: dict[str, str], log: Path) -> Worker:
+    handle = open(log, "wb")
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", QUEUE,
+            "--pool", "threads", "--concurrency", "1", "--without-gossip", "--without-mingle", "-l", "info",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if b"ready." in log.read_bytes():
+            return Worker(process, log)
+        if process.poll() is not None:
+            raise RuntimeError(f"the worker exited:\n{log.read_text()}")
+        time.sleep(0.2)
+    raise RuntimeError("the worker did not become ready")
+
+
+@dataclass
+class Cluster:
+    server: LiveServer
+    worker: Worker
+    env: dict[str, str]
+    var_dir: Path
+
+    def restart_worker(self) -> None:
+        self.worker.stop()
+        self.worker = start_worker(self.env, self.var_dir / f"worker-{time.monotonic_ns()}.log")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    var_dir = tmp_path_factory.mktemp("distributed")
+    redis, url = start_redis(var_dir)
+    extra = {"REDIS_URL": url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "30"}
+    server = start_server(var_dir, extra_env=extra, org="dist")
+    env = {**server.env}
+    worker = start_worker(env, var_dir / "worker.log")
+    cluster = Cluster(server=server, worker=worker, env=env, var_dir=var_dir)
+    yield cluster
+    cluster.worker.stop()
+    stop_server(server)
+    redis.terminate()
+
+
+def post(cluster: Cluster, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(
+        cluster.server.url + "/v1/infer/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {cluster.server.key}"},
+        timeout=60,
+        **kwargs,
+    )
+
+
+def stream_lines(cluster: Cluster, body: dict) -> Iterator[str]:
+    with httpx.stream(
+        "POST",
+        cluster.server.url + "/v1/infer/chat/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {cluster.server.key}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        yield from response.iter_lines()
+
+
+QUESTION = {
+    "model": MODEL_ID,
+    "messages": [{"role": "user", "content": "Name one river in Oregon."}],
+    "max_tokens": 24,
+    "temperature": 0,
+}
+
+
+def test_a_streamed_request_runs_on_the_worker_and_matches_the_whole_answer(cluster: Cluster) -> None:
+    whole = post(cluster, QUESTION)
+    assert whole.status_code == 200, whole.text
+    lines = [line[6:] for line in stream_lines(cluster, QUESTION) if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == whole.json()["choices"][0]["message"]["content"]
+    assert "inference.generate" in cluster.worker.log.read_text()
+
+
+def test_a_forced_tool_call_works_across_the_wire(cluster: Cluster) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    response = post(cluster, {**QUESTION, "max_tokens": 60, "tools": [tool], "tool_choice": "required",
+                              "messages": [{"role": "user", "content": "Weather in Eugene?"}]})
+    call = response.json()["choices"][0]["message"]["tool_calls"][0]
+    assert "city" in json.loads(call["function"]["arguments"])
+
+
+def test_a_client_that_hangs_up_cancels_the_job_on_the_worker(cluster: Cluster) -> None:
+    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    seen = 0
+    for line in stream_lines(cluster, body):
+        seen += line.startswith("data: ")
+        if seen >= 5:
+            break
+    # The worker has one thread: it can take the next job only once the abandoned one stopped.
+    started = time.monotonic()
+    quick = post(cluster, {**QUESTION, "max_tokens": 4})
+    assert quick.status_code == 200
+    assert time.monotonic() - started < 15
+
+
+def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cluster) -> None:
+    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    events: list[str] = []
+    killed_at = None
+    try:
+        for line in stream_lines(cluster, body):
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3 and killed_at is None:
+                os.kill(cluster.worker.process.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        assert killed_at is not None
+        assert time.monotonic() - killed_at < 10
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "worker_lost"
+    finally:
+        cluster.restart_worker()
+    assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
+
+
+def test_no_worker_for_the_model_is_a_clear_error(cluster: Cluster) -> None:
+    cluster.worker.stop()
+    try:
+        env_timeout = int(cluster.env["JOB_START_TIMEOUT_SECONDS"])
+        started = time.monotonic()
+        response = post(cluster, {**QUESTION, "max_tokens": 4}, )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_worker"
+        assert time.monotonic() - started < env_timeout + 10
+    finally:
+        cluster.restart_worker()
