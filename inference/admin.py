@@ -26,6 +26,7 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         (None, {"fields": ["public_id", "enabled", "owned_by", "created"]}),
         ("Runner", {"fields": ["runner", "runner_settings", "queue"]}),
         ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
+        ("Gateway upstream", {"fields": ["upstream_base_url", "upstream_api_key", "upstream_model"], "classes": ["collapse"]}),
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]
 

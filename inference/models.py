@@ -40,6 +40,13 @@ class CatalogEntry(models.Model):
     tools = models.BooleanField("tool calls", default=True)
     reasoning = models.BooleanField("reasoning", default=False)
     enabled = models.BooleanField(default=True)
+    upstream_base_url = models.URLField(
+        blank=True,
+        help_text="Proxy this model to an OpenAI-compatible upstream (e.g. https://host/v1) instead of a local runner; "
+        "requests with \"route\": \"gateway\" go there.",
+    )
+    upstream_api_key = models.CharField(max_length=500, blank=True, help_text="Sent to the upstream; never shown to clients.")
+    upstream_model = models.CharField(max_length=200, blank=True, help_text="The model's id at the upstream (default: the public id).")
     owned_by = models.CharField(max_length=100, default="b3os")
     created = models.DateTimeField(auto_now_add=True)
 
