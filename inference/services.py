@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orgs.admission import Grant, admit
+from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
 from . import chat, protocol, responses
@@ -113,11 +114,15 @@ async def run_admitted(
     entry = await get_enabled_model(model)
     generation = await build(entry)
     meter = _meter(caller, model=entry.public_id, endpoint=endpoint)
-    grant = await admit(
-        organization_id=caller.organization_id,
-        model_pk=entry.pk,
-        tokens=generation.prompt_tokens + generation.job.sampling.max_tokens,
-    )
+    try:
+        grant = await admit(
+            organization_id=caller.organization_id,
+            model_pk=entry.pk,
+            tokens=generation.prompt_tokens + generation.job.sampling.max_tokens,
+        )
+    except LimitExceeded as exc:
+        _record_error(meter, None, exc)
+        raise
     try:
         return await respond(generation, grant, meter)
     except BaseException as exc:

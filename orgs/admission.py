@@ -29,6 +29,9 @@ SLOT_TTL = 15.0
 SLOT_REFRESH = 5.0
 LIMITS_CACHE_SECONDS = 2.0
 
+# Wall-clock seconds, shared by every API process through Redis; tests move it.
+clock = time.time
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
@@ -318,9 +321,9 @@ async def _refresh_forever() -> None:
             store = _store()
             try:
                 if isinstance(store, RedisStore):
-                    await store.refresh(held, time.time())
+                    await store.refresh(held, clock())
                 else:
-                    store.refresh(held, time.time())
+                    store.refresh(held, clock())
             except Exception:  # noqa: BLE001  (a missed refresh only risks an early expiry)
                 pass
 
@@ -368,7 +371,7 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     key = f"{organization_id}:{model_pk or 0}"
     slot = secrets.token_hex(8)
     store = _store()
-    now = time.time()
+    now = clock()
     if isinstance(store, RedisStore):
         decision = await store.try_admit(key, limits, tokens, slot, now)
     else:
@@ -386,9 +389,8 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
             if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
                 detail += " It can never fit: lower max_tokens or the input."
         detail += f" Try again in {retry}s."
-        raise LimitExceeded(
-            limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, decision)
-        )
+        refused = Decision(False, decision.limit, retry, 0, 0, reset_requests=retry, reset_tokens=retry)
+        raise LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, refused))
     _held.setdefault(key, set()).add(slot)
     _ensure_refresher()
 

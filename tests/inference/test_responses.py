@@ -1,0 +1,596 @@
+"""POST /v1/infer/responses in this process: the stateless Responses API, its refusals, and its event stream.
+
+Answers come from SmolLM2 on the CPU runner. Forced tool calls, structured output, reasoning and a
+failure mid-stream come from a reasoning model on the TensorRT-LLM stand-in (``tests/fakes``), whose
+engine echoes the prompt's words (or writes a minimal instance of a guided schema): deterministic,
+and fast where the CPU runner's grammar-constrained decoding is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+
+from inference import execution, responses
+from inference.models import CatalogEntry, UsageRecord
+from inference.protocol.responses import ResponseCreateRequest
+from inference.runners import tensorrt_llm as tensorrt_llm_runner
+from inference.usage import flush
+from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RESPONSES = "/v1/infer/responses"
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+TOY_ID = "b3os/toy-reasoner"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+QUESTION = {"role": "user", "content": "What is the weather in Eugene, Oregon? Use the tool."}
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def ask(**body: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "temperature": 0, "max_output_tokens": 16, **body}
+
+
+def assert_error(response: Any, status: int, code: str, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.content
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error"), error
+    return error
+
+
+# --- reading a stream ------------------------------------------------------------------------------
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """The SSE blocks of a Responses stream; each one's ``event:`` line must name its ``type``."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        assert set(lines) == {"event", "data"}, block
+        event = json.loads(lines["data"])
+        assert lines["event"] == event["type"]
+        events.append(event)
+    return events
+
+
+def validate_event(spec: OpenAISpec, event: dict[str, Any]) -> None:
+    try:
+        spec.validate("ResponseStreamEvent", event)
+    except AssertionError:
+        # The union's failure says nothing useful: name what is wrong against the event's own schema.
+        name = {
+            "response.output_text.delta": "ResponseTextDeltaEvent",
+            "response.output_text.done": "ResponseTextDoneEvent",
+        }.get(event["type"], "Response" + "".join(w.title() for w in event["type"][9:].replace(".", "_").split("_")) + "Event")
+        spec.validate(name, event)
+        raise
+
+
+def check_stream(spec: OpenAISpec, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every invariant a client may rely on; returns the final Response."""
+    for event in events:
+        validate_event(spec, event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] in TERMINAL
+    assert sum(e["type"] in TERMINAL for e in events) == 1
+    response = events[-1]["response"]
+    assert {e["response"]["id"] for e in events if "response" in e} == {response["id"]}
+
+    added = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.added"}
+    done = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.done"}
+    assert sorted(added) == sorted(done) == list(range(len(done)))
+    assert [done[i] for i in range(len(done))] == response["output"]
+    for index, item in done.items():
+        assert added[index]["id"] == item["id"] and added[index]["status"] == "in_progress"
+        mine = [e for e in events if e.get("output_index") == index]
+        assert {e.get("item_id", e.get("item", {}).get("id")) for e in mine} == {item["id"]}
+        assert mine[0]["type"] == "response.output_item.added" and mine[-1]["type"] == "response.output_item.done"
+        deltas = "".join(e["delta"] for e in mine if e["type"].endswith(".delta"))
+        if item["type"] == "function_call":
+            (args_done,) = [e for e in mine if e["type"] == "response.function_call_arguments.done"]
+            assert deltas == args_done["arguments"] == item["arguments"]
+        else:
+            kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            (text_done,) = [e for e in mine if e["type"] == f"response.{kind}.done"]
+            (part_done,) = [e for e in mine if e["type"] == "response.content_part.done"]
+            assert deltas == text_done["text"] == part_done["part"]["text"] == item["content"][0]["text"]
+    return response
+
+
+async def stream(api: API, body: dict[str, Any], spec: OpenAISpec) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    response = await api.post(RESPONSES, {**body, "stream": True})
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/event-stream")
+    events = parse_events(await read_stream(response))
+    return events, check_stream(spec, events)
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
+    )
+
+
+# --- a reasoning model on the TensorRT-LLM stand-in ------------------------------------------------
+
+
+class EchoTokenizer:
+    """What the renderer uses of a transformers tokenizer: a chat template and ``encode``."""
+
+    chat_template = "{% for message in messages %}{{ message.content }}\n{% endfor %}"
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str | None = None, **_: Any) -> str:
+        return jinja2.Template(chat_template or self.chat_template).render(messages=conversation)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+
+def _drop_tensorrt_llm_modules() -> None:
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def toy_model(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch) -> Iterator[CatalogEntry]:
+    _drop_tensorrt_llm_modules()
+    monkeypatch.syspath_prepend(str(FAKES))
+    transformers = types.ModuleType("transformers")
+    transformers.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: EchoTokenizer())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", transformers)
+    monkeypatch.setattr(tensorrt_llm_runner, "_TOKENIZERS", {})
+    monkeypatch.setattr(execution, "_runners", {})
+    monkeypatch.setattr(execution, "_renderers", {})
+    yield CatalogEntry.objects.create(
+        public_id=TOY_ID,
+        runner="tensorrt_llm",
+        runner_settings={"model": "/models/toy-reasoner"},
+        context_length=4096,
+        max_output_tokens=256,
+        reasoning=True,
+    )
+    tensorrt_llm_runner.shutdown_all()
+    _drop_tensorrt_llm_modules()
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+async def test_it_answers_a_string_input_with_a_complete_response(api: API, openai_spec: OpenAISpec) -> None:
+    body = ask(
+        instructions="You are a concise assistant.",
+        input="Name one river in Oregon.",
+        max_output_tokens=48,
+        metadata={"ticket": "42"},
+        user="user-1",
+        store=True,
+    )
+    response = await api.post(RESPONSES, body)
+
+    assert response.status_code == 200, response.content
+    result = response.json()
+    openai_spec.validate("Response", result)
+    assert result["id"].startswith("resp_") and result["object"] == "response"
+    assert result["status"] in ("completed", "incomplete")
+    assert result["model"] == MODEL_ID and result["instructions"] == "You are a concise assistant."
+    (message,) = result["output"]
+    assert message["type"] == "message" and message["role"] == "assistant" and message["id"].startswith("msg_")
+    assert output_text(result)
+    usage = result["usage"]
+    assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 48
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert (result["store"], result["metadata"], result["user"], result["temperature"]) == (False, {"ticket": "42"}, "user-1", 0)
+    assert (result["tools"], result["tool_choice"], result["truncation"]) == ([], "auto", "disabled")
+
+
+async def test_it_records_usage_for_the_responses_endpoint(api: API) -> None:
+    result = (await api.post(RESPONSES, ask(input="Say hello."))).json()
+
+    flush()
+    record = await UsageRecord.objects.aget(request_id__isnull=False)
+    assert (record.endpoint, record.model, record.status, record.error_code) == ("responses", MODEL_ID, 200, "")
+    assert (record.input_tokens, record.output_tokens) == (result["usage"]["input_tokens"], result["usage"]["output_tokens"])
+
+
+async def test_it_streams_the_events_in_the_order_openai_sends_them(api: API, openai_spec: OpenAISpec) -> None:
+    events, response = await stream(api, ask(input="Name one river in Oregon.", max_output_tokens=24), openai_spec)
+
+    kinds = [e["type"] for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if response["status"] == "completed" else "response.incomplete",
+    ]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    assert response["usage"]["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "stream"])
+async def test_it_ends_incomplete_at_max_output_tokens(api: API, openai_spec: OpenAISpec, streamed: bool) -> None:
+    body = ask(input="Write a long story about a dragon who learns to sail.", max_output_tokens=16)
+    if streamed:
+        events, result = await stream(api, body, openai_spec)
+        assert events[-1]["type"] == "response.incomplete"
+    else:
+        result = (await api.post(RESPONSES, body)).json()
+        openai_spec.validate("Response", result)
+
+    assert result["status"] == "incomplete"
+    assert result["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert result["output"][-1]["status"] == "incomplete"
+    assert result["usage"]["output_tokens"] == 16
+
+
+async def test_it_returns_logprobs_when_included(api: API, openai_spec: OpenAISpec) -> None:
+    body = ask(input="Say hello.", include=["message.output_text.logprobs"], top_logprobs=2)
+    result = (await api.post(RESPONSES, body)).json()
+
+    openai_spec.validate("Response", result)
+    part = result["output"][0]["content"][0]
+    assert part["logprobs"] and all(len(lp["top_logprobs"]) == 2 for lp in part["logprobs"])
+    assert "".join(lp["token"] for lp in part["logprobs"]).strip() == part["text"].strip()
+
+
+# --- the conversation, replayed --------------------------------------------------------------------
+
+
+async def test_it_accepts_a_replayed_conversation_with_the_ids_and_statuses_clients_echo(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    history = [
+        {"role": "developer", "content": "Answer in one sentence."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION["content"]}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+        {
+            "type": "function_call",
+            "id": "fc_1",
+            "call_id": "call_weather_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Eugene"}',
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "call_weather_1", "output": "52F and raining", "status": "completed"},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "It is 52F and raining.", "annotations": [], "logprobs": []}],
+        },
+        {"role": "user", "content": "Should I take an umbrella?"},
+    ]
+    response = await api.post(RESPONSES, ask(input=history, tools=[WEATHER], tool_choice="none"))
+
+    assert response.status_code == 200, response.content
+    openai_spec.validate("Response", response.json())
+
+
+def test_it_folds_input_items_into_the_chat_templates_messages(catalog_model: CatalogEntry) -> None:
+    params = ResponseCreateRequest.model_validate(
+        {
+            "model": MODEL_ID,
+            "instructions": "Be brief.",
+            "input": [
+                QUESTION,
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Eugene"}'},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Bend"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "52F"}]},
+                {"type": "function_call_output", "call_id": "c2", "output": "40F"},
+            ],
+        }
+    )
+
+    assert responses.conversation(params, catalog_model) == [
+        {"role": "system", "content": "Be brief."},
+        QUESTION,
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "Call it.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bend"}'}},
+            ],
+        },
+        {"role": "tool", "content": "52F", "tool_call_id": "c1"},
+        {"role": "tool", "content": "40F", "tool_call_id": "c2"},
+    ]
+
+
+async def test_it_refuses_an_orphan_function_call_output(api: API) -> None:
+    body = {
+        "model": MODEL_ID,
+        "input": [QUESTION, {"type": "function_call_output", "call_id": "call_weather_1", "output": "52F and raining"}],
+    }
+    response = await api.post(RESPONSES, body)
+
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "code": "invalid_request",
+            "message": 'no function_call with call_id "call_weather_1" comes before this output',
+            "param": "input.1.call_id",
+            "type": "invalid_request_error",
+        }
+    }
+
+
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Eugene"}'}
+OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "52F"}
+
+
+@pytest.mark.parametrize(
+    ("items", "param", "message"),
+    [
+        ([QUESTION, CALL], "input.1.call_id", 'no function_call_output with call_id "call_1" comes after this call'),
+        (
+            [QUESTION, CALL, OUTPUT, OUTPUT],
+            "input.3.call_id",
+            'the function_call with call_id "call_1" already has its output at input.2',
+        ),
+        (
+            [QUESTION, CALL, CALL, OUTPUT],
+            "input.2.call_id",
+            'call_id "call_1" is already used by the function_call at input.1',
+        ),
+        (
+            [QUESTION, {**CALL, "arguments": "{city"}, OUTPUT],
+            "input.1.arguments",
+            'the arguments of function_call "call_1" are not valid JSON',
+        ),
+    ],
+    ids=["call-without-output", "second-output", "reused-call-id", "arguments-not-json"],
+)
+async def test_it_refuses_input_items_that_do_not_fit_together(api: API, items: list, param: str, message: str) -> None:
+    error = assert_error(await api.post(RESPONSES, ask(input=items)), 400, "invalid_request", param)
+    assert error["message"] == message
+
+
+async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
+    body = ask(input=[{"role": "system", "content": "Be brief."}])
+    assert_error(await api.post(RESPONSES, body), 400, "invalid_value", "input")
+
+
+@pytest.mark.parametrize(
+    ("item", "param", "code"),
+    [
+        ({"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "nope"}]}, "input.0.content.1", "invalid_value"),
+        ({"role": "wizard", "content": "hi"}, "input.0.role", "invalid_value"),
+        ({"role": "user"}, "input.0.content", "missing_required_parameter"),
+        ({"content": "hi"}, "input.0.type", "missing_required_parameter"),
+        ({"type": "function_call", "call_id": "c", "name": "f"}, "input.0.arguments", "missing_required_parameter"),
+        ({"type": "function_call_output", "call_id": "", "output": "x"}, "input.0.call_id", "invalid_value"),
+        (
+            {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]},
+            "input.0.content.0",
+            "unsupported_content",
+        ),
+        ({"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}, "input.0.content.0", "unsupported_content"),
+    ],
+    ids=["unknown-part", "unknown-role", "no-content", "no-type-or-role", "call-without-arguments", "empty-call-id", "image", "file"],
+)
+async def test_it_names_a_malformed_item_precisely(api: API, item: dict, param: str, code: str) -> None:
+    assert_error(await api.post(RESPONSES, ask(input=[item])), 400, code, param)
+
+
+# --- refusals -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("previous_response_id", "resp_123"),
+        ("conversation", "conv_123"),
+        ("prompt", {"id": "pmpt_123"}),
+        ("background", True),
+        ("truncation", "auto"),
+        ("context_management", [{"type": "compaction"}]),
+    ],
+)
+async def test_it_refuses_what_needs_stored_state_by_name(api: API, field: str, value: Any) -> None:
+    assert_error(await api.post(RESPONSES, ask(input="hi", **{field: value})), 400, "unsupported_parameter", field)
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "web_search"},
+        {"type": "web_search_preview"},
+        {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        {"type": "computer_use_preview", "display_width": 1024, "display_height": 768, "environment": "linux"},
+        {"type": "code_interpreter", "container": {"type": "auto"}},
+        {"type": "mcp", "server_label": "deepwiki", "server_url": "https://mcp.deepwiki.com/mcp"},
+        {"type": "image_generation"},
+        {"type": "local_shell"},
+        {"type": "shell"},
+    ],
+    ids=lambda tool: tool["type"],
+)
+async def test_it_refuses_tools_that_openai_runs_on_its_side(api: API, tool: dict) -> None:
+    error = assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type")
+    assert tool["type"] in error["message"] and "OpenAI's side" in error["message"]
+
+
+@pytest.mark.parametrize("kind", ["item_reference", "web_search_call", "computer_call_output", "mcp_call"])
+async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> None:
+    items = [QUESTION, {"type": kind, "id": "x_1"}]
+    assert_error(await api.post(RESPONSES, ask(input=items)), 400, "unsupported_parameter", "input.1.type")
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"reasoning": {"effort": "low"}}, "unsupported_parameter", "reasoning.effort"),
+        ({"include": ["web_search_call.results"]}, "unsupported_parameter", "include.0"),
+        ({"text": {"verbosity": "low"}}, "unsupported_parameter", "text.verbosity"),
+        ({"service_tier": "flex"}, "unsupported_parameter", "service_tier"),
+        ({"frobnicate": 1}, "unknown_parameter", "frobnicate"),
+        ({"max_output_tokens": 8}, "invalid_value", "max_output_tokens"),
+        ({"temperature": 3}, "invalid_value", "temperature"),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "invalid_value", "tool_choice.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "missing_required_parameter", "tool_choice.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools.1.name"),
+        ({"tools": [{**WEATHER, "name": "get weather"}]}, "invalid_value", "tools.0.name"),
+        ({"tools": [{**WEATHER, "colour": "red"}]}, "unknown_parameter", "tools.0.colour"),
+        ({"stream_options": {"include_obfuscation": False}}, "invalid_value", "stream_options"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "missing_required_parameter", "text.format.name"),
+    ],
+)
+async def test_it_refuses_bad_parameters_by_name(api: API, body: dict, code: str, param: str) -> None:
+    assert_error(await api.post(RESPONSES, ask(input="hi", **body)), 400, code, param)
+
+
+async def test_it_refuses_capabilities_the_model_lacks(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(json_schema=False, tools=False)
+    json_format = {"format": {"type": "json_object"}}
+
+    assert_error(await api.post(RESPONSES, ask(input="hi", text=json_format)), 400, "unsupported_parameter", "text.format")
+    assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER])), 400, "unsupported_parameter", "tools")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"reasoning": None}, {"reasoning": {}}, {"reasoning": {"effort": "none"}}, {"include": []}],
+    ids=["reasoning-null", "reasoning-empty", "effort-none", "include-empty"],
+)
+async def test_it_accepts_the_empty_settings_sdks_send_on_any_model(api: API, settings: dict) -> None:
+    response = await api.post(RESPONSES, ask(input="Say hi.", **settings))
+    assert response.status_code == 200, response.content
+
+
+async def test_a_get_is_a_405_that_allows_only_post(api: API) -> None:
+    response = await api.get(RESPONSES)
+    assert_error(response, 405, "method_not_allowed", None)
+    assert response["Allow"] == "POST"
+
+
+# --- function tools -------------------------------------------------------------------------------
+
+
+def test_a_tools_strict_reaches_the_runtime_only_when_set(catalog_model: CatalogEntry) -> None:
+    tools = [WEATHER, {**WEATHER, "name": "strict_weather", "strict": True}, {**WEATHER, "name": "loose", "strict": False}]
+    params = ResponseCreateRequest.model_validate({"model": MODEL_ID, "input": "hi", "tools": tools})
+
+    request = responses.to_generation_request(params, catalog_model)
+    assert [tool.strict for tool in request.tools] == [None, True, False]
+    assert [tool["strict"] for tool in responses.echo(params)["tools"]] == [None, True, False]
+
+
+async def test_it_echoes_the_tools_and_tool_choice_as_applied(api: API, openai_spec: OpenAISpec) -> None:
+    tools = [WEATHER, {**WEATHER, "name": "strict_weather", "strict": False}]
+    result = (await api.post(RESPONSES, ask(input="Say hi.", tools=tools, tool_choice="none", parallel_tool_calls=False))).json()
+
+    openai_spec.validate("Response", result)
+    assert result["tools"] == [{**WEATHER, "strict": None}, {**WEATHER, "name": "strict_weather", "strict": False}]
+    assert (result["tool_choice"], result["parallel_tool_calls"]) == ("none", False)
+    assert all(item["type"] == "message" for item in result["output"])
+
+
+async def test_a_forced_call_streams_its_arguments_and_its_output_goes_back(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
+) -> None:
+    body = {"model": TOY_ID, "input": [QUESTION], "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    events, first = await stream(api, body, openai_spec)
+
+    assert "response.function_call_arguments.delta" in [e["type"] for e in events]
+    (call,) = first["output"]
+    assert call["type"] == "function_call" and call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    assert call["name"] == "get_weather" and "city" in json.loads(call["arguments"])
+    assert first["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+    follow = [QUESTION, *first["output"], {"type": "function_call_output", "call_id": call["call_id"], "output": "52F and raining"}]
+    answer = (await api.post(RESPONSES, {"model": TOY_ID, "input": follow, "tools": [WEATHER]})).json()
+    openai_spec.validate("Response", answer)
+    assert "52F and raining" in output_text(answer)  # the echo engine repeats its prompt, which holds the output
+
+
+@pytest.mark.parametrize(
+    "text_format",
+    [
+        {"type": "json_schema", "name": "river", "schema": {"type": "object", "properties": {"river": {"type": "string", "minLength": 3}}, "required": ["river"]}, "strict": True},
+        {"type": "json_object"},
+    ],
+    ids=["json_schema", "json_object"],
+)
+async def test_text_format_makes_the_answer_json(api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry, text_format: dict) -> None:
+    body = {"model": TOY_ID, "input": "Name one river in Oregon as JSON.", "text": {"format": text_format}}
+    result = (await api.post(RESPONSES, body)).json()
+
+    openai_spec.validate("Response", result)
+    answer = json.loads(output_text(result))
+    assert isinstance(answer, dict) and (text_format["type"] == "json_object" or len(answer["river"]) >= 3)
+    assert result["text"]["format"] == text_format
+
+
+# --- reasoning ------------------------------------------------------------------------------------
+
+THOUGHTFUL = "<think> The user wants one river. </think> The Willamette."
+
+
+async def test_reasoning_comes_back_as_a_reasoning_item_with_its_own_events(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
+) -> None:
+    events, result = await stream(api, {"model": TOY_ID, "input": THOUGHTFUL, "reasoning": {"effort": "medium"}}, openai_spec)
+
+    reasoning, message = result["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"][0]["text"].strip() == "The user wants one river."
+    assert output_text(result) == "The Willamette."
+    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= {e["type"] for e in events}
+    assert result["reasoning"] == {"effort": "medium", "summary": None}
+    assert 0 < result["usage"]["output_tokens_details"]["reasoning_tokens"] < result["usage"]["output_tokens"]
+
+    again = await api.post(RESPONSES, {"model": TOY_ID, "input": [{"role": "user", "content": THOUGHTFUL}, reasoning, message, {"role": "user", "content": "More?"}]})
+    assert again.status_code == 200, again.content
+
+
+async def test_reasoning_effort_none_turns_reasoning_off(api: API, toy_model: CatalogEntry) -> None:
+    result = (await api.post(RESPONSES, {"model": TOY_ID, "input": THOUGHTFUL, "reasoning": {"effort": "none"}})).json()
+
+    assert [item["type"] for item in result["output"]] == ["message"]
+    assert result["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
+) -> None:
+    # The engine refuses prompts longer than max_num_tokens, once the stream has begun.
+    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(runner_settings={"model": "/models/toy-reasoner", "max_num_tokens": 4})
+
+    events, result = await stream(api, {"model": TOY_ID, "input": "Name one river in Oregon, please."}, openai_spec)
+
+    assert events[-1]["type"] == "response.failed"
+    assert result["status"] == "failed" and result["error"]["code"] == "server_error" and result["error"]["message"]
+    flush()
+    record = await UsageRecord.objects.aget(model=TOY_ID)
+    assert record.endpoint == "responses" and record.error_code

@@ -1,0 +1,139 @@
+"""Admission on the request path (embedded mode): requests per minute, tokens per minute, requests in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference import usage
+from inference.models import CatalogEntry, UsageRecord
+from orgs import admission
+from orgs.models import Limit, Organization
+from tests.conftest import API, MODEL_ID, read_stream
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/infer/chat/completions"
+
+
+def ask(**overrides) -> dict:
+    return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0, **overrides}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(admission, "clock", fake)
+    return fake
+
+
+async def limit(*, model: CatalogEntry | None = None, **numbers: int | None) -> Limit:
+    org = await Organization.objects.aget(slug="acme")
+    row = await Limit.objects.acreate(organization=org, model=model, **numbers)
+    admission.clear_limits_cache()
+    return row
+
+
+async def test_without_limits_every_request_is_admitted_without_rate_headers(api: API) -> None:
+    response = await api.post(CHAT, ask())
+    assert response.status_code == 200
+    assert "x-ratelimit-limit-requests" not in response
+
+
+async def test_requests_per_minute_at_over_and_after_the_window(api: API, clock: Clock) -> None:
+    await limit(requests_per_minute=2)
+    first = await api.post(CHAT, ask())
+    assert first["x-ratelimit-limit-requests"] == "2"
+    assert first["x-ratelimit-remaining-requests"] == "1"
+    assert first["x-ratelimit-reset-requests"] == "1m0s"
+    clock.now += 10
+    second = await api.post(CHAT, ask())
+    assert second.status_code == 200 and second["x-ratelimit-remaining-requests"] == "0"
+    clock.now += 5
+    refused = await api.post(CHAT, ask())
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "rate_limited"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert "requests per minute" in refused.json()["error"]["message"]
+    assert refused["Retry-After"] == "45"  # the first request leaves the window 60 s after it came
+    assert refused["x-ratelimit-remaining-requests"] == "0"
+    clock.now += 45
+    assert (await api.post(CHAT, ask())).status_code == 200
+
+
+async def test_tokens_per_minute_charge_the_input_and_the_maximum_output(api: API, clock: Clock) -> None:
+    probe = (await api.post(CHAT, ask())).json()["usage"]["prompt_tokens"]
+    await limit(tokens_per_minute=2 * (probe + 10) + 5)
+    first = await api.post(CHAT, ask(max_tokens=10))
+    assert first.status_code == 200
+    assert first["x-ratelimit-remaining-tokens"] == str(probe + 10 + 5)
+    clock.now += 20
+    assert (await api.post(CHAT, ask(max_tokens=10))).status_code == 200
+    refused = await api.post(CHAT, ask(max_tokens=10))
+    assert refused.status_code == 429
+    assert "tokens per minute" in refused.json()["error"]["message"]
+    assert refused["Retry-After"] == "40"
+    clock.now += 40
+    assert (await api.post(CHAT, ask(max_tokens=10))).status_code == 200
+
+
+async def test_an_unset_max_tokens_charges_the_models_maximum(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(max_output_tokens=500)
+    await limit(tokens_per_minute=400)
+    refused = await api.post(CHAT, ask(max_tokens=None))
+    assert refused.status_code == 429
+    assert "can never fit" in refused.json()["error"]["message"]
+
+
+async def test_requests_in_flight_are_released_when_the_stream_ends(api: API) -> None:
+    await limit(requests_in_flight=1)
+    held = await api.post(CHAT, ask(stream=True, max_tokens=4))
+    assert held.status_code == 200
+    refused = await api.post(CHAT, ask())
+    assert refused.status_code == 429
+    assert "requests in flight" in refused.json()["error"]["message"]
+    assert refused["Retry-After"] == "1"
+    await read_stream(held)
+    assert (await api.post(CHAT, ask())).status_code == 200
+
+
+async def test_a_failed_request_still_counts_but_frees_its_slot(api: API, clock: Clock) -> None:
+    await limit(requests_per_minute=2, requests_in_flight=1)
+    bad = await api.post(CHAT, ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}))
+    assert bad.status_code in (200, 400, 500)
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+
+
+async def test_a_per_model_limit_overrides_the_default(api: API, catalog_model: CatalogEntry) -> None:
+    await limit(requests_per_minute=1)
+    await limit(model=catalog_model, requests_per_minute=3)
+    statuses = [(await api.post(CHAT, ask())).status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
+
+
+async def test_a_changed_limit_applies_within_seconds(api: API, monkeypatch: pytest.MonkeyPatch) -> None:
+    row = await limit(requests_per_minute=1)
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+    row.requests_per_minute = 10
+    await row.asave()
+    ticks = iter([1e9, 1e9 + admission.LIMITS_CACHE_SECONDS + 0.1])
+    monkeypatch.setattr(admission.time, "monotonic", lambda: next(ticks, 1e9 + 10))
+    assert (await api.post(CHAT, ask())).status_code == 200
+
+
+async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
+    await limit(requests_per_minute=0)
+    refused = await api.post(CHAT, ask())
+    assert refused.status_code == 429
+    usage.flush()
+    record = await UsageRecord.objects.aget()
+    assert (record.status, record.error_code, record.request_id) == (429, "rate_limited", refused["x-request-id"])
