@@ -205,6 +205,28 @@ WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
 # In-process generation slots per model in embedded mode (each holds one loaded model).
 EMBEDDED_WORKERS_PER_MODEL = _int("EMBEDDED_WORKERS_PER_MODEL", 1)
 
+# --- usage, reports, metrics ------------------------------------------------------------------
+# Raw usage records older than this many days are deleted once rolled up into daily rollups
+# (0 keeps them forever); reports read the rollups for past days.
+USAGE_RETENTION_DAYS = _int("USAGE_RETENTION_DAYS", 30)
+if USAGE_RETENTION_DAYS < 0:
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E020",
+            f"USAGE_RETENTION_DAYS={USAGE_RETENTION_DAYS} is negative.",
+            "Use a number of days, or 0 to keep raw usage records forever.",
+        )
+    )
+    USAGE_RETENTION_DAYS = 30
+# How often the embedded server (and Celery beat, in distributed mode) rolls usage up.
+USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600)
+# `celery -A config beat` runs the rollup; some worker must consume the default queue ("celery").
+CELERY_BEAT_SCHEDULE = {"rollup-usage": {"task": "inference.rollup_usage", "schedule": float(USAGE_ROLLUP_INTERVAL_SECONDS)}}
+# When set, /metrics answers only requests with 'Authorization: Bearer <METRICS_TOKEN>'.
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
+# How long /health waits for Celery workers to say which queues they consume.
+HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1)
+
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
 

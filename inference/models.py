@@ -102,3 +102,40 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.model} {self.status}"
+
+
+class UsageDailyRollup(models.Model):
+    """One UTC day of usage for one organization, key, model, endpoint and route.
+
+    Reports read these for past days, so they stay fast however many raw records there were, and
+    raw records can be pruned after ``USAGE_RETENTION_DAYS``. Latencies are kept as sparse histograms
+    (``{bucket: count}``, see ``inference.reports``) so that percentiles can be computed over any
+    set of rollups, which averages or stored percentiles would not allow.
+    """
+
+    day = models.DateField()
+    organization = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="usage_rollups")
+    api_key = models.ForeignKey("orgs.APIKey", on_delete=models.SET_NULL, null=True, related_name="usage_rollups")
+    model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=64)
+    route = models.CharField(max_length=16, default="node")
+    requests = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    error_codes = models.JSONField(default=dict, blank=True, help_text="Errors by code: {\"rate_limited\": 3}.")
+    input_tokens = models.PositiveBigIntegerField(default=0)
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    reasoning_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    time_to_first_token_count = models.PositiveIntegerField(default=0)
+    time_to_first_token_ms_sum = models.PositiveBigIntegerField(default=0)
+    time_to_first_token_histogram = models.JSONField(default=dict, blank=True)
+    total_ms_sum = models.PositiveBigIntegerField(default=0)
+    total_ms_histogram = models.JSONField(default=dict, blank=True)
+    computed = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-day", "organization", "model"]
+        indexes = [models.Index(fields=["day", "organization"]), models.Index(fields=["organization", "day"])]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.organization_id} {self.model} {self.requests}"

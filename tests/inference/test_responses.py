@@ -152,7 +152,6 @@ def toy_model(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch) -> I
     transformers = types.ModuleType("transformers")
     transformers.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: EchoTokenizer())  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers", transformers)
-    monkeypatch.setattr(tensorrt_llm_runner, "_TOKENIZERS", {})
     monkeypatch.setattr(execution, "_runners", {})
     monkeypatch.setattr(execution, "_renderers", {})
     yield CatalogEntry.objects.create(
