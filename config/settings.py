@@ -229,6 +229,11 @@ HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1)
 
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
+# Longest wait for the upstream's next bytes; connections pooled per API process.
+GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60)
+GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512)
+# Charged at admission for a gateway request that sets no output limit.
+GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
 
 LOGGING = {
     "version": 1,

@@ -6,8 +6,12 @@ from .errors import model_not_available
 from .models import CatalogEntry
 
 
+async def find_enabled_model(model_id: str) -> CatalogEntry | None:
+    return await CatalogEntry.objects.enabled().filter(public_id=model_id).afirst()
+
+
 async def get_enabled_model(model_id: str) -> CatalogEntry:
-    entry = await CatalogEntry.objects.enabled().filter(public_id=model_id).afirst()
+    entry = await find_enabled_model(model_id)
     if entry is None:
         raise model_not_available(model_id)
     return entry

@@ -212,16 +212,15 @@ def days_between(start: date, end: date) -> list[date]:
 
 def _created_on(days: Iterable[date]) -> Q:
     """Records created on any of ``days``, as ranges of ``created`` (so the index serves the query)."""
+    ranges: list[list[date]] = []
+    for day in sorted(set(days)):
+        if ranges and day == ranges[-1][1]:
+            ranges[-1][1] = day + timedelta(days=1)
+        else:
+            ranges.append([day, day + timedelta(days=1)])
     q = Q(pk__in=[])
-    run_start: date | None = None
-    previous: date | None = None
-    for day in [*sorted(set(days)), None]:
-        if day is not None and previous is not None and day == previous + timedelta(days=1):
-            previous = day
-            continue
-        if run_start is not None and previous is not None:
-            q |= Q(created__gte=day_start(run_start), created__lt=day_start(previous + timedelta(days=1)))
-        run_start = previous = day
+    for first, after in ranges:
+        q |= Q(created__gte=day_start(first), created__lt=day_start(after))
     return q
 
 
@@ -306,7 +305,7 @@ def roll_up() -> list[date]:
     first = _first_record_day(today)
     if first is None:
         return []
-    rolled = set(UsageDailyRollup.objects.filter(day__gte=first, day__lt=today).values_list("day", flat=True).distinct())
+    rolled = set(UsageDailyRollup.objects.filter(day__gte=first, day__lt=today).order_by().values_list("day", flat=True).distinct())
     recent = today - timedelta(days=REROLL_DAYS)
     done = []
     for day in days_between(first, today):
@@ -403,14 +402,11 @@ def usage_rows(usage: UsageFilter) -> list[UsageRow]:
     """The filter's usage per day and dimension: rollups where a day has them, raw records otherwise."""
     today = utc_today()
     last = min(usage.end, today + timedelta(days=1))
-    rolled = set(
-        UsageDailyRollup.objects.filter(day__gte=usage.start, day__lt=min(last, today))
-        .values_list("day", flat=True)
-        .distinct()
-    )
+    rollups = UsageDailyRollup.objects.filter(day__gte=usage.start, day__lt=min(last, today))
+    rolled = set(rollups.order_by().values_list("day", flat=True).distinct())
     rows = [
         UsageRow(r.day, r.organization_id, r.api_key_id, r.model, r.endpoint, r.route, Tally.of_rollup(r))
-        for r in usage.narrow(UsageDailyRollup.objects.filter(day__in=rolled)).order_by().iterator()
+        for r in usage.narrow(rollups).order_by().iterator(chunk_size=2000)
     ]
     raw_days = [day for day in days_between(usage.start, last) if day not in rolled]
     if raw_days:

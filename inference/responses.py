@@ -160,7 +160,7 @@ def _refuse_item(item: wire.OtherItem, index: int) -> APIError:
     if item.type == "item_reference":
         return unsupported_parameter(param, f"item_reference needs stored items: {wire.STATELESS}")
     tool = item.type.removesuffix("_output").removesuffix("_call")
-    if tool in wire.SERVER_TOOLS or item.type.startswith(("mcp_", "web_search", "computer_", "image_generation")):
+    if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
         return unsupported_parameter(
             param, f"{item.type} items come from tools that run on OpenAI's side; this node serves function tools only"
         )

@@ -11,7 +11,9 @@ from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
 from . import chat, protocol, responses
-from .catalog import get_enabled_model
+from . import gateway
+from .catalog import find_enabled_model, get_enabled_model
+from .errors import invalid_request
 from .errors import to_api_error
 from .generation import Done, Generation, prepare
 from .models import CatalogEntry
@@ -35,7 +37,7 @@ class Result:
 
     headers: dict[str, str]
     body: dict[str, Any] | None = None
-    stream: AsyncIterator[str] | None = None
+    stream: AsyncIterator[str] | AsyncIterator[bytes] | None = None
     route: str = "node"
 
 
@@ -177,3 +179,66 @@ async def create_response(*, params: ResponseCreateRequest, caller: Caller) -> R
         return Result(headers=grant.headers, body=body)
 
     return await run_admitted(caller=caller, model=params.model, endpoint="responses", build=build, respond=respond)
+
+
+# --- the gateway route -----------------------------------------------------------------------------
+
+
+async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str, endpoint: str) -> Result:
+    """Send a request with ``"route": "gateway"`` upstream, under the same admission and accounting."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    entry = await find_enabled_model(model)
+    upstream = gateway.upstream_for(model, entry)
+    forwarded = {key: value for key, value in body.items() if key != "route"}
+    forwarded["model"] = upstream.model
+    meter = _meter(caller, model=model, endpoint=endpoint, route="gateway")
+    try:
+        grant = await admit(
+            organization_id=caller.organization_id,
+            model_pk=entry.pk if entry else None,
+            tokens=gateway.estimate_tokens(body),
+        )
+    except LimitExceeded as exc:
+        _record_error(meter, None, exc)
+        raise
+    tally = gateway.Tally()
+    try:
+        if not body.get("stream"):
+            data = await gateway.forward_json(upstream=upstream, path=path, body=forwarded, request_id=caller.request_id, tally=tally)
+            data["b3os"] = {**(data.get("b3os") if isinstance(data.get("b3os"), dict) else {}), "route": "gateway"}
+            grant.release()
+            _record_tally(meter, tally)
+            return Result(headers=grant.headers, body=data, route="gateway")
+        response = await gateway.open_stream(upstream=upstream, path=path, body=forwarded, request_id=caller.request_id)
+    except BaseException as exc:
+        grant.release()
+        _record_error(meter, None, exc)
+        raise
+    stream = _gateway_stream(gateway.relay_stream(response, tally), grant=grant, meter=meter, tally=tally)
+    return Result(headers=grant.headers, stream=stream, route="gateway")
+
+
+def _record_tally(meter: Meter, tally: gateway.Tally, *, disconnected: bool = False) -> None:
+    ttft = None if tally.first_byte_at is None else int((tally.first_byte_at - meter.started) * 1000)
+    meter.record(
+        status=499 if disconnected else tally.status,
+        error_code="client_disconnected" if disconnected else tally.error_code,
+        input_tokens=tally.input_tokens,
+        output_tokens=tally.output_tokens,
+        reasoning_tokens=tally.reasoning_tokens,
+        cached_tokens=tally.cached_tokens,
+        time_to_first_token_ms=ttft,
+    )
+
+
+async def _gateway_stream(chunks: AsyncIterator[bytes], *, grant: Grant, meter: Meter, tally: gateway.Tally) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        async for chunk in chunks:
+            yield chunk
+        finished = True
+    finally:
+        grant.release()
+        _record_tally(meter, tally, disconnected=not finished)

@@ -45,12 +45,13 @@ def test_the_sdk_creates_a_response(client: OpenAI) -> None:
 
 
 def test_the_sdk_stream_helper_reads_the_event_stream(client: OpenAI) -> None:
-    with client.responses.stream(model=MODEL_ID, input="Name one river in Oregon.", max_output_tokens=24, temperature=0) as stream:
+    # A short answer: the helper's final response needs response.completed, not response.incomplete.
+    with client.responses.stream(model=MODEL_ID, input="Say hello.", max_output_tokens=48, temperature=0) as stream:
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
 
     assert deltas and "".join(deltas) == final.output_text
-    assert final.status in ("completed", "incomplete")
+    assert final.status == "completed" and final.usage is not None
 
 
 def test_the_sdk_parses_structured_output_into_a_pydantic_model(client: OpenAI) -> None:
@@ -107,11 +108,15 @@ def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer) -> None:
             model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
             tool_use_behavior="stop_on_first_tool",
         )
-        return await Runner.run(agent, "What is the weather in Eugene, Oregon? Use the tool.")
+        # Streamed, so the SDK reads the function call from the event stream.
+        result = Runner.run_streamed(agent, "What is the weather in Eugene, Oregon? Use the tool.")
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
 
-    result = asyncio.run(run())
+    result, kinds = asyncio.run(run())
 
     assert calls and result.final_output == "52F and raining"
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
 
 
 def test_a_request_shaped_like_codexs_streams_valid_events(node_server: LiveServer, openai_spec: OpenAISpec) -> None:

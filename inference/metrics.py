@@ -1,0 +1,116 @@
+"""Prometheus metrics of the API process, and the small calls the request path makes to feed them.
+
+Each API process exposes its own numbers at ``/metrics``; Prometheus scrapes every process and adds
+them up. Labels stay few and bounded: model, organization (slug), status and error code.
+
+The request path calls:
+
+- ``observe_request(...)`` once per request that reached admission, when its usage is recorded;
+- ``in_flight(model).inc()`` when a request is admitted and ``.dec()`` when its slot is released;
+- ``rejected(model=..., organization=..., limit=...)`` when admission refuses a request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+# Time to first token is tens of milliseconds on a warm GPU and seconds behind a queue; whole
+# requests run up to the stream limit.
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+REQUESTS = Counter(
+    "b3os_requests",
+    "Requests that reached admission, by how they ended.",
+    ["model", "organization", "endpoint", "status", "code"],
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "b3os_tokens",
+    "Tokens processed: input (prompt), output (completion), and the cached and reasoning parts of them.",
+    ["model", "organization", "kind"],
+    registry=REGISTRY,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "b3os_time_to_first_token_seconds",
+    "Time from the request's arrival to its first generated token.",
+    ["model"],
+    buckets=TTFT_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_DURATION = Histogram(
+    "b3os_request_duration_seconds",
+    "Time from the request's arrival to its end (the last byte of a stream).",
+    ["model", "endpoint"],
+    buckets=DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+IN_FLIGHT = Gauge(
+    "b3os_requests_in_flight",
+    "Admitted requests not finished yet, in this process.",
+    ["model"],
+    registry=REGISTRY,
+)
+REJECTED = Counter(
+    "b3os_rejected_requests",
+    "Requests refused by a limit at admission.",
+    ["model", "organization", "limit"],
+    registry=REGISTRY,
+)
+
+
+def observe_request(
+    *,
+    model: str,
+    organization: str,
+    status: int,
+    total_ms: float,
+    endpoint: str = "",
+    error_code: str = "",
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+    reasoning_tokens: int = 0,
+    cached_tokens: int = 0,
+    ttft_ms: float | None = None,
+) -> None:
+    """Count one finished request (any outcome) and its tokens and timings."""
+    REQUESTS.labels(model, organization, endpoint, str(status), error_code).inc()
+    for kind, count in (
+        ("input", input_tokens),
+        ("output", output_tokens),
+        ("reasoning", reasoning_tokens),
+        ("cached", cached_tokens),
+    ):
+        if count:
+            TOKENS.labels(model, organization, kind).inc(count)
+    if ttft_ms is not None:
+        TIME_TO_FIRST_TOKEN.labels(model).observe(ttft_ms / 1000)
+    REQUEST_DURATION.labels(model, endpoint).observe(total_ms / 1000)
+
+
+def in_flight(model: str) -> Gauge:
+    """The model's in-flight gauge: ``.inc()`` on admission, ``.dec()`` on release."""
+    return IN_FLIGHT.labels(model)
+
+
+def rejected(*, model: str, organization: str, limit: str) -> None:
+    """Count a request refused at admission; ``limit`` names the limit (``requests_per_minute``, …)."""
+    REJECTED.labels(model, organization, limit).inc()
+
+
+def exposition() -> tuple[bytes, str]:
+    """The registry in Prometheus' text format, and its content type."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
