@@ -84,14 +84,17 @@ DISTRIBUTED = bool(REDIS_URL)
 # --- database ----------------------------------------------------------------------------------
 _default_db = f"sqlite:///{VAR_DIR / 'b3os.sqlite3'}"
 try:
-    DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _default_db, conn_max_age=60)}
+    DATABASES = {
+        "default": dj_database_url.parse(
+            os.environ.get("DATABASE_URL") or _default_db, conn_max_age=60, conn_health_checks=True
+        )
+    }
 except (ValueError, KeyError) as exc:
     CONFIG_PROBLEMS.append(
         ("config.E004", f"DATABASE_URL cannot be read: {exc}", "Use postgres://user:pass@host/db or sqlite:///path.")
     )
     DATABASES = {"default": dj_database_url.parse(_default_db)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
@@ -108,7 +111,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "adrf",
     "channels",
     "config",
     "orgs",

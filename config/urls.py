@@ -1,9 +1,15 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from inference import operations
+
 urlpatterns = [
+    # Before the admin's own URLs, which would otherwise answer 404 for this path.
+    path("admin/usage/report/", admin.site.admin_view(operations.usage_report), name="usage-report"),
     path("admin/", admin.site.urls),
     path("v1/infer/", include("inference.urls")),
+    path("metrics", operations.metrics, name="metrics"),
+    path("health", operations.health, name="health"),
 ]
 
 handler400 = "inference.errors.handler400"

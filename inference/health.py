@@ -146,21 +146,23 @@ def _active_queues(timeout: float) -> Mapping[str, list[dict[str, Any]]] | None:
     return current_app.control.inspect(timeout=timeout).active_queues()
 
 
-async def check_models() -> list[ModelHealth]:
+async def check_models(*, broker_answers: bool) -> list[ModelHealth]:
     entries = [entry async for entry in CatalogEntry.objects.enabled()]
     if not settings.DISTRIBUTED:
         return await asyncio.to_thread(lambda: [embedded_model(entry) for entry in entries])
-    timeout = float(settings.HEALTH_WORKER_TIMEOUT_SECONDS)
-    try:
-        replies = await asyncio.wait_for(asyncio.to_thread(_active_queues, timeout), timeout + 2)
-    except Exception:  # noqa: BLE001  (a broker that does not answer means no worker is known)
-        replies = None
+    replies = None
+    if broker_answers:
+        timeout = float(settings.HEALTH_WORKER_TIMEOUT_SECONDS)
+        try:
+            replies = await asyncio.wait_for(asyncio.to_thread(_active_queues, timeout), timeout + 2)
+        except Exception:  # noqa: BLE001  (a broker that does not answer means no worker is known)
+            replies = None
     return distributed_models(entries, replies)
 
 
 async def check() -> Health:
     database, redis = await asyncio.gather(check_database(), check_redis())
-    models = await check_models() if database.status == "ok" else []
+    models = await check_models(broker_answers=redis.status == "ok") if database.status == "ok" else []
     if database.status == "error" or redis.status == "error":
         status: Literal["ok", "degraded", "down"] = "down"
     elif any(model.status != "ok" for model in models):

@@ -12,16 +12,8 @@ The request path calls:
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.exposition import choose_encoder
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
@@ -111,6 +103,8 @@ def rejected(*, model: str, organization: str, limit: str) -> None:
     REJECTED.labels(model, organization, limit).inc()
 
 
-def exposition() -> tuple[bytes, str]:
-    """The registry in Prometheus' text format, and its content type."""
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+def exposition(accept: str = "") -> tuple[bytes, str]:
+    """The registry in the format the scraper's ``Accept`` header asks for (Prometheus' classic text
+    format by default, OpenMetrics on request), and its content type."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(REGISTRY), content_type

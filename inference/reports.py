@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime, time, timedelta
 from datetime import timezone as dt_timezone
@@ -293,25 +293,33 @@ def roll_up_day(day: date) -> int | None:
     return len(rows)
 
 
-def _first_record_day(before: date) -> date | None:
-    first = UsageRecord.objects.filter(created__lt=day_start(before)).aggregate(first=Min("created"))["first"]
-    return first.astimezone(dt_timezone.utc).date() if first else None
+def _days_with_records(before: date) -> Iterator[date]:
+    """The days before ``before`` that have raw records, oldest first: one index seek per such day, so
+    long gaps cost nothing."""
+    since: datetime | None = None
+    while True:
+        records = UsageRecord.objects.filter(created__lt=day_start(before))
+        if since is not None:
+            records = records.filter(created__gte=since)
+        first = records.aggregate(first=Min("created"))["first"]
+        if first is None:
+            return
+        day = first.astimezone(dt_timezone.utc).date()
+        yield day
+        since = day_start(day + timedelta(days=1))
 
 
 def roll_up() -> list[date]:
     """Roll up every past day that has raw records and no rollups yet, and the last ``REROLL_DAYS``
     again; the days rolled up."""
     today = utc_today()
-    first = _first_record_day(today)
-    if first is None:
-        return []
-    rolled = set(UsageDailyRollup.objects.filter(day__gte=first, day__lt=today).order_by().values_list("day", flat=True).distinct())
     recent = today - timedelta(days=REROLL_DAYS)
-    done = []
-    for day in days_between(first, today):
-        if (day not in rolled or day >= recent) and roll_up_day(day) is not None:
-            done.append(day)
-    return done
+    rolled = set(UsageDailyRollup.objects.filter(day__lt=recent).order_by().values_list("day", flat=True).distinct())
+    return [
+        day
+        for day in list(_days_with_records(today))
+        if (day not in rolled or day >= recent) and roll_up_day(day) is not None
+    ]
 
 
 def retention_cutoff() -> date | None:
@@ -324,11 +332,10 @@ def prune() -> int:
     """Delete raw records of days before the retention cutoff, a day at a time, each only once it is
     rolled up; the number of records deleted."""
     cutoff = retention_cutoff()
-    first = _first_record_day(cutoff) if cutoff else None
-    if cutoff is None or first is None:
+    if cutoff is None:
         return 0
     deleted = 0
-    for day in days_between(first, cutoff):
+    for day in list(_days_with_records(cutoff)):
         if not UsageDailyRollup.objects.filter(day=day).exists():
             roll_up_day(day)
         count, _ = UsageRecord.objects.filter(_created_on([day])).delete()

@@ -56,11 +56,14 @@ def _message_content(item: wire.EasyInputMessage, param: str, entry: CatalogEntr
                 )
             if not entry.image_input:
                 raise invalid_request(
-                    f"The model {entry.public_id!r} does not accept image input.", param=where, code="unsupported_content"
+                    f"The model {entry.public_id!r} does not accept image input.",
+                    param=where,
+                    code="unsupported_content",
                 )
             if part.image_url is None:
                 raise invalid_request(
-                    "input_image needs an image_url: images by file_id need the Files API, which this node does not serve.",
+                    "input_image needs an image_url: images by file_id need the Files API, "
+                    "which this node does not serve.",
                     param=f"{where}.image_url",
                     code="unsupported_content",
                 )
@@ -114,8 +117,9 @@ class _Conversation:
     def function_call(self, item: wire.FunctionCall, index: int) -> None:
         param = f"input.{index}"
         if item.call_id in self.calls:
+            earlier = self.calls[item.call_id]
             raise invalid_request(
-                f"call_id {json.dumps(item.call_id)} is already used by the function_call at input.{self.calls[item.call_id]}",
+                f"call_id {json.dumps(item.call_id)} is already used by the function_call at input.{earlier}",
                 param=f"{param}.call_id",
             )
         try:
@@ -172,7 +176,9 @@ def conversation(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> li
     state = _Conversation()
     if request.instructions:
         state.messages.append({"role": "system", "content": request.instructions})
-    items = [wire.EasyInputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    items = (
+        [wire.EasyInputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    )
     for index, item in enumerate(items):
         if isinstance(item, wire.EasyInputMessage):
             content = _message_content(item, f"input.{index}", entry)
@@ -191,7 +197,9 @@ def conversation(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> li
             raise _refuse_item(item, index)
     state.unanswered()
     if not any(m["role"] != "system" for m in state.messages):
-        raise invalid_request("input holds no message for the model to respond to.", param="input", code="invalid_value")
+        raise invalid_request(
+            "input holds no message for the model to respond to.", param="input", code="invalid_value"
+        )
     return state.messages
 
 
@@ -200,7 +208,9 @@ def conversation(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> li
 
 def _tool_choice(request: wire.ResponseCreateRequest) -> ToolChoice:
     choice = request.tool_choice
-    return choice.name if isinstance(choice, wire.ToolChoiceFunction) else (choice or "auto")  # type: ignore[return-value]
+    if isinstance(choice, wire.ToolChoiceFunction):
+        return choice.name
+    return choice if isinstance(choice, str) else "auto"
 
 
 def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> GenerationRequest:
@@ -237,11 +247,10 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
 
 
 def echo(request: wire.ResponseCreateRequest) -> dict[str, Any]:
-    choice = request.tool_choice
-    echoed: str | dict[str, Any] = (
-        {"type": "function", "name": choice.name} if isinstance(choice, wire.ToolChoiceFunction) else (choice or "auto")  # type: ignore[assignment]
-    )
-    return wire.request_echo(request, tool_choice=echoed)
+    """The request's settings as the Response repeats them."""
+    applied = _tool_choice(request)
+    named = isinstance(request.tool_choice, wire.ToolChoiceFunction)
+    return wire.request_echo(request, tool_choice={"type": "function", "name": applied} if named else applied)
 
 
 # --- generation events to output items and stream events -------------------------------------------
@@ -256,6 +265,10 @@ class _OpenItem:
     output_index: int
     text: list[str] = field(default_factory=list)
     logprobs: LogprobItems = field(default_factory=list)
+
+    @property
+    def ref(self) -> wire.ContentRef:
+        return {"item_id": self.item_id, "output_index": self.output_index, "content_index": 0}
 
     def part(self) -> dict[str, Any]:
         text = "".join(self.text)
@@ -284,7 +297,9 @@ class ResponseEncoder:
         self._sequence = 0
         self.response = self._response("in_progress")
 
-    def _response(self, status: Literal["in_progress", "completed", "incomplete", "failed"], **kwargs: Any) -> dict[str, Any]:
+    def _response(
+        self, status: Literal["in_progress", "completed", "incomplete", "failed"], **kwargs: Any
+    ) -> dict[str, Any]:
         return wire.response_object(
             response_id=self.response_id,
             created_at=self.created_at,
@@ -350,13 +365,13 @@ class ResponseEncoder:
         item = self._open
         assert item is not None
         item.text.append(text)
-        where = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
         if kind == "reasoning":
-            events.append(wire.reasoning_text_delta_event(**where, delta=text))
+            events.append(wire.reasoning_text_delta_event(item.ref, text))
         else:
+            # Logprobs arrive before the text they belong to, which the decoder may have held back.
             logprobs, self._pending_logprobs = self._pending_logprobs, []
             item.logprobs.extend(logprobs)
-            events.append(wire.output_text_delta_event(**where, delta=text, logprobs=wire.delta_logprob_objects(logprobs)))
+            events.append(wire.output_text_delta_event(item.ref, text, wire.delta_logprob_objects(logprobs)))
         return events
 
     def _open_item(self, kind: Literal["message", "reasoning"]) -> list[dict[str, Any]]:
@@ -364,9 +379,7 @@ class ResponseEncoder:
         self._open = item
         return [
             wire.output_item_event("added", output_index=item.output_index, item=item.item("in_progress", [])),
-            wire.content_part_event(
-                "added", item_id=item.item_id, output_index=item.output_index, content_index=0, part=_empty(kind)
-            ),
+            wire.content_part_event("added", item.ref, _empty(kind)),
         ]
 
     def _close(self, status: wire.ItemStatus) -> list[dict[str, Any]]:
@@ -374,16 +387,15 @@ class ResponseEncoder:
         if item is None:
             return []
         part = item.part()
-        where = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
         if item.kind == "message":
-            done = wire.output_text_done_event(**where, text=part["text"], logprobs=wire.delta_logprob_objects(item.logprobs))
+            done = wire.output_text_done_event(item.ref, part["text"], wire.delta_logprob_objects(item.logprobs))
         else:
-            done = wire.reasoning_text_done_event(**where, text=part["text"])
+            done = wire.reasoning_text_done_event(item.ref, part["text"])
         finished = item.item(status, [part])
         self.output.append(finished)
         return [
             done,
-            wire.content_part_event("done", **where, part=part),
+            wire.content_part_event("done", item.ref, part),
             wire.output_item_event("done", output_index=item.output_index, item=finished),
         ]
 

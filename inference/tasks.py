@@ -26,3 +26,11 @@ def _loop() -> asyncio.AbstractEventLoop:
 @shared_task(name="inference.generate", ignore_result=True, acks_late=False)
 def generate(job: dict[str, Any], reply_channel: str) -> None:
     _loop().run_until_complete(serve_job(GenerationJob.from_dict(job), reply_channel))
+
+
+@shared_task(name="inference.rollup_usage", ignore_result=True)
+def rollup_usage() -> None:
+    """Roll usage up into daily rollups and prune old raw records (scheduled by Celery beat)."""
+    from .reports import roll_up_and_prune
+
+    roll_up_and_prune()

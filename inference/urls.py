@@ -7,4 +7,5 @@ urlpatterns = [
     path("models/<path:model_id>", api.ModelDetailView.as_view()),
     path("chat/completions", api.ChatCompletionsView.as_view()),
     path("responses", api.ResponsesView.as_view()),
+    path("usage", api.UsageView.as_view()),
 ]

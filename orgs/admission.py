@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from .db import db_task
 from .exceptions import LimitExceeded
 from .models import Limit
 
@@ -90,7 +90,7 @@ async def limits_for(organization_id: int, model_pk: int | None) -> Limits:
     cached = _limits_cache.get(key)
     if cached and now - cached[0] < LIMITS_CACHE_SECONDS:
         return cached[1]
-    limits = await sync_to_async(_load_limits, thread_sensitive=False)(organization_id, model_pk)
+    limits = await db_task(_load_limits)(organization_id, model_pk)
     _limits_cache[key] = (now, limits)
     return limits
 

@@ -145,9 +145,10 @@ def sse_data(text: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _fresh_limits_and_usage() -> Iterator[None]:
-    from inference import usage
+    from inference import catalog, usage
     from orgs.admission import clear_limits_cache, memory_store
 
+    catalog.clear_cache()
     clear_limits_cache()
     memory_store.reset()
     yield

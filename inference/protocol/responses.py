@@ -7,7 +7,7 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
@@ -104,7 +104,7 @@ class FunctionCallOutput(LooseModel):
 
 class ReasoningItem(LooseModel):
     type: Literal["reasoning"]
-    summary: list[SummaryText] = []
+    summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
 
@@ -131,9 +131,7 @@ InputItem = Annotated[
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
-Input = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("list")], Discriminator(_text_or_list)
-]
+Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("list")], Discriminator(_text_or_list)]
 
 
 # --- request: tools, formats, reasoning -----------------------------------------------------------
@@ -272,7 +270,9 @@ class ResponseCreateRequest(WireModel):
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
+    # Caching hints, best-effort at OpenAI too: accepted, with no effect here.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -282,7 +282,6 @@ class ResponseCreateRequest(WireModel):
     prompt: Any = None
     background: bool | None = None
     context_management: Any = None
-    prompt_cache_options: Any = None
     moderation: Any = None
 
     @field_validator("metadata")
@@ -296,7 +295,6 @@ class ResponseCreateRequest(WireModel):
             "conversation": f"conversation is not supported: {STATELESS}",
             "prompt": "stored prompts are not supported: send instructions and input instead",
             "context_management": "server-side context management is not supported",
-            "prompt_cache_options": "prompt_cache_options is not supported on this node",
             "moderation": "moderation is not supported on this node",
         }
         for name, message in refused.items():
@@ -530,62 +528,32 @@ def output_item_event(kind: Literal["added", "done"], *, output_index: int, item
     return {"type": f"response.output_item.{kind}", "output_index": output_index, "item": item}
 
 
-def content_part_event(
-    kind: Literal["added", "done"], *, item_id: str, output_index: int, content_index: int, part: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "type": f"response.content_part.{kind}",
-        "item_id": item_id,
-        "output_index": output_index,
-        "content_index": content_index,
-        "part": part,
-    }
+class ContentRef(TypedDict):
+    """Where a content event belongs: the item, its place in the output, and the part within it."""
+
+    item_id: str
+    output_index: int
+    content_index: int
 
 
-def output_text_delta_event(
-    *, item_id: str, output_index: int, content_index: int, delta: str, logprobs: list[dict[str, Any]]
-) -> dict[str, Any]:
-    return {
-        "type": "response.output_text.delta",
-        "item_id": item_id,
-        "output_index": output_index,
-        "content_index": content_index,
-        "delta": delta,
-        "logprobs": logprobs,
-    }
+def content_part_event(kind: Literal["added", "done"], at: ContentRef, part: dict[str, Any]) -> dict[str, Any]:
+    return {"type": f"response.content_part.{kind}", **at, "part": part}
 
 
-def output_text_done_event(
-    *, item_id: str, output_index: int, content_index: int, text: str, logprobs: list[dict[str, Any]]
-) -> dict[str, Any]:
-    return {
-        "type": "response.output_text.done",
-        "item_id": item_id,
-        "output_index": output_index,
-        "content_index": content_index,
-        "text": text,
-        "logprobs": logprobs,
-    }
+def output_text_delta_event(at: ContentRef, delta: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "response.output_text.delta", **at, "delta": delta, "logprobs": logprobs}
 
 
-def reasoning_text_delta_event(*, item_id: str, output_index: int, content_index: int, delta: str) -> dict[str, Any]:
-    return {
-        "type": "response.reasoning_text.delta",
-        "item_id": item_id,
-        "output_index": output_index,
-        "content_index": content_index,
-        "delta": delta,
-    }
+def output_text_done_event(at: ContentRef, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "response.output_text.done", **at, "text": text, "logprobs": logprobs}
 
 
-def reasoning_text_done_event(*, item_id: str, output_index: int, content_index: int, text: str) -> dict[str, Any]:
-    return {
-        "type": "response.reasoning_text.done",
-        "item_id": item_id,
-        "output_index": output_index,
-        "content_index": content_index,
-        "text": text,
-    }
+def reasoning_text_delta_event(at: ContentRef, delta: str) -> dict[str, Any]:
+    return {"type": "response.reasoning_text.delta", **at, "delta": delta}
+
+
+def reasoning_text_done_event(at: ContentRef, text: str) -> dict[str, Any]:
+    return {"type": "response.reasoning_text.done", **at, "text": text}
 
 
 def function_call_arguments_delta_event(*, item_id: str, output_index: int, delta: str) -> dict[str, Any]:

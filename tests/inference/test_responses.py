@@ -132,9 +132,7 @@ async def stream(api: API, body: dict[str, Any], spec: OpenAISpec) -> tuple[list
 
 
 def output_text(response: dict[str, Any]) -> str:
-    return "".join(
-        part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"]
-    )
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
 
 
 # --- a reasoning model on the TensorRT-LLM stand-in ------------------------------------------------
@@ -145,7 +143,9 @@ class EchoTokenizer:
 
     chat_template = "{% for message in messages %}{{ message.content }}\n{% endfor %}"
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str | None = None, **_: Any) -> str:
+    def apply_chat_template(
+        self, conversation: list[dict[str, Any]], *, chat_template: str | None = None, **_: Any
+    ) -> str:
         return jinja2.Template(chat_template or self.chat_template).render(messages=conversation)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -212,7 +212,8 @@ async def test_it_answers_a_string_input_with_a_complete_response(api: API, open
     assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 48
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
-    assert (result["store"], result["metadata"], result["user"], result["temperature"]) == (False, {"ticket": "42"}, "user-1", 0)
+    assert result["store"] is False and result["metadata"] == {"ticket": "42"}
+    assert (result["user"], result["temperature"]) == ("user-1", 0)
     assert (result["tools"], result["tool_choice"], result["truncation"]) == ([], "auto", "disabled")
 
 
@@ -222,7 +223,8 @@ async def test_it_records_usage_for_the_responses_endpoint(api: API) -> None:
     flush()
     record = await UsageRecord.objects.aget(request_id__isnull=False)
     assert (record.endpoint, record.model, record.status, record.error_code) == ("responses", MODEL_ID, 200, "")
-    assert (record.input_tokens, record.output_tokens) == (result["usage"]["input_tokens"], result["usage"]["output_tokens"])
+    usage = result["usage"]
+    assert (record.input_tokens, record.output_tokens) == (usage["input_tokens"], usage["output_tokens"])
 
 
 async def test_it_streams_the_events_in_the_order_openai_sends_them(api: API, openai_spec: OpenAISpec) -> None:
@@ -281,7 +283,12 @@ async def test_it_accepts_a_replayed_conversation_with_the_ids_and_statuses_clie
     history = [
         {"role": "developer", "content": "Answer in one sentence."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION["content"]}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Use the tool."}]},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Use the tool."}],
+        },
         {
             "type": "function_call",
             "id": "fc_1",
@@ -290,12 +297,18 @@ async def test_it_accepts_a_replayed_conversation_with_the_ids_and_statuses_clie
             "arguments": '{"city": "Eugene"}',
             "status": "completed",
         },
-        {"type": "function_call_output", "call_id": "call_weather_1", "output": "52F and raining", "status": "completed"},
+        {
+            "type": "function_call_output",
+            "call_id": "call_weather_1",
+            "output": "52F and raining",
+            "status": "completed",
+        },
         {
             "type": "message",
             "id": "msg_1",
             "role": "assistant",
             "status": "completed",
+            "phase": "final_answer",
             "content": [{"type": "output_text", "text": "It is 52F and raining.", "annotations": [], "logprobs": []}],
         },
         {"role": "user", "content": "Should I take an umbrella?"},
@@ -331,7 +344,11 @@ def test_it_folds_input_items_into_the_chat_templates_messages(catalog_model: Ca
             "content": "Checking.",
             "reasoning_content": "Call it.",
             "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'}},
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'},
+                },
                 {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bend"}'}},
             ],
         },
@@ -397,7 +414,11 @@ async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
 @pytest.mark.parametrize(
     ("item", "param", "code"),
     [
-        ({"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "nope"}]}, "input.0.content.1", "invalid_value"),
+        (
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "nope"}]},
+            "input.0.content.1",
+            "invalid_value",
+        ),
         ({"role": "wizard", "content": "hi"}, "input.0.role", "invalid_value"),
         ({"role": "user"}, "input.0.content", "missing_required_parameter"),
         ({"content": "hi"}, "input.0.type", "missing_required_parameter"),
@@ -408,9 +429,22 @@ async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
             "input.0.content.0",
             "unsupported_content",
         ),
-        ({"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}, "input.0.content.0", "unsupported_content"),
+        (
+            {"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]},
+            "input.0.content.0",
+            "unsupported_content",
+        ),
     ],
-    ids=["unknown-part", "unknown-role", "no-content", "no-type-or-role", "call-without-arguments", "empty-call-id", "image", "file"],
+    ids=[
+        "unknown-part",
+        "unknown-role",
+        "no-content",
+        "no-type-or-role",
+        "call-without-arguments",
+        "empty-call-id",
+        "image",
+        "file",
+    ],
 )
 async def test_it_names_a_malformed_item_precisely(api: API, item: dict, param: str, code: str) -> None:
     assert_error(await api.post(RESPONSES, ask(input=[item])), 400, code, param)
@@ -450,7 +484,9 @@ async def test_it_refuses_what_needs_stored_state_by_name(api: API, field: str, 
     ids=lambda tool: tool["type"],
 )
 async def test_it_refuses_tools_that_openai_runs_on_its_side(api: API, tool: dict) -> None:
-    error = assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type")
+    error = assert_error(
+        await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type"
+    )
     assert tool["type"] in error["message"] and "OpenAI's side" in error["message"]
 
 
@@ -471,7 +507,11 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
         ({"max_output_tokens": 8}, "invalid_value", "max_output_tokens"),
         ({"temperature": 3}, "invalid_value", "temperature"),
         ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "invalid_value", "tool_choice.name"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}},
+            "invalid_value",
+            "tool_choice.name",
+        ),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "missing_required_parameter", "tool_choice.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "unsupported_parameter", "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools.1.name"),
@@ -489,7 +529,9 @@ async def test_it_refuses_capabilities_the_model_lacks(api: API, catalog_model: 
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(json_schema=False, tools=False)
     json_format = {"format": {"type": "json_object"}}
 
-    assert_error(await api.post(RESPONSES, ask(input="hi", text=json_format)), 400, "unsupported_parameter", "text.format")
+    assert_error(
+        await api.post(RESPONSES, ask(input="hi", text=json_format)), 400, "unsupported_parameter", "text.format"
+    )
     assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER])), 400, "unsupported_parameter", "tools")
 
 
@@ -513,7 +555,9 @@ def test_it_accepts_the_settings_sdks_send_on_any_model(catalog_model: CatalogEn
     ("body", "param"),
     [({"input": "word " * 64}, "input"), ({"input": "hi", "max_output_tokens": 100}, "max_output_tokens")],
 )
-async def test_it_refuses_what_does_not_fit_the_context(api: API, catalog_model: CatalogEntry, body: dict, param: str) -> None:
+async def test_it_refuses_what_does_not_fit_the_context(
+    api: API, catalog_model: CatalogEntry, body: dict, param: str
+) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64)
     assert_error(await api.post(RESPONSES, {"model": MODEL_ID, **body}), 400, "context_length_exceeded", param)
 
@@ -528,7 +572,11 @@ async def test_a_get_is_a_405_that_allows_only_post(api: API) -> None:
 
 
 def test_a_tools_strict_reaches_the_runtime_only_when_set(catalog_model: CatalogEntry) -> None:
-    tools = [WEATHER, {**WEATHER, "name": "strict_weather", "strict": True}, {**WEATHER, "name": "loose", "strict": False}]
+    tools = [
+        WEATHER,
+        {**WEATHER, "name": "strict_weather", "strict": True},
+        {**WEATHER, "name": "loose", "strict": False},
+    ]
     params = ResponseCreateRequest.model_validate({"model": MODEL_ID, "input": "hi", "tools": tools})
 
     request = responses.to_generation_request(params, catalog_model)
@@ -538,7 +586,9 @@ def test_a_tools_strict_reaches_the_runtime_only_when_set(catalog_model: Catalog
 
 async def test_it_echoes_the_tools_and_tool_choice_as_applied(api: API, openai_spec: OpenAISpec) -> None:
     tools = [WEATHER, {**WEATHER, "name": "strict_weather", "strict": False}]
-    result = (await api.post(RESPONSES, ask(input="Say hi.", tools=tools, tool_choice="none", parallel_tool_calls=False))).json()
+    result = (
+        await api.post(RESPONSES, ask(input="Say hi.", tools=tools, tool_choice="none", parallel_tool_calls=False))
+    ).json()
 
     openai_spec.validate("Response", result)
     assert result["tools"] == [{**WEATHER, "strict": None}, {**WEATHER, "name": "strict_weather", "strict": False}]
@@ -549,7 +599,12 @@ async def test_it_echoes_the_tools_and_tool_choice_as_applied(api: API, openai_s
 async def test_a_forced_call_streams_its_arguments_and_its_output_goes_back(
     api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
 ) -> None:
-    body = {"model": TOY_ID, "input": [QUESTION], "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    body = {
+        "model": TOY_ID,
+        "input": [QUESTION],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }
     events, first = await stream(api, body, openai_spec)
 
     assert "response.function_call_arguments.delta" in [e["type"] for e in events]
@@ -558,7 +613,11 @@ async def test_a_forced_call_streams_its_arguments_and_its_output_goes_back(
     assert call["name"] == "get_weather" and "city" in json.loads(call["arguments"])
     assert first["tool_choice"] == {"type": "function", "name": "get_weather"}
 
-    follow = [QUESTION, *first["output"], {"type": "function_call_output", "call_id": call["call_id"], "output": "52F and raining"}]
+    follow = [
+        QUESTION,
+        *first["output"],
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "52F and raining"},
+    ]
     answer = (await api.post(RESPONSES, {"model": TOY_ID, "input": follow, "tools": [WEATHER]})).json()
     openai_spec.validate("Response", answer)
     assert "52F and raining" in output_text(answer)  # the echo engine repeats its prompt, which holds the output
@@ -567,12 +626,23 @@ async def test_a_forced_call_streams_its_arguments_and_its_output_goes_back(
 @pytest.mark.parametrize(
     "text_format",
     [
-        {"type": "json_schema", "name": "river", "schema": {"type": "object", "properties": {"river": {"type": "string", "minLength": 3}}, "required": ["river"]}, "strict": True},
+        {
+            "type": "json_schema",
+            "name": "river",
+            "schema": {
+                "type": "object",
+                "properties": {"river": {"type": "string", "minLength": 3}},
+                "required": ["river"],
+            },
+            "strict": True,
+        },
         {"type": "json_object"},
     ],
     ids=["json_schema", "json_object"],
 )
-async def test_text_format_makes_the_answer_json(api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry, text_format: dict) -> None:
+async def test_text_format_makes_the_answer_json(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry, text_format: dict
+) -> None:
     body = {"model": TOY_ID, "input": "Name one river in Oregon as JSON.", "text": {"format": text_format}}
     result = (await api.post(RESPONSES, body)).json()
 
@@ -590,7 +660,9 @@ THOUGHTFUL = "<think> The user wants one river. </think> The Willamette."
 async def test_reasoning_comes_back_as_a_reasoning_item_with_its_own_events(
     api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
 ) -> None:
-    events, result = await stream(api, {"model": TOY_ID, "input": THOUGHTFUL, "reasoning": {"effort": "medium"}}, openai_spec)
+    events, result = await stream(
+        api, {"model": TOY_ID, "input": THOUGHTFUL, "reasoning": {"effort": "medium"}}, openai_spec
+    )
 
     reasoning, message = result["output"]
     assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
@@ -600,7 +672,18 @@ async def test_reasoning_comes_back_as_a_reasoning_item_with_its_own_events(
     assert result["reasoning"] == {"effort": "medium", "summary": None}
     assert 0 < result["usage"]["output_tokens_details"]["reasoning_tokens"] < result["usage"]["output_tokens"]
 
-    again = await api.post(RESPONSES, {"model": TOY_ID, "input": [{"role": "user", "content": THOUGHTFUL}, reasoning, message, {"role": "user", "content": "More?"}]})
+    again = await api.post(
+        RESPONSES,
+        {
+            "model": TOY_ID,
+            "input": [
+                {"role": "user", "content": THOUGHTFUL},
+                reasoning,
+                message,
+                {"role": "user", "content": "More?"},
+            ],
+        },
+    )
     assert again.status_code == 200, again.content
 
 
@@ -618,7 +701,9 @@ async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
     api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
 ) -> None:
     # The engine refuses prompts longer than max_num_tokens, once the stream has begun.
-    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(runner_settings={"model": "/models/toy-reasoner", "max_num_tokens": 4})
+    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(
+        runner_settings={"model": "/models/toy-reasoner", "max_num_tokens": 4}
+    )
 
     events, result = await stream(api, {"model": TOY_ID, "input": "Name one river in Oregon, please."}, openai_spec)
 

@@ -139,8 +139,16 @@ def test_a_request_shaped_like_codexs_streams_valid_events(node_server: LiveServ
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
             {"type": "function_call", "name": "shell", "arguments": '{"command":["ls"]}', "call_id": "call_ls"},
             {"type": "function_call_output", "call_id": "call_ls", "output": "README.md\nsrc"},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "README.md and src."}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks. Which is the readme?"}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "README.md and src."}],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Thanks. Which is the readme?"}],
+            },
         ],
         "tools": [shell],
         "tool_choice": "auto",
