@@ -223,7 +223,9 @@ if USAGE_RETENTION_DAYS < 0:
 # How often the embedded server (and Celery beat, in distributed mode) rolls usage up.
 USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600)
 # `celery -A config beat` runs the rollup; some worker must consume the default queue ("celery").
-CELERY_BEAT_SCHEDULE = {"rollup-usage": {"task": "inference.rollup_usage", "schedule": float(USAGE_ROLLUP_INTERVAL_SECONDS)}}
+CELERY_BEAT_SCHEDULE = {
+    "rollup-usage": {"task": "inference.rollup_usage", "schedule": float(USAGE_ROLLUP_INTERVAL_SECONDS)},
+}
 # When set, /metrics answers only requests with 'Authorization: Bearer <METRICS_TOKEN>'.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # How long /health waits for Celery workers to say which queues they consume.

@@ -128,8 +128,12 @@ def _usage_query(params: Any) -> tuple[date, date, reports.GroupBy]:
     group_by = params.get("group_by") or "day"
     if group_by not in get_args(reports.GroupBy):
         raise _usage_param_error("group_by", "use day, model or key.")
-    end = _usage_day(params["end"], name="end", ceil=True) if params.get("end") else reports.utc_today() + timedelta(days=1)
-    start = _usage_day(params["start"], name="start", ceil=False) if params.get("start") else end - timedelta(days=DEFAULT_USAGE_DAYS)
+    end = reports.utc_today() + timedelta(days=1)
+    if params.get("end"):
+        end = _usage_day(params["end"], name="end", ceil=True)
+    start = end - timedelta(days=DEFAULT_USAGE_DAYS)
+    if params.get("start"):
+        start = _usage_day(params["start"], name="start", ceil=False)
     if start >= end:
         raise _usage_param_error("end", "'end' must be after 'start' (it is exclusive).")
     if (end - start).days > reports.MAX_REPORT_DAYS:

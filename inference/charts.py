@@ -55,7 +55,8 @@ def _axes(labels: Sequence[str], maximum: float, unit: str) -> tuple[float, list
         y = TOP + plot_h - plot_h * value / top
         parts.append(
             format_html(
-                '<line class="grid" x1="{}" x2="{}" y1="{}" y2="{}"/><text class="tick" x="{}" y="{}" text-anchor="end">{}</text>',
+                '<line class="grid" x1="{}" x2="{}" y1="{}" y2="{}"/>'
+                '<text class="tick" x="{}" y="{}" text-anchor="end">{}</text>',
                 LEFT, WIDTH - RIGHT, f"{y:.1f}", f"{y:.1f}", LEFT - 6, f"{y + 4:.1f}", short_number(value) + unit,
             )
         )
@@ -65,7 +66,8 @@ def _axes(labels: Sequence[str], maximum: float, unit: str) -> tuple[float, list
     for index, label in enumerate(labels):
         if index % every == 0:
             x = LEFT + slot * (index + 0.5)
-            parts.append(format_html('<text class="tick" x="{}" y="{}" text-anchor="middle">{}</text>', f"{x:.1f}", HEIGHT - 10, label))
+            tick = '<text class="tick" x="{}" y="{}" text-anchor="middle">{}</text>'
+            parts.append(format_html(tick, f"{x:.1f}", HEIGHT - 10, label))
     return top, parts
 
 
@@ -85,7 +87,8 @@ def _legend(series: Sequence[Series]) -> SafeString:
 
 def _svg(kind: str, title: str, body: Sequence[SafeString]) -> SafeString:
     return format_html(
-        '<svg class="chart chart-{}" role="img" aria-label="{}" viewBox="0 0 {} {}" preserveAspectRatio="xMidYMid meet">'
+        '<svg class="chart chart-{}" role="img" aria-label="{}" viewBox="0 0 {} {}" '
+        'preserveAspectRatio="xMidYMid meet">'
         "<title>{}</title>{}</svg>",
         kind, title, WIDTH, HEIGHT, title, mark_safe("".join(body)),
     )
@@ -139,7 +142,8 @@ def lines(
         parts.append(
             format_html_join(
                 "",
-                '<circle class="point" data-series="{}" data-label="{}" data-value="{}" cx="{}" cy="{}" r="3.5" fill="{}">'
+                '<circle class="point" data-series="{}" data-label="{}" data-value="{}" cx="{}" cy="{}" r="3.5" '
+                'fill="{}">'
                 "<title>{}: {} {}{}</title></circle>",
                 (
                     (s.key, label, f"{v:g}", f"{x:.1f}", f"{y:.1f}", s.color, label, s.label, f"{v:,.0f}", unit)

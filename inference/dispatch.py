@@ -23,6 +23,8 @@ from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from orgs.redis import async_client
+
 from .execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from .runners.base import Finished, GenerationJob
 
@@ -93,7 +95,7 @@ class ChannelJob:
     async def cancel(self) -> None:
         if self._finished:
             return
-        client = redis_client()
+        client = async_client()
         await client.set(CANCEL_KEY.format(job_id=self._job.job_id), b"1", ex=settings.STREAM_MAX_SECONDS + 60)
 
 
@@ -113,29 +115,13 @@ def warm_up_embedded() -> None:
             logger.exception("could not load model %s", entry.public_id)
 
 
-# --- Redis ---------------------------------------------------------------------------------------
-
-_clients: dict[int, Any] = {}
-
-
-def redis_client() -> Any:
-    """An asyncio Redis client for the running event loop (clients are bound to their loop)."""
-    import redis.asyncio as aioredis
-
-    loop = asyncio.get_running_loop()
-    client = _clients.get(id(loop))
-    if client is None:
-        client = _clients[id(loop)] = aioredis.from_url(settings.REDIS_URL)
-    return client
-
-
 # --- worker side ---------------------------------------------------------------------------------
 
 
 async def serve_job(job: GenerationJob, reply: str) -> None:
     """Run ``job`` here and send its events to ``reply``; stop if the API side cancels or goes away."""
     layer = get_channel_layer()
-    client = redis_client()
+    client = async_client()
     cancelled = threading.Event()
     last_sent = time.monotonic()
 

@@ -123,7 +123,9 @@ def embedded_model(entry: CatalogEntry) -> ModelHealth:
     return health("ok", "loadable", "the runner is not loaded yet; it loads on first use")
 
 
-def distributed_models(entries: list[CatalogEntry], active_queues: Mapping[str, list[dict[str, Any]]] | None) -> list[ModelHealth]:
+def distributed_models(
+    entries: list[CatalogEntry], active_queues: Mapping[str, list[dict[str, Any]]] | None
+) -> list[ModelHealth]:
     """Each model's workers, from Celery's ``inspect().active_queues()`` reply (None: no worker answered)."""
     consumers: dict[str, list[str]] = {}
     for host, queues in (active_queues or {}).items():

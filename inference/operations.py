@@ -118,7 +118,9 @@ def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus' text format; behind ``Authorization: Bearer <METRICS_TOKEN>`` when that is set."""
     token = settings.METRICS_TOKEN
     if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()):
-        response = HttpResponse("Send 'Authorization: Bearer <METRICS_TOKEN>'.\n", status=401, content_type="text/plain")
+        response = HttpResponse(
+            "Send 'Authorization: Bearer <METRICS_TOKEN>'.\n", status=401, content_type="text/plain; charset=utf-8"
+        )
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'
         return response
     body, content_type = prometheus.exposition(request.headers.get("Accept", ""))

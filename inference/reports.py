@@ -354,14 +354,16 @@ def roll_up_and_prune() -> Maintenance:
     return Maintenance(rolled_up=roll_up(), pruned=prune())
 
 
-def start_periodic_rollup(*, interval_seconds: float | None = None) -> threading.Thread:
-    """Run ``roll_up_and_prune`` now and then every interval on a daemon thread: the embedded server's
-    stand-in for Celery beat."""
+def start_periodic_rollup(
+    *, interval_seconds: float | None = None, stop: threading.Event | None = None
+) -> threading.Thread:
+    """Run ``roll_up_and_prune`` now and then every interval on a daemon thread, until ``stop`` is set:
+    the embedded server's stand-in for Celery beat."""
     interval = float(interval_seconds or settings.USAGE_ROLLUP_INTERVAL_SECONDS)
+    stopped = stop or threading.Event()
 
     def loop() -> None:
-        stop = threading.Event()
-        while True:
+        while not stopped.is_set():
             try:
                 close_old_connections()
                 result = roll_up_and_prune()
@@ -371,7 +373,7 @@ def start_periodic_rollup(*, interval_seconds: float | None = None) -> threading
                 logger.exception("usage rollup failed")
             finally:
                 close_old_connections()
-            stop.wait(interval)
+            stopped.wait(interval)
 
     thread = threading.Thread(target=loop, name="usage-rollup", daemon=True)
     thread.start()
@@ -480,14 +482,17 @@ class UsageGroup:
     tally: Tally = field(default_factory=Tally)
 
 
-def organization_usage(*, organization_id: int, start: date, end: date, group_by: GroupBy) -> tuple[list[UsageGroup], Tally]:
+def organization_usage(
+    *, organization_id: int, start: date, end: date, group_by: GroupBy
+) -> tuple[list[UsageGroup], Tally]:
     """An organization's own usage, grouped; and its total over the range."""
     rows = usage_rows(UsageFilter(start=start, end=end, organization_id=organization_id))
     if group_by == "day":
         by_day = group(rows, lambda row: row.day)
         groups = [UsageGroup(day=day, tally=by_day.get(day, Tally())) for day in days_between(start, end)]
     elif group_by == "model":
-        groups = [UsageGroup(model=model, tally=tally) for model, tally in sorted(group(rows, lambda r: r.model).items())]
+        by_model = group(rows, lambda row: row.model)
+        groups = [UsageGroup(model=model, tally=by_model[model]) for model in sorted(by_model)]
     else:
         by_key = group(rows, lambda row: row.api_key_id)
         keys = APIKey.objects.in_bulk([pk for pk in by_key if pk is not None])

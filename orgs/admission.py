@@ -23,6 +23,7 @@ from django.conf import settings
 from .db import db_task
 from .exceptions import LimitExceeded
 from .models import Limit
+from .redis import async_client
 
 WINDOW = 60.0
 SLOT_TTL = 15.0
@@ -235,20 +236,14 @@ return {1, '', '0', tostring(nreq + 1), tostring(total), tostring(reset_req), to
 
 
 class RedisStore:
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self._clients: dict[int, Any] = {}
+    def __init__(self) -> None:
         self._scripts: dict[int, Any] = {}
 
     def _client(self) -> tuple[Any, Any]:
-        import redis.asyncio as aioredis
-
-        loop_id = id(asyncio.get_running_loop())
-        if loop_id not in self._clients:
-            client = aioredis.from_url(self._url)
-            self._clients[loop_id] = client
-            self._scripts[loop_id] = client.register_script(_ADMIT_LUA)
-        return self._clients[loop_id], self._scripts[loop_id]
+        client = async_client()
+        if id(client) not in self._scripts:
+            self._scripts[id(client)] = client.register_script(_ADMIT_LUA)
+        return client, self._scripts[id(client)]
 
     @staticmethod
     def _keys(key: str) -> list[str]:
@@ -309,7 +304,7 @@ def _store() -> MemoryStore | RedisStore:
     if not settings.DISTRIBUTED:
         return memory_store
     if _redis_store is None:
-        _redis_store = RedisStore(settings.REDIS_URL)
+        _redis_store = RedisStore()
     return _redis_store
 
 

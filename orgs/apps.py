@@ -1,6 +1,20 @@
 from django.apps import AppConfig
+from django.db.models.signals import post_delete, post_save
 
 
 class OrgsConfig(AppConfig):
     name = "orgs"
     verbose_name = "Organizations and keys"
+
+    def ready(self) -> None:
+        from . import keycache
+        from .models import APIKey, Organization
+
+        def changed(sender: object, **kwargs: object) -> None:
+            if kwargs.get("update_fields") == frozenset({"last_used_at"}):
+                return  # bookkeeping, not a change to who may use the key
+            keycache.bump()
+
+        for model in (APIKey, Organization):
+            post_save.connect(changed, sender=model, weak=False, dispatch_uid=f"keycache-{model.__name__}-save")
+            post_delete.connect(changed, sender=model, weak=False, dispatch_uid=f"keycache-{model.__name__}-delete")

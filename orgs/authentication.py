@@ -7,10 +7,9 @@ from typing import Any
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.request import Request
 
-from .db import db_task
 from .exceptions import InvalidAPIKey
 from .models import APIKey
-from .services import authenticate_key
+from .services import authenticate_key, authenticate_key_async
 
 
 def _raw_key(request: Request) -> str:
@@ -19,9 +18,6 @@ def _raw_key(request: Request) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise InvalidAPIKey("missing")
     return token.strip()
-
-
-_authenticate_key = db_task(authenticate_key)
 
 
 class APIKeyAuthentication(BaseAuthentication):
@@ -35,5 +31,5 @@ class APIKeyAuthentication(BaseAuthentication):
         return key.organization, key
 
     async def aauthenticate(self, request: Request) -> tuple[Any, APIKey]:
-        key = await _authenticate_key(raw_key=_raw_key(request))
+        key = await authenticate_key_async(raw_key=_raw_key(request))
         return key.organization, key

@@ -15,11 +15,35 @@ SECRET_BYTES = 32
 LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 
+class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
+    """Bulk updates and deletes invalidate remembered keys too (the admin's revoke action is one)."""
+
+    def update(self, **kwargs: object) -> int:
+        from . import keycache
+
+        count = super().update(**kwargs)
+        keycache.bump()
+        return count
+
+    def update_bookkeeping(self, **kwargs: object) -> int:
+        """An update that changes nothing about access (last use), so remembered keys stay valid."""
+        return super().update(**kwargs)
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        from . import keycache
+
+        result = super().delete()
+        keycache.bump()
+        return result
+
+
 class Organization(models.Model):
     name = models.CharField(max_length=200)
     slug = models.SlugField(max_length=64, unique=True)
     active = models.BooleanField(default=True, help_text="Inactive organizations' keys are refused.")
     created = models.DateTimeField(auto_now_add=True)
+
+    objects = ChangeTrackingQuerySet.as_manager()
 
     class Meta:
         ordering = ["slug"]
@@ -45,7 +69,7 @@ def split_key(raw_key: str) -> str | None:
     return parts[1]
 
 
-class APIKeyQuerySet(models.QuerySet["APIKey"]):
+class APIKeyQuerySet(ChangeTrackingQuerySet):
     def usable(self) -> APIKeyQuerySet:
         now = timezone.now()
         return self.filter(revoked_at__isnull=True, organization__active=True).filter(
@@ -104,6 +128,12 @@ class APIKey(models.Model):
         if self.revoked_at is None:
             self.revoked_at = timezone.now()
             self.save(update_fields=["revoked_at"])
+
+    def touch(self, now: datetime) -> None:
+        """Record a use, at most once per ``LAST_USED_GRANULARITY``."""
+        if self.needs_last_used_update(now):
+            APIKey.objects.filter(pk=self.pk).update_bookkeeping(last_used_at=now)
+            self.last_used_at = now
 
     def needs_last_used_update(self, now: datetime) -> bool:
         return self.last_used_at is None or now - self.last_used_at >= LAST_USED_GRANULARITY

@@ -87,7 +87,9 @@ async def get_health() -> tuple[int, dict[str, Any]]:
     return response.status_code, response.json()
 
 
-async def test_health_says_the_database_answers_redis_is_absent_and_the_model_can_run(catalog_model: CatalogEntry) -> None:
+async def test_health_says_the_database_answers_redis_is_absent_and_the_model_can_run(
+    catalog_model: CatalogEntry,
+) -> None:
     status, body = await get_health()
 
     assert status == 200
@@ -102,7 +104,7 @@ async def test_health_says_the_database_answers_redis_is_absent_and_the_model_ca
 
 async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: CatalogEntry) -> None:
     await CatalogEntry.objects.acreate(public_id="b3os/missing", runner_settings={"model_path": "/nowhere/model.gguf"})
-    await CatalogEntry.objects.acreate(public_id="b3os/disabled", enabled=False, runner_settings={"model_path": "/nowhere"})
+    await CatalogEntry.objects.acreate(public_id="b3os/off", enabled=False, runner_settings={"model_path": "/nowhere"})
 
     status, body = await get_health()
 
@@ -110,7 +112,7 @@ async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: 
     missing = {m["id"]: m for m in body["models"]}["b3os/missing"]
     assert missing["status"] == "error" and missing["workers"] == "unavailable"
     assert "/nowhere/model.gguf" in missing["detail"]
-    assert "b3os/disabled" not in {m["id"] for m in body["models"]}
+    assert "b3os/off" not in {m["id"] for m in body["models"]}
 
 
 async def test_health_is_down_with_503_when_the_database_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +124,8 @@ async def test_health_is_down_with_503_when_the_database_does_not_answer(monkeyp
     status, body = await get_health()
 
     assert status == 503 and body["status"] == "down"
-    assert body["database"] == {"status": "error", "latency_ms": None, "detail": "OperationalError: could not connect to server"}
+    assert body["database"]["status"] == "error" and body["database"]["latency_ms"] is None
+    assert body["database"]["detail"] == "OperationalError: could not connect to server"
 
 
 @override_settings(DISTRIBUTED=True, REDIS_URL="redis://127.0.0.1:1/0")

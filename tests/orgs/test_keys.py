@@ -91,3 +91,18 @@ async def test_a_revoked_key_is_refused_on_inference_too(api: API) -> None:
     await APIKey.objects.filter(prefix=api.key.split("_")[1]).aupdate(revoked_at=timezone.now())
     response = await api.post("/v1/infer/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
     assert_invalid_key(response, api.key)
+
+
+async def test_a_revocation_takes_effect_at_once_for_a_key_already_in_use(api: API) -> None:
+    assert (await api.get("/v1/infer/models")).status_code == 200
+    assert (await api.get("/v1/infer/models")).status_code == 200
+    await APIKey.objects.filter(prefix=api.key.split("_")[1]).aupdate(revoked_at=timezone.now())
+    assert_invalid_key(await api.get("/v1/infer/models"), api.key)
+
+
+async def test_deactivating_the_organization_takes_effect_at_once(api: API) -> None:
+    assert (await api.get("/v1/infer/models")).status_code == 200
+    org = await Organization.objects.aget(slug="acme")
+    org.active = False
+    await org.asave()
+    assert_invalid_key(await api.get("/v1/infer/models"), api.key)
