@@ -283,11 +283,13 @@ def roll_up_day(day: date) -> int | None:
     records (they may have been pruned, so existing rollups are kept). Safe to run again."""
     if day >= utc_today():
         raise ValueError(f"{day} is not over yet: only past days are rolled up")
+    # Summed outside the transaction, so SQLite's write lock is not held while reading; the day's
+    # rows are then replaced at once, so a report never sees a day half rolled up.
+    rows = aggregate_records(UsageRecord.objects.filter(_created_on([day])))
+    if not rows:
+        return None
     with transaction.atomic():
         _lock_rollups()
-        rows = aggregate_records(UsageRecord.objects.filter(_created_on([day])))
-        if not rows:
-            return None
         UsageDailyRollup.objects.filter(day=day).delete()
         UsageDailyRollup.objects.bulk_create([row.to_rollup() for row in rows], batch_size=500)
     return len(rows)
@@ -314,12 +316,10 @@ def roll_up() -> list[date]:
     again; the days rolled up."""
     today = utc_today()
     recent = today - timedelta(days=REROLL_DAYS)
-    rolled = set(UsageDailyRollup.objects.filter(day__lt=recent).order_by().values_list("day", flat=True).distinct())
-    return [
-        day
-        for day in list(_days_with_records(today))
-        if (day not in rolled or day >= recent) and roll_up_day(day) is not None
-    ]
+    days = list(_days_with_records(today))
+    rollups = UsageDailyRollup.objects.filter(day__in=[day for day in days if day < recent])
+    rolled = set(rollups.order_by().values_list("day", flat=True).distinct())
+    return [day for day in days if (day not in rolled or day >= recent) and roll_up_day(day) is not None]
 
 
 def retention_cutoff() -> date | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -285,12 +285,15 @@ class ResponseEncoder:
     """Turns generation events into Responses stream events and keeps the Response they add up to.
 
     Every method returns the events to send, numbered; ``response`` is the Response so far.
+    ``annotate``, when given, maps a finished message's text to its annotations (citations): they are
+    sent as ``response.output_text.annotation.added`` and repeated in ``response.output_text.done``.
     """
 
-    def __init__(self, *, echo: dict[str, Any]) -> None:
+    def __init__(self, *, echo: dict[str, Any], annotate: Callable[[str], list[dict[str, Any]]] | None = None) -> None:
         self.response_id = _new_id("resp")
         self.created_at = now()
         self.output: list[dict[str, Any]] = []
+        self.annotate = annotate
         self._echo = echo
         self._open: _OpenItem | None = None
         self._pending_logprobs: LogprobItems = []
@@ -309,14 +312,15 @@ class ResponseEncoder:
             **kwargs,
         )
 
-    def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Gives events their places in the stream (also events built outside the encoder)."""
         for event in events:
             event["sequence_number"] = self._sequence
             self._sequence += 1
         return events
 
     def start(self) -> list[dict[str, Any]]:
-        return self._numbered(
+        return self.numbered(
             [wire.lifecycle_event("created", self.response), wire.lifecycle_event("in_progress", self.response)]
         )
 
@@ -325,14 +329,62 @@ class ResponseEncoder:
             self._pending_logprobs.extend((lp.token, lp.logprob, list(lp.top)) for lp in event.items)
             return []
         if isinstance(event, TextPiece):
-            return self._numbered(self._text("message", event.text))
+            return self.numbered(self._text("message", event.text))
         if isinstance(event, ReasoningPiece):
-            return self._numbered(self._text("reasoning", event.text))
+            return self.numbered(self._text("reasoning", event.text))
         if isinstance(event, ToolCallPiece):
-            return self._numbered([*self._close("completed"), *self._function_call(event)])
+            return self.numbered([*self._close("completed"), *self._function_call(event)])
         raise TypeError(f"not a piece of output: {event!r}")
 
-    def finish(self, done: Done) -> list[dict[str, Any]]:
+    @property
+    def open_text(self) -> str:
+        """The text of the message being streamed so far; empty when no message is open."""
+        item = self._open
+        return "".join(item.text) if item is not None and item.kind == "message" else ""
+
+    def open_item(self, item: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+        """Adds an item built elsewhere (a tool the server runs), in progress, after closing the open one.
+
+        Returns its ``output_index`` and the events; ``close_item`` finishes it.
+        """
+        events = self._close("completed")
+        index = len(self.output)
+        self.output.append(item)
+        events.append(wire.output_item_event("added", output_index=index, item=item))
+        return index, self.numbered(events)
+
+    def close_item(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output[index] = item
+        return self.numbered([wire.output_item_event("done", output_index=index, item=item)])
+
+    def refuse(self, refusal: str) -> list[dict[str, Any]]:
+        """Ends the answer with a refusal: the message's text part is finished empty (a client replaces what it
+        showed) and a refusal part with the message for the user follows it."""
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open.kind != "message":
+            events += [*self._close("completed"), *self._open_item("message")]
+        item, self._open = self._open, None
+        assert item is not None
+        text = wire.output_text_part("")
+        events += [
+            wire.output_text_done_event(item.ref, "", [], [] if self.annotate is not None else None),
+            wire.content_part_event("done", item.ref, text),
+        ]
+        at: wire.ContentRef = {**item.ref, "content_index": 1}
+        events += [
+            wire.content_part_event("added", at, wire.refusal_part("")),
+            wire.refusal_delta_event(at, refusal),
+            wire.refusal_done_event(at, refusal),
+            wire.content_part_event("done", at, wire.refusal_part(refusal)),
+        ]
+        finished = item.item("completed", [text, wire.refusal_part(refusal)])
+        self.output.append(finished)
+        events.append(wire.output_item_event("done", output_index=item.output_index, item=finished))
+        return self.numbered(events)
+
+    def finish(self, done: Done, *, always_completed: bool = False) -> list[dict[str, Any]]:
+        """``always_completed``: a response cut short by ``max_output_tokens`` still ends with
+        ``response.completed`` (its status says ``incomplete``), for clients that know only completed and failed."""
         truncated = done.finish_reason == "length"
         events = self._close("incomplete" if truncated else "completed")
         if not self.output:
@@ -346,17 +398,20 @@ class ResponseEncoder:
         )
         if truncated:
             self.response = self._response("incomplete", usage=usage, incomplete_reason="max_output_tokens")
-            events.append(wire.lifecycle_event("incomplete", self.response))
+            events.append(wire.lifecycle_event("completed" if always_completed else "incomplete", self.response))
         else:
             self.response = self._response("completed", usage=usage, completed_at=now())
             events.append(wire.lifecycle_event("completed", self.response))
-        return self._numbered(events)
+        return self.numbered(events)
 
-    def fail(self, message: str) -> list[dict[str, Any]]:
+    def fail(self, message: str, *, error_code: str | None = None) -> list[dict[str, Any]]:
+        """``error_code``, when given, sends an ``error`` event with it just before ``response.failed``."""
         events = self._close("incomplete")
+        if error_code is not None:
+            events.append(wire.error_event(code=error_code, message=message))
         self.response = self._response("failed", error={"code": "server_error", "message": message})
         events.append(wire.lifecycle_event("failed", self.response))
-        return self._numbered(events)
+        return self.numbered(events)
 
     def _text(self, kind: Literal["message", "reasoning"], text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -387,13 +442,21 @@ class ResponseEncoder:
         if item is None:
             return []
         part = item.part()
+        events: list[dict[str, Any]] = []
         if item.kind == "message":
-            done = wire.output_text_done_event(item.ref, part["text"], wire.delta_logprob_objects(item.logprobs))
+            annotations = self.annotate(part["text"]) if self.annotate is not None else None
+            for index, annotation in enumerate(annotations or ()):
+                events.append(wire.annotation_added_event(item.ref, index, annotation))
+            part["annotations"] = annotations or []
+            done = wire.output_text_done_event(
+                item.ref, part["text"], wire.delta_logprob_objects(item.logprobs), annotations
+            )
         else:
             done = wire.reasoning_text_done_event(item.ref, part["text"])
         finished = item.item(status, [part])
         self.output.append(finished)
         return [
+            *events,
             done,
             wire.content_part_event("done", item.ref, part),
             wire.output_item_event("done", output_index=item.output_index, item=finished),
@@ -432,7 +495,7 @@ async def complete(*, generation: Generation, encoder: ResponseEncoder) -> tuple
     raise APIError("Generation ended without a result.", code="generation_failed", status=500, type="server_error")
 
 
-def _sse(event: dict[str, Any]) -> str:
+def sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
 
 
@@ -444,7 +507,7 @@ async def stream_events(
     ``outcome`` receives the terminal event (``done`` or ``failed``) for usage accounting.
     """
     for event in encoder.start():
-        yield _sse(event)
+        yield sse(event)
     try:
         async for piece in generation.run():
             if isinstance(piece, Failed):
@@ -456,10 +519,10 @@ async def stream_events(
             else:
                 events = encoder.feed(piece)
             for event in events:
-                yield _sse(event)
+                yield sse(event)
     except Exception:
         # Once the stream has begun, the only way left to report a fault is the stream's own end.
         logger.exception("response stream %s failed", encoder.response_id)
         outcome["failed"] = Failed("internal_error", "The server had an error while generating the response.")
         for event in encoder.fail(outcome["failed"].message):
-            yield _sse(event)
+            yield sse(event)

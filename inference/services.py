@@ -10,7 +10,7 @@ from orgs.admission import Grant, admit
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
-from . import chat, protocol, responses
+from . import chat, metrics, protocol, responses
 from . import gateway
 from .catalog import find_enabled_model, get_enabled_model
 from .errors import invalid_request
@@ -44,12 +44,27 @@ class Result:
 def _meter(caller: Caller, *, model: str, endpoint: str, route: str = "node") -> Meter:
     return Meter(
         organization_id=caller.organization_id,
+        organization=caller.api_key.organization.slug,
         api_key_id=caller.api_key.pk,
         model=model,
         endpoint=endpoint,
         route=route,
         request_id=caller.request_id,
     )
+
+
+async def _admit(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:
+    """Admission with its accounting: a refusal is recorded and counted, an admission shows in flight."""
+    try:
+        grant = await admit(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
+    except LimitExceeded as exc:
+        metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
+        _record_error(meter, None, exc)
+        raise
+    gauge = metrics.in_flight(meter.model)
+    gauge.inc()
+    grant.on_release(gauge.dec)
+    return grant
 
 
 def _record_done(meter: Meter, generation: Generation, done: Done) -> None:
@@ -116,15 +131,7 @@ async def run_admitted(
     entry = await get_enabled_model(model)
     generation = await build(entry)
     meter = _meter(caller, model=entry.public_id, endpoint=endpoint)
-    try:
-        grant = await admit(
-            organization_id=caller.organization_id,
-            model_pk=entry.pk,
-            tokens=generation.prompt_tokens + generation.job.sampling.max_tokens,
-        )
-    except LimitExceeded as exc:
-        _record_error(meter, None, exc)
-        raise
+    grant = await _admit(caller, meter, model_pk=entry.pk, tokens=generation.prompt_tokens + generation.job.sampling.max_tokens)
     try:
         return await respond(generation, grant, meter)
     except BaseException as exc:
@@ -194,15 +201,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     forwarded = {key: value for key, value in body.items() if key != "route"}
     forwarded["model"] = upstream.model
     meter = _meter(caller, model=model, endpoint=endpoint, route="gateway")
-    try:
-        grant = await admit(
-            organization_id=caller.organization_id,
-            model_pk=entry.pk if entry else None,
-            tokens=gateway.estimate_tokens(body),
-        )
-    except LimitExceeded as exc:
-        _record_error(meter, None, exc)
-        raise
+    grant = await _admit(caller, meter, model_pk=entry.pk if entry else None, tokens=gateway.estimate_tokens(body))
     tally = gateway.Tally()
     try:
         if not body.get("stream"):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from django.db import close_old_connections
 from django.utils import timezone
 
+from . import metrics
 from .models import UsageRecord
 
 logger = logging.getLogger("inference.usage")
@@ -28,6 +29,7 @@ BATCH_SECONDS = 0.25
 @dataclass
 class Meter:
     organization_id: int
+    organization: str
     api_key_id: int | None
     model: str
     endpoint: str
@@ -52,6 +54,20 @@ class Meter:
         if self.recorded:
             return
         self.recorded = True
+        total_ms = int((time.monotonic() - self.started) * 1000)
+        metrics.observe_request(
+            model=self.model,
+            organization=self.organization,
+            status=status,
+            total_ms=total_ms,
+            endpoint=self.endpoint,
+            error_code=error_code,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            reasoning_tokens=reasoning_tokens,
+            cached_tokens=cached_tokens,
+            ttft_ms=time_to_first_token_ms,
+        )
         _writer.put(
             UsageRecord(
                 organization_id=self.organization_id,
@@ -66,7 +82,7 @@ class Meter:
                 reasoning_tokens=reasoning_tokens,
                 cached_tokens=cached_tokens,
                 time_to_first_token_ms=time_to_first_token_ms,
-                total_ms=int((time.monotonic() - self.started) * 1000),
+                total_ms=total_ms,
                 request_id=self.request_id,
                 created=self.created,
             )

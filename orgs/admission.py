@@ -63,12 +63,18 @@ class Grant:
     headers: dict[str, str]
     _release: Any = None
     released: bool = False
+    _callbacks: list[Any] = field(default_factory=list)
+
+    def on_release(self, callback: Any) -> None:
+        self._callbacks.append(callback)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             if self._release is not None:
                 self._release()
+            for callback in self._callbacks:
+                callback()
 
 
 # --- limits, from the database, cached briefly so admin changes apply within seconds ----------

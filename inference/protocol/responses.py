@@ -456,8 +456,18 @@ def request_echo(request: ResponseCreateRequest, *, tool_choice: str | dict[str,
     return echo
 
 
-def output_text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+def output_text_part(
+    text: str, logprobs: list[dict[str, Any]] | None = None, annotations: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": annotations or [], "logprobs": logprobs or []}
+
+
+def refusal_part(refusal: str) -> dict[str, Any]:
+    return {"type": "refusal", "refusal": refusal}
+
+
+def url_citation(*, url: str, title: str, start_index: int, end_index: int) -> dict[str, Any]:
+    return {"type": "url_citation", "url": url, "title": title, "start_index": start_index, "end_index": end_index}
 
 
 def reasoning_text_part(text: str) -> dict[str, Any]:
@@ -544,8 +554,35 @@ def output_text_delta_event(at: ContentRef, delta: str, logprobs: list[dict[str,
     return {"type": "response.output_text.delta", **at, "delta": delta, "logprobs": logprobs}
 
 
-def output_text_done_event(at: ContentRef, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "response.output_text.done", **at, "text": text, "logprobs": logprobs}
+def output_text_done_event(
+    at: ContentRef, text: str, logprobs: list[dict[str, Any]], annotations: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """``annotations``, when given, repeats the part's complete list (OpenAI's event leaves it out)."""
+    event = {"type": "response.output_text.done", **at, "text": text, "logprobs": logprobs}
+    if annotations is not None:
+        event["annotations"] = annotations
+    return event
+
+
+def annotation_added_event(at: ContentRef, annotation_index: int, annotation: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "response.output_text.annotation.added",
+        **at,
+        "annotation_index": annotation_index,
+        "annotation": annotation,
+    }
+
+
+def refusal_delta_event(at: ContentRef, delta: str) -> dict[str, Any]:
+    return {"type": "response.refusal.delta", **at, "delta": delta}
+
+
+def refusal_done_event(at: ContentRef, refusal: str) -> dict[str, Any]:
+    return {"type": "response.refusal.done", **at, "refusal": refusal}
+
+
+def error_event(*, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "code": code, "message": message, "param": param}
 
 
 def reasoning_text_delta_event(at: ContentRef, delta: str) -> dict[str, Any]:

@@ -137,3 +137,19 @@ async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
     usage.flush()
     record = await UsageRecord.objects.aget()
     assert (record.status, record.error_code, record.request_id) == (429, "rate_limited", refused["x-request-id"])
+
+
+async def test_admissions_and_refusals_show_in_the_metrics(api: API) -> None:
+    from inference.metrics import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    await limit(requests_per_minute=1)
+    before_ok = sample("b3os_requests_total", model=MODEL_ID, organization="acme", endpoint="chat.completions", status="200", code="")
+    before_refused = sample("b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute")
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+    assert sample("b3os_requests_total", model=MODEL_ID, organization="acme", endpoint="chat.completions", status="200", code="") == before_ok + 1
+    assert sample("b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute") == before_refused + 1
+    assert sample("b3os_requests_in_flight", model=MODEL_ID) == 0

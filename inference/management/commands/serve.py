@@ -32,8 +32,13 @@ class Command(BaseCommand):
         from config.asgi import application
         from inference import dispatch
 
-        if not settings.DISTRIBUTED and not no_warm_up:
-            dispatch.warm_up_embedded()
+        if not settings.DISTRIBUTED:
+            from inference.reports import start_periodic_rollup
+
+            # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
+            start_periodic_rollup()
+            if not no_warm_up:
+                dispatch.warm_up_embedded()
         http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")

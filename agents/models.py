@@ -1,0 +1,202 @@
+"""Agent instances (what an agent runs on, knows and refuses), and what the runtime keeps of its conversations."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+from django.core.exceptions import ValidationError
+from django.core.validators import RegexValidator
+from django.db import models
+from django.utils import timezone
+
+INSTANCE_ID = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
+
+
+class FirstStep(models.TextChoices):
+    MODEL = "model", "The model decides whether to use a tool"
+    SEARCH = "search", "Search the knowledge with the user's message, then the model answers"
+    TOOL = "tool", "The model must call one of the server tools first"
+
+
+class AgentInstanceQuerySet(models.QuerySet["AgentInstance"]):
+    def usable_by(self, organization_id: int) -> AgentInstanceQuerySet:
+        return self.filter(enabled=True, model__enabled=True, organizations__id=organization_id)
+
+
+class AgentInstance(models.Model):
+    """An agent: a catalog model with instructions, server tools, knowledge and guardrails, offered to tenants."""
+
+    instance_id = models.CharField(
+        "id",
+        max_length=200,
+        unique=True,
+        validators=[RegexValidator(INSTANCE_ID, "Lowercase letters and digits, separated by '.', '-' or '_'.")],
+        help_text="What clients send as 'model', e.g. support.agent.spare-parts.",
+    )
+    name = models.CharField(max_length=200, blank=True)
+    model = models.ForeignKey(
+        "inference.CatalogEntry", on_delete=models.PROTECT, related_name="agent_instances", verbose_name="catalog model"
+    )
+    instructions = models.TextField(blank=True, help_text="The system prompt of every conversation.")
+    tools = models.JSONField(default=list, blank=True, help_text="The server tools the runtime runs for this agent.")
+    first_step = models.CharField(max_length=16, choices=FirstStep.choices, default=FirstStep.MODEL)
+    reasons = models.BooleanField(
+        "reasons", default=False, help_text="The model thinks before it answers (its catalog model must reason)."
+    )
+    organizations = models.ManyToManyField(
+        "orgs.Organization", related_name="agent_instances", blank=True, help_text="The tenants that may use it."
+    )
+    enabled = models.BooleanField(default=True)
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    objects = AgentInstanceQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = "agent instance"
+        ordering = ["instance_id"]
+
+    def __str__(self) -> str:
+        return self.instance_id
+
+    def clean(self) -> None:
+        from .tools import REGISTRY
+
+        if not isinstance(self.tools, list) or not all(isinstance(name, str) for name in self.tools):
+            raise ValidationError({"tools": "A list of tool names."})
+        if unknown := sorted(set(self.tools) - set(REGISTRY)):
+            raise ValidationError({"tools": f"Unknown tools: {', '.join(unknown)}."})
+        if self.reasons and self.model_id is not None and not self.model.reasoning:
+            raise ValidationError({"reasons": f"The catalog model {self.model} does not reason."})
+        if self.first_step == FirstStep.SEARCH and "knowledge_search" not in self.tools:
+            raise ValidationError({"first_step": "Searching first needs the knowledge_search tool."})
+        if self.first_step == FirstStep.TOOL and not self.tools:
+            raise ValidationError({"first_step": "Calling a tool first needs at least one server tool."})
+
+
+class Document(models.Model):
+    """A knowledge source of an instance: what its knowledge search finds and its answers cite."""
+
+    instance = models.ForeignKey(AgentInstance, on_delete=models.CASCADE, related_name="documents")
+    title = models.CharField(max_length=300)
+    url = models.URLField("URL", max_length=1000, help_text="Where the answer's citation points.")
+    text = models.TextField()
+    created = models.DateTimeField(auto_now_add=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["instance", "title"]
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class Stage(models.TextChoices):
+    INPUT = "input", "The user's input"
+    OUTPUT = "output", "The answer"
+    BOTH = "both", "Both"
+
+
+class MatchKind(models.TextChoices):
+    TERMS = "terms", "Words or phrases (whole words, any case)"
+    REGEX = "regex", "Regular expressions (any case)"
+
+
+class Guardrail(models.Model):
+    """A rule that blocks a turn: on a match the answer is replaced by the refusal message."""
+
+    instance = models.ForeignKey(AgentInstance, on_delete=models.CASCADE, related_name="guardrails")
+    name = models.CharField(max_length=100)
+    applies_to = models.CharField(max_length=8, choices=Stage.choices, default=Stage.INPUT)
+    kind = models.CharField(max_length=8, choices=MatchKind.choices, default=MatchKind.TERMS)
+    patterns = models.TextField(help_text="One per line.")
+    refusal = models.TextField(default="I can't help with that.", help_text="What the user is shown instead.")
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["instance", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def lines(self) -> list[str]:
+        return [line.strip() for line in self.patterns.splitlines() if line.strip()]
+
+    def pattern(self) -> re.Pattern[str]:
+        if self.kind == MatchKind.REGEX:
+            alternatives = [f"(?:{line})" for line in self.lines()]
+        else:
+            alternatives = [rf"(?<!\w){re.escape(line)}(?!\w)" for line in self.lines()]
+        return re.compile("|".join(alternatives), re.IGNORECASE)
+
+    def checks(self, stage: Stage) -> bool:
+        return self.enabled and self.applies_to in (stage, Stage.BOTH)
+
+    def clean(self) -> None:
+        if not self.lines():
+            raise ValidationError({"patterns": "Give at least one word, phrase or expression."})
+        if self.kind == MatchKind.REGEX:
+            for line in self.lines():
+                try:
+                    re.compile(line)
+                except re.error as exc:
+                    raise ValidationError({"patterns": f"{line!r} is not a regular expression: {exc}."}) from None
+
+
+class StoredResponse(models.Model):
+    """One turn of a conversation kept with ``store: true``: its input items, its output items, its usage.
+
+    ``previous`` links the turns; ``thread`` is the id of the conversation's first response, so that a
+    conversation is pruned as a whole, counting from its last turn.
+    """
+
+    response_id = models.CharField(max_length=64, unique=True)
+    organization = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="agent_responses")
+    instance = models.ForeignKey(AgentInstance, on_delete=models.CASCADE, related_name="responses")
+    api_key = models.ForeignKey("orgs.APIKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    previous = models.ForeignKey(
+        "self", on_delete=models.CASCADE, null=True, blank=True, related_name="continuations"
+    )
+    thread = models.CharField(max_length=64, db_index=True)
+    status = models.CharField(max_length=16)
+    input_items = models.JSONField(default=list)
+    output_items = models.JSONField(default=list)
+    usage = models.JSONField(default=dict, blank=True)
+    request_id = models.CharField(max_length=40, blank=True)
+    created = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        verbose_name = "stored response"
+        ordering = ["-created"]
+        indexes = [models.Index(fields=["organization", "created"])]
+
+    def __str__(self) -> str:
+        return self.response_id
+
+    def expired(self, *, retention_days: int) -> bool:
+        return bool(retention_days) and self.created < timezone.now() - timedelta(days=retention_days)
+
+
+class Rating(models.TextChoices):
+    POSITIVE = "positive", "Positive"
+    NEGATIVE = "negative", "Negative"
+
+
+class Feedback(models.Model):
+    """A client's rating of an answer (one per response; rating again replaces it)."""
+
+    response = models.OneToOneField(StoredResponse, on_delete=models.CASCADE, related_name="feedback")
+    rating = models.CharField(max_length=8, choices=Rating.choices)
+    comment = models.TextField(blank=True)
+    meta = models.JSONField(default=dict, blank=True)
+    api_key = models.ForeignKey("orgs.APIKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created = models.DateTimeField(default=timezone.now)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "feedback"
+        ordering = ["-created"]
+
+    def __str__(self) -> str:
+        return f"{self.rating} on {self.response}"

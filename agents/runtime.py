@@ -1,0 +1,397 @@
+"""The agent loop: one turn of a conversation, from the instance and the items to the event stream.
+
+A turn checks the user's new input against the input guardrails, optionally searches the knowledge
+first, then runs the model in steps: when the model calls a server tool, the runtime runs it, shows it
+as an ``agent_runtime:function_call`` item with its arguments and its output or error, feeds the result
+back and runs the model again; when it calls one of the client's tools, the turn ends with the
+``function_call`` item; otherwise the model's message is the answer. The model gets at most
+``AGENT_MAX_STEPS`` steps, the last one without tools, and all steps share ``max_output_tokens``.
+
+Citations: every document a knowledge search returned in this turn is cited by the message(s) closed
+after it, as a ``url_citation`` over the whole text. The tiny models this runs on cannot be trusted to
+cite sources by number, so the runtime cites what it gave the model rather than what the model claims.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from inference import responses
+from inference.chat import generation_failed
+from inference.decoding import FunctionTool, TextPiece, ToolCallPiece, ToolChoice, new_call_id
+from inference.errors import APIError
+from inference.generation import Done, Failed, Generation, GenerationRequest, prepare
+from inference.models import CatalogEntry
+from inference.prompting import Message
+from inference.protocol import parse
+from inference.protocol import responses as wire
+
+from .guardrails import Guardrails
+from .models import FirstStep
+from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
+from .tools import KNOWLEDGE_SEARCH, ServerTool, Source, ToolContext, ToolOutcome, run_tool
+
+logger = logging.getLogger("agents.runtime")
+
+# The first model step of an instance that must call a server tool first: "required", over its tools only.
+SERVER_TOOL_REQUIRED = "required:server"
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """An instance as one request sees it, loaded once."""
+
+    pk: int
+    instance_id: str
+    entry: CatalogEntry
+    instructions: str
+    tools: tuple[ServerTool, ...]
+    first_step: str
+    reasons: bool
+    guardrails: Guardrails
+
+    def tool(self, name: str) -> ServerTool | None:
+        return next((tool for tool in self.tools if tool.name == name), None)
+
+
+# --- items to the model's conversation ---------------------------------------------------------------
+
+
+def for_model(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Items as the stateless conversation builder takes them: a server tool's call becomes a function call
+    and its output (its error, if it failed). Each item keeps the request parameter it came from."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for where, item in items:
+        if item.get("type") == AGENT_CALL:
+            call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"]}
+            out.append((where, {**call, "arguments": item.get("arguments") or "{}"}))
+            result = item.get("output") if item.get("error") is None else f"Error: {item['error']}"
+            out.append((where, {"type": "function_call_output", "call_id": item["call_id"], "output": result or ""}))
+        else:
+            out.append((where, item))
+    return out
+
+
+def conversation(*, instructions: str, items: list[tuple[str, dict[str, Any]]], entry: CatalogEntry) -> list[Message]:
+    """The chat-template messages of a conversation, checked as the stateless API checks its input.
+
+    ``items`` pairs each item with where it came from (``input.3``, or ``previous_response_id`` for the
+    stored history), so that an error names what the client sent rather than a position it never saw.
+    """
+    expanded = for_model(items)
+    body = {"model": entry.public_id, "instructions": instructions or None, "input": [item for _, item in expanded]}
+    try:
+        return responses.conversation(parse(wire.ResponseCreateRequest, body), entry)
+    except APIError as exc:
+        exc.param = _source_param(exc.param, [where for where, _ in expanded])
+        raise
+
+
+def _source_param(param: str | None, sources: list[str]) -> str | None:
+    if not param or not param.startswith("input."):
+        return param
+    index, _, rest = param[len("input.") :].partition(".")
+    if not index.isdigit() or int(index) >= len(sources):
+        return param
+    where = sources[int(index)]
+    return where if where == "previous_response_id" or not rest else f"{where}.{rest}"
+
+
+def new_user_text(items: list[dict[str, Any]]) -> str:
+    """The text of the user's new messages: those at the end of the input, after the last other item."""
+    texts: list[str] = []
+    for item in reversed(items):
+        if item.get("type", "message") != "message" or item.get("role") != "user":
+            break
+        content = item.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        else:
+            texts.append(" ".join(part.get("text", "") for part in content or () if isinstance(part, dict)))
+    return "\n".join(reversed(texts)).strip()
+
+
+# --- one turn ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class TurnFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class AgentTurn:
+    """Runs one turn and streams it; afterwards ``steps``, ``failure`` and ``finished`` tell how it went.
+
+    ``keep`` stores the finished response (``None`` with ``store: false``); ``tool_ran`` is told of every
+    server tool run, for usage records.
+    """
+
+    agent: Agent
+    params: AgentResponseRequest
+    history: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
+    encoder: responses.ResponseEncoder
+    context: ToolContext
+    keep: Callable[[dict[str, Any]], Awaitable[None]] | None
+    tool_ran: Callable[[str, ToolOutcome], None]
+    steps: list[StepUsage] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    first_token_at: float | None = None
+    failure: TurnFailed | None = None
+    finished: bool = False
+    _first: Generation | None = None
+    _server_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.encoder.annotate = self._citations
+
+    # --- the request as generations
+
+    @property
+    def client_tools(self) -> tuple[FunctionTool, ...]:
+        return tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in self.params.function_tools)
+
+    @property
+    def reasoning(self) -> bool:
+        asked = self.params.reasoning
+        return self.agent.reasons and self.agent.entry.reasoning and not (
+            asked is not None and asked.effort in ("none", "minimal")
+        )
+
+    @property
+    def budget(self) -> int:
+        limit = self.params.max_output_tokens or self.agent.entry.max_output_tokens
+        return limit - sum(step.completion_tokens for step in self.steps)
+
+    def _tool_choice(self, step: int) -> ToolChoice:
+        asked = self.params.tool_choice
+        if step == settings.AGENT_MAX_STEPS - 1 or asked == "none":
+            return "none"
+        if self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls:
+            return "none"
+        if step > 0 or self.steps:
+            return "auto"
+        if asked is None or asked == "auto":
+            must = self.agent.first_step == FirstStep.TOOL and self.agent.tools
+            return SERVER_TOOL_REQUIRED if must else "auto"
+        return asked.name if isinstance(asked, wire.ToolChoiceFunction) else asked
+
+    async def prepare_step(self, step: int) -> Generation:
+        """The model's next step; raises ``APIError`` (``context_length_exceeded``) if it cannot fit."""
+        choice = self._tool_choice(step)
+        tools = tuple(tool.function_tool() for tool in self.agent.tools) + self.client_tools
+        if choice == SERVER_TOOL_REQUIRED:
+            tools, choice = tuple(tool.function_tool() for tool in self.agent.tools), "required"
+        instructions = "\n\n".join(filter(None, [self.agent.instructions, self.params.instructions]))
+        items = [("previous_response_id", item) for item in self.history]
+        items += [(f"input.{index}", item) for index, item in enumerate(self.input_items)]
+        items += [("output", item) for item in self.encoder.output]
+        request = GenerationRequest(
+            messages=conversation(instructions=instructions, items=items, entry=self.agent.entry),
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=self.params.parallel_tool_calls is not False,
+            reasoning=self.reasoning,
+            max_output_tokens=self.budget,
+            temperature=self.params.temperature,
+            top_p=self.params.top_p,
+            logprobs=self.params.wants_logprobs,
+            top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
+            max_tokens_param="max_output_tokens",
+        )
+        return await prepare(entry=self.agent.entry, request=request)
+
+    async def prepare_first(self) -> Generation:
+        """The first model step as it would run now: what admission charges for, and the context check
+        that can still be answered with a plain 400."""
+        self._first = await self.prepare_step(0)
+        return self._first
+
+    # --- the stream
+
+    async def events(self) -> AsyncIterator[str]:
+        for event in self.encoder.start():
+            yield responses.sse(event)
+        try:
+            async for events in self._turn():
+                for event in events:
+                    yield responses.sse(event)
+        except Exception as exc:  # noqa: BLE001  (once streaming, a fault can only be told by the stream's end)
+            if isinstance(exc, TurnFailed):
+                failure = exc
+            elif isinstance(exc, APIError):
+                failure = TurnFailed(exc.code, exc.message)
+            else:
+                logger.exception("agent response %s failed", self.encoder.response_id)
+                failure = TurnFailed("internal_error", "The server had an error while generating the response.")
+            self.failure = failure
+            events = self.encoder.fail(failure.message, error_code=failure.code)
+            await self._keep_quietly()
+            self.finished = True
+            for event in events:
+                yield responses.sse(event)
+
+    async def _turn(self) -> AsyncIterator[list[dict[str, Any]]]:
+        user_text = new_user_text(self.input_items)
+        if (rule := self.agent.guardrails.check_input(user_text)) is not None:
+            yield self.encoder.refuse(rule.refusal)
+            yield await self._finish("stop")
+            return
+        search = self.agent.tool(KNOWLEDGE_SEARCH.name)
+        if self.agent.first_step == FirstStep.SEARCH and search is not None and user_text:
+            arguments = json.dumps({"query": user_text}, ensure_ascii=False)
+            async for events in self._run_server_call(search, arguments, new_call_id()):
+                yield events
+        finish_reason = "stop"
+        for step in range(settings.AGENT_MAX_STEPS):
+            if self.budget <= 0:
+                finish_reason = "length"
+                break
+            first, self._first = self._first, None
+            generation = first if first is not None and step == 0 and not self.encoder.output else None
+            generation = generation or await self.prepare_step(step)
+            outcome = _StepOutcome()
+            async for events in self._step(generation, outcome):
+                yield events
+            if outcome.refused:
+                break
+            for call in outcome.server_calls:
+                tool = self.agent.tool(call.name)
+                assert tool is not None
+                async for events in self._run_server_call(tool, call.arguments, call.call_id):
+                    yield events
+            if outcome.external_call or not outcome.server_calls:
+                finish_reason = outcome.finish_reason
+                break
+        yield await self._finish(finish_reason)
+
+    async def _step(self, generation: Generation, outcome: _StepOutcome) -> AsyncIterator[list[dict[str, Any]]]:
+        done: Done | None = None
+        try:
+            async with aclosing(generation.run()) as pieces:
+                async for piece in pieces:
+                    if isinstance(piece, Failed):
+                        raise TurnFailed(piece.code, generation_failed(piece).message)
+                    if isinstance(piece, Done):
+                        done = piece
+                        break
+                    if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
+                        outcome.server_calls.append(piece)
+                        continue
+                    if isinstance(piece, TextPiece):
+                        # Checked before it is sent: a blocked answer's last words never reach the client.
+                        if (rule := self.agent.guardrails.check_output(self.encoder.open_text + piece.text)) is not None:
+                            outcome.refused = True
+                            yield self.encoder.refuse(rule.refusal)
+                            break
+                    outcome.external_call |= isinstance(piece, ToolCallPiece)
+                    yield self.encoder.feed(piece)
+        finally:
+            self._count(generation, done)
+        if done is not None:
+            outcome.finish_reason = "length" if done.finish_reason == "length" else "stop"
+
+    def _count(self, generation: Generation, done: Done | None) -> None:
+        if self.first_token_at is None and generation.first_token_at is not None:
+            self.first_token_at = generation.first_token_at
+        if done is None:
+            self.steps.append(StepUsage(generation.prompt_tokens, generation.completion_tokens))
+        else:
+            self.steps.append(
+                StepUsage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.reasoning_tokens)
+            )
+
+    async def _run_server_call(self, tool: ServerTool, arguments: str, call_id: str) -> AsyncIterator[list[dict[str, Any]]]:
+        call = {"item_id": f"atc_{secrets.token_hex(24)}", "call_id": call_id, "name": tool.name, "arguments": arguments}
+        index, events = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
+        yield events
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            outcome = ToolOutcome(output=None, error="The arguments are not valid JSON.", sources=(), elapsed_ms=0)
+        else:
+            outcome = await run_tool(tool, context=self.context, arguments=parsed)
+        self._server_calls += 1
+        self.tool_ran(tool.name, outcome)
+        known = {source.url for source in self.sources}
+        self.sources += [source for source in dict.fromkeys(outcome.sources) if source.url not in known]
+        if outcome.error is None:
+            item = agent_call_item(**call, status="completed", output=outcome.output)
+        else:
+            item = agent_call_item(**call, status="failed", error=outcome.error)
+        yield self.encoder.close_item(index, item)
+
+    def _citations(self, text: str) -> list[dict[str, Any]]:
+        if not text.strip():
+            return []
+        return [
+            wire.url_citation(url=source.url, title=source.title, start_index=0, end_index=len(text))
+            for source in self.sources
+        ]
+
+    async def _finish(self, finish_reason: str) -> list[dict[str, Any]]:
+        done = Done(
+            finish_reason="length" if finish_reason == "length" else "stop",
+            prompt_tokens=sum(step.prompt_tokens for step in self.steps),
+            completion_tokens=sum(step.completion_tokens for step in self.steps),
+            cached_tokens=sum(step.cached_tokens for step in self.steps),
+            reasoning_tokens=sum(step.reasoning_tokens for step in self.steps),
+        )
+        events = self.encoder.finish(done, always_completed=True)
+        if self.keep is not None:
+            try:
+                await self.keep(self.encoder.response)
+            except Exception:  # noqa: BLE001
+                logger.exception("storing agent response %s failed", self.encoder.response_id)
+                self.failure = TurnFailed("store_failed", "The response could not be stored: it cannot be continued.")
+                # The completed event is withheld: the turn ends failed (its sequence number stays unused).
+                events = events[:-1] + self.encoder.fail(self.failure.message, error_code=self.failure.code)
+        self.finished = True
+        return events
+
+    async def _keep_quietly(self) -> None:
+        if self.keep is not None:
+            try:
+                await self.keep(self.encoder.response)
+            except Exception:  # noqa: BLE001
+                logger.exception("storing failed agent response %s failed", self.encoder.response_id)
+
+    @property
+    def usage(self) -> StepUsage:
+        return StepUsage(
+            prompt_tokens=sum(step.prompt_tokens for step in self.steps),
+            completion_tokens=sum(step.completion_tokens for step in self.steps),
+            cached_tokens=sum(step.cached_tokens for step in self.steps),
+            reasoning_tokens=sum(step.reasoning_tokens for step in self.steps),
+        )
+
+    def time_to_first_token_ms(self, started: float) -> int | None:
+        return None if self.first_token_at is None else max(0, int((self.first_token_at - started) * 1000))
+
+
+@dataclass
+class _StepOutcome:
+    server_calls: list[ToolCallPiece] = field(default_factory=list)
+    external_call: bool = False
+    refused: bool = False
+    finish_reason: str = "stop"
+

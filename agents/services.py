@@ -1,0 +1,315 @@
+"""Workflows of the agent runtime: a turn (tenant's instance, stored history, admission, the stream, usage,
+storage), the instances a tenant may use, feedback, and pruning stored conversations."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from django.conf import settings
+from django.db.models import Max
+from django.utils import timezone
+
+from inference import responses
+from inference.errors import NOT_FOUND, APIError, invalid_request
+from inference.protocol import validation_error
+from inference.protocol import responses as wire
+from inference.services import Caller, Result
+from inference.usage import Meter
+from orgs.admission import Grant, admit
+from orgs.db import db_task
+from orgs.exceptions import LimitExceeded
+
+from .guardrails import Guardrails
+from .models import AgentInstance, Feedback, StoredResponse
+from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
+from .runtime import Agent, AgentTurn
+from .tools import REGISTRY, ToolContext, ToolOutcome
+
+ENDPOINT = "agents.responses"
+TOOLS_ENDPOINT = "agents.tools"
+
+
+# --- instances -------------------------------------------------------------------------------------
+
+
+def list_instances(*, organization_id: int) -> list[AgentInstance]:
+    return list(AgentInstance.objects.usable_by(organization_id).select_related("model"))
+
+
+def model_not_found(instance_id: str) -> APIError:
+    return APIError(
+        f"The model {instance_id!r} does not exist or you do not have access to it.",
+        code="model_not_found",
+        status=404,
+        param="model",
+        type=NOT_FOUND,
+    )
+
+
+def load_agent(*, instance_id: str, organization_id: int) -> Agent:
+    instance = AgentInstance.objects.usable_by(organization_id).select_related("model").filter(instance_id=instance_id).first()
+    if instance is None:
+        raise model_not_found(instance_id)
+    return Agent(
+        pk=instance.pk,
+        instance_id=instance.instance_id,
+        entry=instance.model,
+        instructions=instance.instructions,
+        tools=tuple(REGISTRY[name] for name in instance.tools if name in REGISTRY),
+        first_step=instance.first_step,
+        reasons=instance.reasons,
+        guardrails=Guardrails.of(instance.guardrails.all()),
+    )
+
+
+# --- stored conversations ------------------------------------------------------------------------------
+
+
+def _retention_cutoff() -> Any:
+    days = settings.AGENT_RESPONSE_RETENTION_DAYS
+    return timezone.now() - timedelta(days=days) if days else None
+
+
+def find_stored(*, response_id: str, organization_id: int) -> StoredResponse | None:
+    """The tenant's stored response, unless it is past the retention period (pruned or not yet)."""
+    found = StoredResponse.objects.filter(response_id=response_id, organization_id=organization_id)
+    if (cutoff := _retention_cutoff()) is not None:
+        found = found.filter(created__gte=cutoff)
+    return found.first()
+
+
+def previous_not_found(response_id: str) -> APIError:
+    days = settings.AGENT_RESPONSE_RETENTION_DAYS
+    kept = f"for {days} days" if days else "until deleted"
+    return invalid_request(
+        f"Previous response with id {response_id!r} not found. Only responses created with store: true are kept, "
+        f"{kept}; with store: false, send the whole conversation as input.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def load_history(*, response_id: str, organization_id: int) -> tuple[StoredResponse, list[dict[str, Any]]]:
+    """The stored response and the items of its conversation up to and including it, oldest first."""
+    last = find_stored(response_id=response_id, organization_id=organization_id)
+    if last is None:
+        raise previous_not_found(response_id)
+    turns = {row.pk: row for row in StoredResponse.objects.filter(thread=last.thread, organization_id=organization_id)}
+    chain: list[StoredResponse] = []
+    row: StoredResponse | None = last
+    while row is not None:
+        chain.append(row)
+        row = turns.get(row.previous_id) if row.previous_id is not None else None
+    return last, [item for turn in reversed(chain) for item in (*turn.input_items, *turn.output_items)]
+
+
+def keep_response(
+    *,
+    response: dict[str, Any],
+    organization_id: int,
+    instance_pk: int,
+    api_key_id: int | None,
+    previous: StoredResponse | None,
+    input_items: list[dict[str, Any]],
+    request_id: str,
+) -> StoredResponse:
+    return StoredResponse.objects.create(
+        response_id=response["id"],
+        organization_id=organization_id,
+        instance_id=instance_pk,
+        api_key_id=api_key_id,
+        previous=previous,
+        thread=previous.thread if previous is not None else response["id"],
+        status=response["status"],
+        input_items=input_items,
+        output_items=response["output"],
+        usage=response.get("usage") or {},
+        request_id=request_id,
+    )
+
+
+def prune_responses() -> int:
+    """Deletes the conversations whose last turn is older than ``AGENT_RESPONSE_RETENTION_DAYS``."""
+    cutoff = _retention_cutoff()
+    if cutoff is None:
+        return 0
+    stale = (
+        StoredResponse.objects.values("thread").annotate(last=Max("created")).filter(last__lt=cutoff).values("thread")
+    )
+    deleted, by_model = StoredResponse.objects.filter(thread__in=stale).delete()
+    return by_model.get(StoredResponse._meta.label, 0)
+
+
+# --- a turn -----------------------------------------------------------------------------------------
+
+
+def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
+    """This turn's input as items (a string is one user message), with replayed server tool calls checked."""
+    if isinstance(params.input, str):
+        return [{"type": "message", "role": "user", "content": params.input}]
+    items = []
+    for index, item in enumerate(params.input):
+        data = item.model_dump(mode="json", exclude_none=True)
+        if isinstance(item, wire.OtherItem) and item.type == AGENT_CALL:
+            try:
+                data = AgentCall.model_validate(data).model_dump(mode="json")
+            except ValidationError as exc:
+                error = validation_error(exc, data)
+                error.param = f"input.{index}.{error.param}" if error.param else f"input.{index}"
+                raise error from None
+        items.append(data)
+    return items
+
+
+def _check_client_tools(params: AgentResponseRequest, agent: Agent) -> None:
+    for index, tool in enumerate(params.function_tools):
+        if agent.tool(tool.name) is not None:
+            raise invalid_request(
+                f"The instance runs a tool named {tool.name!r} itself: give yours another name.",
+                param=f"tools.{index}.name",
+                code="invalid_value",
+            )
+    if params.function_tools and not agent.entry.tools:
+        raise APIError(
+            f"The instance {agent.instance_id!r} runs on a model that cannot call tools.",
+            code="unsupported_parameter",
+            param="tools",
+        )
+    asked = params.reasoning
+    if asked is not None and asked.wants_reasoning and not (agent.reasons and agent.entry.reasoning):
+        raise APIError(
+            f"The instance {agent.instance_id!r} does not reason: leave reasoning.effort unset, or send none.",
+            code="unsupported_parameter",
+            param="reasoning.effort",
+        )
+
+
+def _echo(params: AgentResponseRequest) -> dict[str, Any]:
+    echo = responses.echo(params)
+    echo.update(store=params.keeps, previous_response_id=params.previous_response_id)
+    return echo
+
+
+_load_agent = db_task(load_agent)
+_load_history = db_task(load_history)
+_keep_response = db_task(keep_response)
+
+
+async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Result:
+    """Check and resolve everything that can still be answered with a plain error, admit, then stream."""
+    params.refuse_unsupported()
+    organization_id = caller.organization_id
+    agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
+    _check_client_tools(params, agent)
+    previous, history = None, []
+    if params.previous_response_id is not None:
+        previous, history = await _load_history(
+            response_id=params.previous_response_id, organization_id=organization_id
+        )
+    items = input_items(params)
+
+    async def keep(response: dict[str, Any]) -> None:
+        await _keep_response(
+            response=response,
+            organization_id=organization_id,
+            instance_pk=agent.pk,
+            api_key_id=caller.api_key.pk,
+            previous=previous,
+            input_items=items,
+            request_id=caller.request_id,
+        )
+
+    def tool_ran(name: str, outcome: ToolOutcome) -> None:
+        meter = _meter(caller, model=name, endpoint=TOOLS_ENDPOINT, started=time.monotonic() - outcome.elapsed_ms / 1000)
+        meter.record(status=200, error_code="" if outcome.error is None else "tool_failed")
+
+    turn = AgentTurn(
+        agent=agent,
+        params=params,
+        history=history,
+        input_items=items,
+        encoder=responses.ResponseEncoder(echo=_echo(params)),
+        context=ToolContext(instance_pk=agent.pk, organization_id=organization_id),
+        keep=keep if params.keeps else None,
+        tool_ran=tool_ran,
+    )
+    first = await turn.prepare_first()
+    meter = _meter(caller, model=agent.entry.public_id, endpoint=ENDPOINT)
+    try:
+        grant = await admit(
+            organization_id=organization_id, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
+        )
+    except LimitExceeded as exc:
+        meter.record(status=429, error_code="rate_limited")
+        raise exc
+    return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route="agent")
+
+
+def _meter(caller: Caller, *, model: str, endpoint: str, started: float | None = None) -> Meter:
+    meter = Meter(
+        organization_id=caller.organization_id,
+        api_key_id=caller.api_key.pk,
+        model=model,
+        endpoint=endpoint,
+        route="agent",
+        request_id=caller.request_id,
+    )
+    if started is not None:
+        meter.started = started
+    return meter
+
+
+async def _metered(turn: AgentTurn, *, grant: Grant, meter: Meter) -> AsyncIterator[str]:
+    """The turn's stream; however it ends, the slot is released and one usage record written."""
+    try:
+        async for chunk in turn.events():
+            yield chunk
+    finally:
+        grant.release()
+        usage = turn.usage
+        if not turn.finished:
+            status, error_code = 499, "client_disconnected"
+        else:
+            status, error_code = 200, turn.failure.code if turn.failure is not None else ""
+        meter.record(
+            status=status,
+            error_code=error_code,
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
+            cached_tokens=usage.cached_tokens,
+            time_to_first_token_ms=turn.time_to_first_token_ms(meter.started),
+        )
+
+
+# --- feedback ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rated:
+    message_id: str
+    feedback: Feedback
+
+
+def rate_response(
+    *, organization_id: int, api_key_id: int | None, message_id: str, rating: str, comment: str, meta: dict[str, Any]
+) -> Rated:
+    response = find_stored(response_id=message_id, organization_id=organization_id)
+    if response is None:
+        raise APIError(
+            f"No stored response with id {message_id!r}. Only responses created with store: true can be rated.",
+            code="response_not_found",
+            status=404,
+            param="meta.message_id",
+            type=NOT_FOUND,
+        )
+    feedback, _ = Feedback.objects.update_or_create(
+        response=response,
+        defaults={"rating": rating, "comment": comment, "meta": meta, "api_key_id": api_key_id, "created": timezone.now()},
+    )
+    return Rated(message_id=message_id, feedback=feedback)

@@ -1,0 +1,143 @@
+"""Server tools: functions the runtime runs itself, shown to clients as ``agent_runtime:function_call`` items.
+
+A tool is registered by name; an instance lists the names it may use. A tool's ``run`` is synchronous
+(database work) and runs on the shared pool. It raises ``ToolError`` to fail with a message the model
+and the client see; any other exception is logged and reported without its details.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from inference.decoding import FunctionTool
+from orgs.db import db_task
+
+from .search import query_terms, search_documents
+
+logger = logging.getLogger("agents.tools")
+
+SEARCH_RESULTS = 3
+
+
+class ToolError(Exception):
+    """A tool could not do its job; the message says why, for the model and the client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    title: str
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    output: str
+    sources: tuple[Source, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    instance_pk: int
+    organization_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[[ToolContext, dict[str, Any]], ToolResult]
+
+    def function_tool(self) -> FunctionTool:
+        return FunctionTool(self.name, self.description, self.parameters, None)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    """A finished run: its output, or its error; the sources it found; how long it took."""
+
+    output: str | None
+    error: str | None
+    sources: tuple[Source, ...]
+    elapsed_ms: int
+
+    @property
+    def for_model(self) -> str:
+        return self.output if self.error is None else f"Error: {self.error}"
+
+
+REGISTRY: dict[str, ServerTool] = {}
+
+
+def register(tool: ServerTool) -> ServerTool:
+    REGISTRY[tool.name] = tool
+    return tool
+
+
+def _checked(tool: ServerTool, arguments: Any) -> dict[str, Any]:
+    if not isinstance(arguments, dict):
+        raise ToolError(f"{tool.name} takes a JSON object of arguments.")
+    missing = [name for name in tool.parameters.get("required", ()) if name not in arguments]
+    if missing:
+        raise ToolError(f"{tool.name} needs the argument(s) {', '.join(missing)}.")
+    return arguments
+
+
+def _run(tool: ServerTool, context: ToolContext, arguments: Any) -> ToolResult:
+    return tool.run(context, _checked(tool, arguments))
+
+
+_run_on_pool = db_task(_run)
+
+
+async def run_tool(tool: ServerTool, *, context: ToolContext, arguments: Any) -> ToolOutcome:
+    started = time.monotonic()
+    try:
+        result = await _run_on_pool(tool, context, arguments)
+    except ToolError as exc:
+        error, result = str(exc), None
+    except Exception:
+        logger.exception("server tool %s failed", tool.name)
+        error, result = f"{tool.name} failed unexpectedly.", None
+    else:
+        error = None
+    elapsed = int((time.monotonic() - started) * 1000)
+    if result is None:
+        return ToolOutcome(output=None, error=error, sources=(), elapsed_ms=elapsed)
+    return ToolOutcome(output=result.output, error=None, sources=result.sources, elapsed_ms=elapsed)
+
+
+# --- the tools ---------------------------------------------------------------------------------------
+
+
+def knowledge_search(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
+    query = arguments.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise ToolError("knowledge_search needs a query: the words to search for.")
+    if not query_terms(query):
+        raise ToolError(f"The query {query!r} has no words to search for.")
+    hits = search_documents(instance_id=context.instance_pk, query=query, limit=SEARCH_RESULTS)
+    results = [{"title": hit.title, "url": hit.url, "excerpt": hit.excerpt} for hit in hits]
+    return ToolResult(
+        output=json.dumps({"results": results}, ensure_ascii=False),
+        sources=tuple(Source(title=hit.title, url=hit.url) for hit in hits),
+    )
+
+
+KNOWLEDGE_SEARCH = register(
+    ServerTool(
+        name="knowledge_search",
+        description="Search the knowledge base for documents about the user's question.",
+        parameters={
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "The words to search for."}},
+            "required": ["query"],
+        },
+        run=knowledge_search,
+    )
+)
