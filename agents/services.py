@@ -16,7 +16,6 @@ from django.utils import timezone
 
 from inference import responses
 from inference.errors import NOT_FOUND, APIError, invalid_request
-from inference.protocol import validation_error
 from inference.protocol import responses as wire
 from inference.services import Caller, Result
 from inference.usage import Meter
@@ -159,9 +158,11 @@ def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
             try:
                 data = AgentCall.model_validate(data).model_dump(mode="json")
             except ValidationError as exc:
-                error = validation_error(exc, data)
-                error.param = f"input.{index}.{error.param}" if error.param else f"input.{index}"
-                raise error from None
+                first = exc.errors(include_url=False)[0]
+                where = ".".join(str(part) for part in (f"input.{index}", *first["loc"]))
+                raise invalid_request(
+                    f"Invalid {AGENT_CALL} item at {where}: {first['msg']}.", param=where, code="invalid_value"
+                ) from None
         items.append(data)
     return items
 

@@ -7,6 +7,7 @@ every job: reusing it across requests makes greedy output depend on the previous
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import os
 import threading
@@ -37,12 +38,23 @@ def model_path(settings: dict[str, Any]) -> str:
     return str(Path(str(located)))
 
 
+_loaded: list[Any] = []
+
+
+@atexit.register
+def _close_all() -> None:
+    # Closed while the interpreter still works; left to garbage collection at exit, llama.cpp's
+    # finalizers run after their module globals are gone and print errors.
+    for llm in _loaded:
+        llm.close()
+
+
 def _llama(settings: dict[str, Any], *, vocab_only: bool) -> Any:
     from llama_cpp import Llama
 
     threads = int(settings.get("n_threads") or min(4, os.cpu_count() or 1))
     try:
-        return Llama(
+        llm = Llama(
             model_path=model_path(settings),
             n_ctx=int(settings.get("n_ctx", 8192)),
             n_threads=threads,
@@ -52,6 +64,8 @@ def _llama(settings: dict[str, Any], *, vocab_only: bool) -> Any:
         )
     except (ValueError, OSError) as exc:
         raise RunnerError(f"could not load the model: {exc}", code="runner_unavailable") from None
+    _loaded.append(llm)
+    return llm
 
 
 def grammar_for(constraint: Constraint) -> Any:

@@ -1,0 +1,103 @@
+"""The agent runtime's views: the tenant check, then validate, call one service, render."""
+
+from __future__ import annotations
+
+import hmac
+
+from django.http import HttpResponseBase
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from inference.api import render_result
+from inference.apiview import AsyncAPIView
+from inference.errors import PERMISSION, APIError
+from inference.protocol import parse
+from inference.services import Caller
+from orgs.db import db_task
+from orgs.models import Organization
+
+from . import protocol, services
+
+TENANT_HEADER = "X-Tenant-ID"
+
+
+def tenant(request: Request) -> Organization:
+    """The key's organization, if ``X-Tenant-ID`` names it. An unknown tenant and another organization's get
+    the same answer, so the header cannot be used to learn which organizations exist."""
+    claimed = request.headers.get(TENANT_HEADER, "").strip()
+    if not claimed:
+        raise APIError(
+            f"Missing tenant: send '{TENANT_HEADER}: <organization>' with the organization of your API key.",
+            code="missing_tenant_id",
+        )
+    organization: Organization = request.user
+    if not hmac.compare_digest(claimed.encode(), organization.slug.encode()):
+        raise APIError(
+            f"The tenant in {TENANT_HEADER} is not the organization of this API key.",
+            code="tenant_mismatch",
+            status=403,
+            type=PERMISSION,
+        )
+    return organization
+
+
+def _caller(request: Request) -> Caller:
+    request._request.infer_route = "agent"
+    return Caller(api_key=request.auth, request_id=request._request.request_id)
+
+
+class ResponsesView(AsyncAPIView):
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        tenant(request)
+        params = parse(protocol.AgentResponseRequest, request.data)
+        return render_result(request, await services.create_response(params=params, caller=_caller(request)))
+
+
+class InstancesView(AsyncAPIView):
+    http_method_names = ["get"]
+
+    async def get(self, request: Request) -> Response:
+        organization = tenant(request)
+        instances = await db_task(services.list_instances)(organization_id=organization.pk)
+        return Response(
+            protocol.instance_list(
+                [
+                    protocol.instance_object(
+                        instance_id=instance.instance_id,
+                        name=instance.name,
+                        created=int(instance.created.timestamp()),
+                        base_model=instance.model.public_id,
+                        tools=list(instance.tools),
+                        reasoning=instance.reasons,
+                    )
+                    for instance in instances
+                ]
+            )
+        )
+
+
+class FeedbackView(AsyncAPIView):
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> Response:
+        organization = tenant(request)
+        params = parse(protocol.FeedbackRequest, request.data)
+        rated = await db_task(services.rate_response)(
+            organization_id=organization.pk,
+            api_key_id=request.auth.pk,
+            message_id=params.meta.message_id,
+            rating=params.rating,
+            comment=params.comment or "",
+            meta=params.meta.model_dump(mode="json"),
+        )
+        feedback = rated.feedback
+        return Response(
+            protocol.feedback_object(
+                message_id=rated.message_id,
+                rating=feedback.rating,
+                comment=feedback.comment,
+                created_at=int(feedback.created.timestamp()),
+            )
+        )

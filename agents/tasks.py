@@ -1,0 +1,13 @@
+"""Celery tasks: thin interfaces over the agent services."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+
+@shared_task(name="agents.prune_responses", ignore_result=True)
+def prune_responses() -> None:
+    """Delete stored conversations past their retention (scheduled by Celery beat)."""
+    from .services import prune_responses as prune
+
+    prune()

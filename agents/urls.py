@@ -1,0 +1,9 @@
+from django.urls import path
+
+from . import api
+
+urlpatterns = [
+    path("responses", api.ResponsesView.as_view()),
+    path("instances", api.InstancesView.as_view()),
+    path("feedback", api.FeedbackView.as_view()),
+]
