@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test install install-test system-test-deps serve-distributed worker bench clean
+.PHONY: run test install install-test system-test-deps bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,8 @@ test: install-test system-test-deps
 
 bench: install-test system-test-deps
 	$(PY) bench/runner_throughput.py
+	$(PY) bench/admission_overhead.py
+	$(PY) bench/gateway_overhead.py
 
 clean:
 	rm -rf $(VENV) var
