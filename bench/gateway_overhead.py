@@ -232,7 +232,7 @@ def main() -> None:
                 for target in targets:
                     rows[(target.name, clients, stream)] = measure(target, clients=clients, stream=stream, duration=args.duration)
                     r, cpu = rows[(target.name, clients, stream)]
-                    print(f"  measured {target.name:18} c={clients:<3} stream={stream!s:5} rps={r.rps:8.1f} errors={r.errors}", flush=True)
+                    print(f"  measured {target.name:18} c={clients:<3} stream={stream!s:5} rps={r.rps:8.1f} statuses={r.statuses} errors={r.errors}", flush=True)
         report(rows, targets, concurrencies)
     finally:
         for process in processes:
@@ -278,9 +278,10 @@ def report(rows: dict[tuple[str, int, bool], tuple[Results, float]], targets: li
             for name in ("platform-embedded", "platform-redis"):
                 r, cpu = rows[(name, clients, stream)]
                 added = r.percentile(r.latencies, 50) - direct_p50
+                ratio = lambda a, b: f"{a / b:.2f}×" if b else "—"  # noqa: E731
                 print(
-                    f"| {'stream' if stream else 'json'} | {clients} | {name} | {r.rps / lite.rps:.2f}× | "
-                    f"{added / lite_added:.2f}× | {cpu / lite_cpu:.2f}× |"
+                    f"| {'stream' if stream else 'json'} | {clients} | {name} | {ratio(r.rps, lite.rps)} | "
+                    f"{ratio(added, lite_added)} | {ratio(cpu, lite_cpu)} |"
                 )
 
 

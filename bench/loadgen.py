@@ -90,7 +90,8 @@ async def run(
                     reader, writer = await asyncio.open_connection(host, port)
                     continue
                 done = time.perf_counter()
-                if sent >= measure_from and done <= stop_at:
+                # Counted when it completes inside the window, so that slow servers still register.
+                if measure_from <= done <= stop_at and sent >= start + warmup / 2:
                     results.statuses[status] = results.statuses.get(status, 0) + 1
                     if status == 200:
                         results.latencies.append(done - sent)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import close_old_connections
 from django.utils import timezone
@@ -69,7 +69,7 @@ class Meter:
             ttft_ms=time_to_first_token_ms,
         )
         _writer.put(
-            UsageRecord(
+            dict(
                 organization_id=self.organization_id,
                 api_key_id=self.api_key_id,
                 model=self.model,
@@ -90,43 +90,45 @@ class Meter:
 
 
 class _Writer:
-    def __init__(self) -> None:
-        self._queue: queue.Queue[UsageRecord] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._idle = threading.Condition()
-        self._pending = 0
+    """Collects records and writes them every ``BATCH_SECONDS`` from its own thread.
 
-    def put(self, record: UsageRecord) -> None:
-        with self._idle:
-            self._pending += 1
-        self._queue.put(record)
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
-                    self._thread.start()
+    The request path only appends under an uncontended lock: no wake-up per record, and the model
+    instances are built here, off the event loop.
+    """
+
+    def __init__(self) -> None:
+        self._records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._written = threading.Condition()
+        self._writing = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._records.append(record)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="usage-writer", daemon=True)
+                self._thread.start()
 
     def flush(self, timeout: float = 10.0) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0, timeout=timeout)
+        """Wait until everything queued so far is written."""
+        self._wake.set()
+        with self._written:
+            self._written.wait_for(lambda: not self._records and not self._writing, timeout=timeout)
 
     def _run(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            deadline = time.monotonic() + BATCH_SECONDS
-            while len(batch) < BATCH_SIZE:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    batch.append(self._queue.get(timeout=remaining))
-                except queue.Empty:
-                    break
-            self._write(batch)
-            with self._idle:
-                self._pending -= len(batch)
-                self._idle.notify_all()
+            self._wake.wait(BATCH_SECONDS)
+            self._wake.clear()
+            with self._lock:
+                batch, self._records = self._records, []
+                self._writing = bool(batch)
+            for start in range(0, len(batch), BATCH_SIZE):
+                self._write([UsageRecord(**fields) for fields in batch[start : start + BATCH_SIZE]])
+            with self._written:
+                self._writing = False
+                self._written.notify_all()
 
     @staticmethod
     def _write(batch: list[UsageRecord]) -> None:
@@ -140,7 +142,6 @@ class _Writer:
             except Exception:  # noqa: BLE001  (the database may be briefly busy; never lose the batch silently)
                 logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
                 time.sleep(0.5 * (attempt + 1))
-
 
 _writer = _Writer()
 flush = _writer.flush

@@ -185,14 +185,23 @@ def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limi
 
 # --- the Redis store ---------------------------------------------------------------------------
 
-# KEYS: requests zset, tokens zset, slots zset. ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce.
-# Limits of -1 mean unlimited. Token entries are members "nonce:tokens" scored by time.
+# KEYS: requests zset, tokens zset, slots zset, tokens-in-window sum.
+# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce. Limits of -1 mean unlimited.
+# Token entries are members "nonce:tokens" scored by time; their running sum is kept beside them, so
+# admission touches only the entries that leave the window, not all of them.
 _ADMIT_LUA = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rpm, tpm, inflight = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local wanted, slot, ttl, nonce = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8]), ARGV[9]
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+local horizon = now - window
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', horizon)
+local leaving = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', horizon)
+if #leaving > 0 then
+  local gone = 0
+  for i = 1, #leaving do gone = gone + tonumber(string.match(leaving[i], ':(%d+)$')) end
+  redis.call('DECRBY', KEYS[4], gone)
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', horizon)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local nreq = redis.call('ZCARD', KEYS[1])
 if rpm >= 0 and nreq + 1 > rpm then
@@ -203,14 +212,11 @@ if rpm >= 0 and nreq + 1 > rpm then
   end
   return {0, 'requests_per_minute', tostring(retry)}
 end
-local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-local total = 0
-for i = 1, #entries, 2 do
-  total = total + tonumber(string.match(entries[i], ':(%d+)$'))
-end
+local total = tonumber(redis.call('GET', KEYS[4]) or '0')
 if tpm >= 0 and total + wanted > tpm then
   local retry = window
   if wanted <= tpm then
+    local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
     local left = total
     for i = 1, #entries, 2 do
       left = left - tonumber(string.match(entries[i], ':(%d+)$'))
@@ -228,10 +234,10 @@ end
 redis.call('ZADD', KEYS[1], now, nonce)
 if wanted > 0 then
   redis.call('ZADD', KEYS[2], now, nonce .. ':' .. wanted)
-  total = total + wanted
+  total = redis.call('INCRBY', KEYS[4], wanted)
 end
 redis.call('ZADD', KEYS[3], now + ttl, slot)
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
 local oldest_req = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 local oldest_tok = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 local reset_req, reset_tok = 0, 0
@@ -253,7 +259,7 @@ class RedisStore:
 
     @staticmethod
     def _keys(key: str) -> list[str]:
-        return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots"]
+        return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots", f"b3os:lim:{key}:toksum"]
 
     async def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float) -> Decision:
         _, script = self._client()
