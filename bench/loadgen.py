@@ -91,7 +91,7 @@ async def run(
                     continue
                 done = time.perf_counter()
                 # Counted when it completes inside the window, so that slow servers still register.
-                if measure_from <= done <= stop_at and sent >= start + warmup / 2:
+                if measure_from <= done <= stop_at:
                     results.statuses[status] = results.statuses.get(status, 0) + 1
                     if status == 200:
                         results.latencies.append(done - sent)

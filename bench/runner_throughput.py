@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
+import logging  # noqa: E402
+
 import httpx  # noqa: E402
 
 from bench.gateway_overhead import free_port, manage, wait_http  # noqa: E402
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
     stacks = {}
     procs: list[subprocess.Popen[bytes]] = []
