@@ -74,7 +74,7 @@ class Generation:
         deadline = self.started + settings.STREAM_MAX_SECONDS
         try:
             async for batch in job.events():
-                for event in batch:
+                for event in _coalesce(batch):
                     if isinstance(event, TextChunk):
                         if self.first_token_at is None:
                             self.first_token_at = time.monotonic()
@@ -113,6 +113,18 @@ class Generation:
         finally:
             if not self.finished:
                 await job.cancel()
+
+
+def _coalesce(batch: list[Any]) -> list[Any]:
+    """Text that arrived together leaves together: one delta per batch, not one per token."""
+    out: list[Any] = []
+    for event in batch:
+        if isinstance(event, TextChunk) and out and isinstance(out[-1], TextChunk):
+            last = out[-1]
+            out[-1] = TextChunk(last.text + event.text, last.tokens + event.tokens, last.logprobs + event.logprobs)
+        else:
+            out.append(event)
+    return out
 
 
 def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "length", "tool_calls"]:
