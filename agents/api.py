@@ -5,6 +5,8 @@ from __future__ import annotations
 import hmac
 
 from django.http import HttpResponseBase
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -46,7 +48,21 @@ def _caller(request: Request) -> Caller:
     return Caller(api_key=request.auth, request_id=request._request.request_id)
 
 
-class ResponsesView(AsyncAPIView):
+class AnyAccept(DefaultContentNegotiation):
+    """Clients send the contract's 'Accept: text/event-stream' (often with every request of a session); the
+    stream is the only other thing served, and errors, instances and feedback are JSON, as OpenAI answers them."""
+
+    def select_renderer(
+        self, request: Request, renderers: list[BaseRenderer], format_suffix: str | None = None
+    ) -> tuple[BaseRenderer, str]:
+        return renderers[0], renderers[0].media_type
+
+
+class AgentView(AsyncAPIView):
+    content_negotiation_class = AnyAccept
+
+
+class ResponsesView(AgentView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> HttpResponseBase:
@@ -55,7 +71,7 @@ class ResponsesView(AsyncAPIView):
         return render_result(request, await services.create_response(params=params, caller=_caller(request)))
 
 
-class InstancesView(AsyncAPIView):
+class InstancesView(AgentView):
     http_method_names = ["get"]
 
     async def get(self, request: Request) -> Response:
@@ -78,7 +94,7 @@ class InstancesView(AsyncAPIView):
         )
 
 
-class FeedbackView(AsyncAPIView):
+class FeedbackView(AgentView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> Response:

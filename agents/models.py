@@ -6,7 +6,7 @@ import re
 from datetime import timedelta
 
 from django.core.exceptions import ValidationError
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -44,6 +44,15 @@ class AgentInstance(models.Model):
     reasons = models.BooleanField(
         "reasons", default=False, help_text="The model thinks before it answers (its catalog model must reason)."
     )
+    temperature = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0), MaxValueValidator(2.0)],
+        help_text="For requests that set none (blank: 1.0). Small models answer best at 0.",
+    )
+    max_output_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Per response, for requests that set none (blank: the catalog model's maximum)."
+    )
     organizations = models.ManyToManyField(
         "orgs.Organization", related_name="agent_instances", blank=True, help_text="The tenants that may use it."
     )
@@ -67,6 +76,8 @@ class AgentInstance(models.Model):
             raise ValidationError({"tools": "A list of tool names."})
         if unknown := sorted(set(self.tools) - set(REGISTRY)):
             raise ValidationError({"tools": f"Unknown tools: {', '.join(unknown)}."})
+        if self.tools and self.model_id is not None and not self.model.tools:
+            raise ValidationError({"tools": f"The catalog model {self.model} cannot call tools."})
         if self.reasons and self.model_id is not None and not self.model.reasoning:
             raise ValidationError({"reasons": f"The catalog model {self.model} does not reason."})
         if self.first_step == FirstStep.SEARCH and "knowledge_search" not in self.tools:

@@ -7,6 +7,11 @@ back and runs the model again; when it calls one of the client's tools, the turn
 ``function_call`` item; otherwise the model's message is the answer. The model gets at most
 ``AGENT_MAX_STEPS`` steps, the last one without tools, and all steps share ``max_output_tokens``.
 
+Server tools' results reach the model as context in its system message, not as tool-call turns of the
+transcript: the client never sees those turns, and small models parrot them (SmolLM2-135M copies a
+``<tool_response>`` block verbatim, yet answers from the same text given as context). The transcript's
+tool calls are the client's own ``function_call`` items.
+
 Citations: every document a knowledge search returned in this turn is cited by the message(s) closed
 after it, as a ``url_citation`` over the whole text. The tiny models this runs on cannot be trusted to
 cite sources by number, so the runtime cites what it gave the model rather than what the model claims.
@@ -57,27 +62,34 @@ class Agent:
     first_step: str
     reasons: bool
     guardrails: Guardrails
+    temperature: float | None = None
+    max_output_tokens: int | None = None
 
     def tool(self, name: str) -> ServerTool | None:
         return next((tool for tool in self.tools if tool.name == name), None)
 
 
+def output_limit(params: AgentResponseRequest, agent: Agent) -> int:
+    """The response's output tokens, all steps together: the request's, else the instance's, else the model's."""
+    return params.max_output_tokens or agent.max_output_tokens or agent.entry.max_output_tokens
+
+
+def temperature(params: AgentResponseRequest, agent: Agent) -> float | None:
+    return params.temperature if params.temperature is not None else agent.temperature
+
+
 # --- items to the model's conversation ---------------------------------------------------------------
 
 
-def for_model(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """Items as the stateless conversation builder takes them: a server tool's call becomes a function call
-    and its output (its error, if it failed). Each item keeps the request parameter it came from."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    for where, item in items:
-        if item.get("type") == AGENT_CALL:
-            call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"]}
-            out.append((where, {**call, "arguments": item.get("arguments") or "{}"}))
-            result = item.get("output") if item.get("error") is None else f"Error: {item['error']}"
-            out.append((where, {"type": "function_call_output", "call_id": item["call_id"], "output": result or ""}))
-        else:
-            out.append((where, item))
-    return out
+def tool_context(calls: list[dict[str, Any]]) -> str:
+    """The server tools' runs of a conversation, as the context block of the system message."""
+    if not calls:
+        return ""
+    runs = []
+    for call in calls:
+        result = (call.get("output") or "") if call.get("error") is None else f"Failed: {call['error']}"
+        runs.append(f"{call.get('name')} {call.get('arguments') or '{}'}:\n{result}")
+    return "Results of the tools run for this conversation:\n" + "\n\n".join(runs)
 
 
 def conversation(*, instructions: str, items: list[tuple[str, dict[str, Any]]], entry: CatalogEntry) -> list[Message]:
@@ -86,12 +98,14 @@ def conversation(*, instructions: str, items: list[tuple[str, dict[str, Any]]], 
     ``items`` pairs each item with where it came from (``input.3``, or ``previous_response_id`` for the
     stored history), so that an error names what the client sent rather than a position it never saw.
     """
-    expanded = for_model(items)
-    body = {"model": entry.public_id, "instructions": instructions or None, "input": [item for _, item in expanded]}
+    calls = [item for _, item in items if item.get("type") == AGENT_CALL]
+    transcript = [(where, item) for where, item in items if item.get("type") != AGENT_CALL]
+    system = "\n\n".join(filter(None, [instructions, tool_context(calls)]))
+    body = {"model": entry.public_id, "instructions": system or None, "input": [item for _, item in transcript]}
     try:
         return responses.conversation(parse(wire.ResponseCreateRequest, body), entry)
     except APIError as exc:
-        exc.param = _source_param(exc.param, [where for where, _ in expanded])
+        exc.param = _source_param(exc.param, [where for where, _ in transcript])
         raise
 
 
@@ -179,8 +193,7 @@ class AgentTurn:
 
     @property
     def budget(self) -> int:
-        limit = self.params.max_output_tokens or self.agent.entry.max_output_tokens
-        return limit - sum(step.completion_tokens for step in self.steps)
+        return output_limit(self.params, self.agent) - sum(step.completion_tokens for step in self.steps)
 
     def _tool_choice(self, step: int) -> ToolChoice:
         asked = self.params.tool_choice
@@ -188,7 +201,7 @@ class AgentTurn:
             return "none"
         if self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls:
             return "none"
-        if step > 0 or self.steps:
+        if step > 0:
             return "auto"
         if asked is None or asked == "auto":
             must = self.agent.first_step == FirstStep.TOOL and self.agent.tools
@@ -198,9 +211,10 @@ class AgentTurn:
     async def prepare_step(self, step: int) -> Generation:
         """The model's next step; raises ``APIError`` (``context_length_exceeded``) if it cannot fit."""
         choice = self._tool_choice(step)
-        tools = tuple(tool.function_tool() for tool in self.agent.tools) + self.client_tools
+        offered = tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
+        tools = offered + self.client_tools
         if choice == SERVER_TOOL_REQUIRED:
-            tools, choice = tuple(tool.function_tool() for tool in self.agent.tools), "required"
+            tools, choice = offered, "required"
         instructions = "\n\n".join(filter(None, [self.agent.instructions, self.params.instructions]))
         items = [("previous_response_id", item) for item in self.history]
         items += [(f"input.{index}", item) for index, item in enumerate(self.input_items)]
@@ -212,13 +226,17 @@ class AgentTurn:
             parallel_tool_calls=self.params.parallel_tool_calls is not False,
             reasoning=self.reasoning,
             max_output_tokens=self.budget,
-            temperature=self.params.temperature,
+            temperature=temperature(self.params, self.agent),
             top_p=self.params.top_p,
             logprobs=self.params.wants_logprobs,
             top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
             max_tokens_param="max_output_tokens",
         )
         return await prepare(entry=self.agent.entry, request=request)
+
+    def _offered(self, tool: ServerTool) -> bool:
+        """Instances that search first do not offer the search to the model: the runtime has searched."""
+        return not (self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name)
 
     async def prepare_first(self) -> Generation:
         """The first model step as it would run now: what admission charges for, and the context check

@@ -5,32 +5,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import ValidationError
 from django.conf import settings
 from django.db.models import Max
 from django.utils import timezone
+from pydantic import ValidationError
 
 from inference import responses
 from inference.errors import NOT_FOUND, APIError, invalid_request
 from inference.protocol import responses as wire
-from inference.services import Caller, Result
+from inference.services import Caller, Result, _admit, _meter
 from inference.usage import Meter
-from orgs.admission import Grant, admit
+from orgs.admission import Grant
 from orgs.db import db_task
-from orgs.exceptions import LimitExceeded
 
 from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse
 from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
+from . import runtime
 from .runtime import Agent, AgentTurn
 from .tools import REGISTRY, ToolContext, ToolOutcome
 
 ENDPOINT = "agents.responses"
 TOOLS_ENDPOINT = "agents.tools"
+ROUTE = "agent"
+PRUNE_EVERY_SECONDS = 3600.0
 
 
 # --- instances -------------------------------------------------------------------------------------
@@ -63,13 +66,15 @@ def load_agent(*, instance_id: str, organization_id: int) -> Agent:
         first_step=instance.first_step,
         reasons=instance.reasons,
         guardrails=Guardrails.of(instance.guardrails.all()),
+        temperature=instance.temperature,
+        max_output_tokens=instance.max_output_tokens,
     )
 
 
 # --- stored conversations ------------------------------------------------------------------------------
 
 
-def _retention_cutoff() -> Any:
+def _retention_cutoff() -> datetime | None:
     days = settings.AGENT_RESPONSE_RETENTION_DAYS
     return timezone.now() - timedelta(days=days) if days else None
 
@@ -107,6 +112,9 @@ def load_history(*, response_id: str, organization_id: int) -> tuple[StoredRespo
     return last, [item for turn in reversed(chain) for item in (*turn.input_items, *turn.output_items)]
 
 
+_last_prune = 0.0
+
+
 def keep_response(
     *,
     response: dict[str, Any],
@@ -117,6 +125,11 @@ def keep_response(
     input_items: list[dict[str, Any]],
     request_id: str,
 ) -> StoredResponse:
+    global _last_prune
+    if time.monotonic() - _last_prune > PRUNE_EVERY_SECONDS:
+        # Embedded mode has no Celery beat: whoever stores prunes, at most hourly per process.
+        _last_prune = time.monotonic()
+        prune_responses()
     return StoredResponse.objects.create(
         response_id=response["id"],
         organization_id=organization_id,
@@ -167,7 +180,7 @@ def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
     return items
 
 
-def _check_client_tools(params: AgentResponseRequest, agent: Agent) -> None:
+def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
     for index, tool in enumerate(params.function_tools):
         if agent.tool(tool.name) is not None:
             raise invalid_request(
@@ -190,9 +203,16 @@ def _check_client_tools(params: AgentResponseRequest, agent: Agent) -> None:
         )
 
 
-def _echo(params: AgentResponseRequest) -> dict[str, Any]:
+def _echo(params: AgentResponseRequest, agent: Agent) -> dict[str, Any]:
+    """The request's settings as applied: with the instance's defaults where the request set none."""
     echo = responses.echo(params)
-    echo.update(store=params.keeps, previous_response_id=params.previous_response_id)
+    applied = runtime.temperature(params, agent)
+    echo.update(
+        store=params.keeps,
+        previous_response_id=params.previous_response_id,
+        max_output_tokens=runtime.output_limit(params, agent),
+        temperature=1.0 if applied is None else applied,
+    )
     return echo
 
 
@@ -206,7 +226,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     params.refuse_unsupported()
     organization_id = caller.organization_id
     agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
-    _check_client_tools(params, agent)
+    _check_against_instance(params, agent)
     previous, history = None, []
     if params.previous_response_id is not None:
         previous, history = await _load_history(
@@ -226,7 +246,9 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         )
 
     def tool_ran(name: str, outcome: ToolOutcome) -> None:
-        meter = _meter(caller, model=name, endpoint=TOOLS_ENDPOINT, started=time.monotonic() - outcome.elapsed_ms / 1000)
+        # One usage record per server tool run: the tool's name as the model, its time, and whether it failed.
+        meter = _meter(caller, model=name, endpoint=TOOLS_ENDPOINT, route=ROUTE)
+        meter.started = time.monotonic() - outcome.elapsed_ms / 1000
         meter.record(status=200, error_code="" if outcome.error is None else "tool_failed")
 
     turn = AgentTurn(
@@ -234,42 +256,26 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         params=params,
         history=history,
         input_items=items,
-        encoder=responses.ResponseEncoder(echo=_echo(params)),
+        encoder=responses.ResponseEncoder(echo=_echo(params, agent)),
         context=ToolContext(instance_pk=agent.pk, organization_id=organization_id),
         keep=keep if params.keeps else None,
         tool_ran=tool_ran,
     )
     first = await turn.prepare_first()
-    meter = _meter(caller, model=agent.entry.public_id, endpoint=ENDPOINT)
-    try:
-        grant = await admit(
-            organization_id=organization_id, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
-        )
-    except LimitExceeded as exc:
-        meter.record(status=429, error_code="rate_limited")
-        raise exc
-    return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route="agent")
-
-
-def _meter(caller: Caller, *, model: str, endpoint: str, started: float | None = None) -> Meter:
-    meter = Meter(
-        organization_id=caller.organization_id,
-        api_key_id=caller.api_key.pk,
-        model=model,
-        endpoint=endpoint,
-        route="agent",
-        request_id=caller.request_id,
-    )
-    if started is not None:
-        meter.started = started
-    return meter
+    meter = _meter(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
+    # Charged as any request: the first step's prompt and the whole output budget (later steps' prompts,
+    # which hold tool results, are recorded in usage but not charged in advance).
+    grant = await _admit(caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens)
+    return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route=ROUTE)
 
 
 async def _metered(turn: AgentTurn, *, grant: Grant, meter: Meter) -> AsyncIterator[str]:
     """The turn's stream; however it ends, the slot is released and one usage record written."""
     try:
-        async for chunk in turn.events():
-            yield chunk
+        # Closed at once when the client goes away: the model's job is cancelled, not left to the collector.
+        async with aclosing(turn.events()) as chunks:
+            async for chunk in chunks:
+                yield chunk
     finally:
         grant.release()
         usage = turn.usage

@@ -7,7 +7,6 @@ and the client see; any other exception is logged and reported without its detai
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -122,11 +121,11 @@ def knowledge_search(context: ToolContext, arguments: dict[str, Any]) -> ToolRes
     if not query_terms(query):
         raise ToolError(f"The query {query!r} has no words to search for.")
     hits = search_documents(instance_id=context.instance_pk, query=query, limit=SEARCH_RESULTS)
-    results = [{"title": hit.title, "url": hit.url, "excerpt": hit.excerpt} for hit in hits]
-    return ToolResult(
-        output=json.dumps({"results": results}, ensure_ascii=False),
-        sources=tuple(Source(title=hit.title, url=hit.url) for hit in hits),
-    )
+    if not hits:
+        return ToolResult(output="No documents match.")
+    # Plain text, read by the model as context and shown to the user as the tool's result.
+    found = [f"[{number}] {hit.title} ({hit.url})\n{hit.excerpt}" for number, hit in enumerate(hits, 1)]
+    return ToolResult(output="\n\n".join(found), sources=tuple(Source(title=hit.title, url=hit.url) for hit in hits))
 
 
 KNOWLEDGE_SEARCH = register(
@@ -135,7 +134,7 @@ KNOWLEDGE_SEARCH = register(
         description="Search the knowledge base for documents about the user's question.",
         parameters={
             "type": "object",
-            "properties": {"query": {"type": "string", "description": "The words to search for."}},
+            "properties": {"query": {"type": "string"}},
             "required": ["query"],
         },
         run=knowledge_search,

@@ -115,6 +115,7 @@ INSTALLED_APPS = [
     "config",
     "orgs",
     "inference",
+    "agents",
 ]
 
 MIDDLEWARE = [
@@ -129,6 +130,7 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "config.urls"
+FORMS_URLFIELD_ASSUME_HTTPS = True
 ASGI_APPLICATION = "config.asgi.application"
 APPEND_SLASH = False
 
@@ -225,11 +227,31 @@ USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600)
 # `celery -A config beat` runs the rollup; some worker must consume the default queue ("celery").
 CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "inference.rollup_usage", "schedule": float(USAGE_ROLLUP_INTERVAL_SECONDS)},
+    "prune-agent-responses": {"task": "agents.prune_responses", "schedule": 3600.0},
 }
 # When set, /metrics answers only requests with 'Authorization: Bearer <METRICS_TOKEN>'.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # How long /health waits for Celery workers to say which queues they consume.
 HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1)
+
+# --- agent runtime ------------------------------------------------------------------------------
+# Stored conversations (store: true) are deleted this many days after their last turn (0 keeps them):
+# `manage.py prune_agent_responses` or Celery beat deletes them; older turns cannot be continued meanwhile.
+AGENT_RESPONSE_RETENTION_DAYS = _int("AGENT_RESPONSE_RETENTION_DAYS", 30)
+if AGENT_RESPONSE_RETENTION_DAYS < 0:
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E030",
+            f"AGENT_RESPONSE_RETENTION_DAYS={AGENT_RESPONSE_RETENTION_DAYS} is negative.",
+            "Use a number of days, or 0 to keep stored conversations until they are deleted.",
+        )
+    )
+    AGENT_RESPONSE_RETENTION_DAYS = 30
+# Model steps an agent may take in one response (each server tool round trip is one); the last has no tools.
+AGENT_MAX_STEPS = _int("AGENT_MAX_STEPS", 4)
+if AGENT_MAX_STEPS < 1:
+    CONFIG_PROBLEMS.append(("config.E031", f"AGENT_MAX_STEPS={AGENT_MAX_STEPS} is below 1.", "Use 1 or more."))
+    AGENT_MAX_STEPS = 4
 
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()

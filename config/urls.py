@@ -8,6 +8,7 @@ urlpatterns = [
     path("admin/usage/report/", admin.site.admin_view(operations.usage_report), name="usage-report"),
     path("admin/", admin.site.urls),
     path("v1/infer/", include("inference.urls")),
+    path("v1/", include("agents.urls")),
     path("metrics", operations.metrics, name="metrics"),
     path("health", operations.health, name="health"),
 ]

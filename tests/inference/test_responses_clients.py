@@ -3,15 +3,17 @@ Codex's, and a WebSocket upgrade on a raw socket."""
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
 import socket
-from typing import Any
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import OpenAI
 from pydantic import BaseModel
 
 from tests.conftest import MODEL_ID, LiveServer, OpenAISpec
@@ -85,38 +87,55 @@ def test_a_function_tool_round_trip_as_the_docs_show_it(client: OpenAI) -> None:
     assert answer.tools[0].strict is None
 
 
-def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer) -> None:
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+# The OpenAI Agents SDK is imported as ``agents``, which in this project's directory is the agent runtime app:
+# the SDK runs in a process of its own, with the project off its path (-P, and a directory outside the project).
+AGENTS_SDK_SCRIPT = """
+import asyncio, json, os
+import agents
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
+set_tracing_disabled(True)
+calls = []
 
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Current weather for a city."""
-        calls.append(city)
-        return "52F and raining"
+@function_tool
+def get_weather(city: str) -> str:
+    \"\"\"Current weather for a city.\"\"\"
+    calls.append(city)
+    return "52F and raining"
 
-    async def run() -> Any:
-        client = AsyncOpenAI(api_key=node_server.key, base_url=node_server.base_url, max_retries=0)
-        agent = Agent(
-            name="Weather",
-            instructions="Answer with the tool's result.",
-            model=OpenAIResponsesModel(model=MODEL_ID, openai_client=client),
-            tools=[get_weather],
-            # SmolLM2 calls reliably only when forced; one model turn keeps the test fast.
-            model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
-            tool_use_behavior="stop_on_first_tool",
-        )
-        # Streamed, so the SDK reads the function call from the event stream.
-        result = Runner.run_streamed(agent, "What is the weather in Eugene, Oregon? Use the tool.")
-        kinds = [event.type async for event in result.stream_events()]
-        return result, kinds
+async def run():
+    client = AsyncOpenAI(api_key=os.environ["B3OS_KEY"], base_url=os.environ["B3OS_BASE_URL"], max_retries=0)
+    agent = Agent(
+        name="Weather",
+        instructions="Answer with the tool's result.",
+        model=OpenAIResponsesModel(model=os.environ["B3OS_MODEL"], openai_client=client),
+        tools=[get_weather],
+        # SmolLM2 calls reliably only when forced; one model turn keeps the test fast.
+        model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    # Streamed, so the SDK reads the function call from the event stream.
+    result = Runner.run_streamed(agent, "What is the weather in Eugene, Oregon? Use the tool.")
+    kinds = [event.type async for event in result.stream_events()]
+    return {"sdk": agents.__file__, "calls": calls, "final_output": result.final_output, "kinds": kinds}
 
-    result, kinds = asyncio.run(run())
+print(json.dumps(asyncio.run(run())))
+"""
 
-    assert calls and result.final_output == "52F and raining"
-    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+
+def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer, tmp_path: Path) -> None:
+    env = {**os.environ, "B3OS_KEY": node_server.key, "B3OS_BASE_URL": node_server.base_url, "B3OS_MODEL": MODEL_ID}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert "site-packages" in result["sdk"]  # the SDK, not the project's agents app
+    assert result["calls"] and result["final_output"] == "52F and raining"
+    assert "raw_response_event" in result["kinds"] and "run_item_stream_event" in result["kinds"]
 
 
 def test_a_request_shaped_like_codexs_streams_valid_events(node_server: LiveServer, openai_spec: OpenAISpec) -> None:

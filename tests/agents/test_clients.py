@@ -1,0 +1,77 @@
+"""The agent runtime against a live server, as its clients see it: the openai SDK with X-Tenant-ID, and curl's
+view of the stream (``Accept: text/event-stream``), on the demo instance ``make run`` creates."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.agents.conftest import SeedClient, check_stream
+from tests.conftest import LiveServer, OpenAISpec
+from tests.inference.test_responses import parse_events
+
+
+@pytest.fixture(scope="module")
+def demo_instance(node_server: LiveServer) -> str:
+    return node_server.manage("create_demo_instance", node_server.org).strip()
+
+
+def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(node_server: LiveServer, demo_instance: str) -> None:
+    client = OpenAI(
+        api_key=node_server.key,
+        base_url=f"{node_server.url}/v1",
+        default_headers={"X-Tenant-ID": node_server.org},
+        max_retries=0,
+        timeout=120,
+    )
+    question = "Which spare parts are compatible with machine 4711?"
+
+    events = list(client.responses.create(model=demo_instance, input=question, stream=True, max_output_tokens=48, temperature=0))
+
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    first = events[-1].response
+    assert [item.type for item in first.output] == ["agent_runtime:function_call", "message"]
+    assert first.output_text and first.output[1].content[0].annotations[0].url.startswith("https://docs.example.com/")
+
+    follow = client.responses.create(
+        model=demo_instance, input="How often is its filter changed?", previous_response_id=first.id, stream=True,
+        max_output_tokens=24, temperature=0,
+    )
+    second = [event for event in follow if event.type == "response.completed"][0].response
+    assert second.previous_response_id == first.id and second.output_text
+
+    with pytest.raises(Exception) as refused:
+        client.responses.create(model=demo_instance, input=question, max_output_tokens=16)
+    assert getattr(refused.value, "status_code", None) == 400
+
+
+def test_curl_reads_the_stream_and_rates_the_answer(node_server: LiveServer, demo_instance: str, openai_spec: OpenAISpec) -> None:
+    headers = {
+        "Authorization": f"Bearer {node_server.key}",
+        "X-Tenant-ID": node_server.org,
+        "Accept": "text/event-stream",
+    }
+    body = {"model": demo_instance, "input": "Can you store my credit card?", "stream": True, "store": True}
+    with httpx.stream("POST", f"{node_server.url}/v1/responses", json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-request-id"].startswith("req_")
+        events = parse_events(response.read().decode())
+
+    final = check_stream(openai_spec, events)
+    assert SeedClient().read(events).refusal == final["output"][0]["content"][1]["refusal"]
+
+    listed = httpx.get(f"{node_server.url}/v1/instances", headers=headers, timeout=30).json()
+    assert demo_instance in [instance["id"] for instance in listed["data"]]
+    rated = httpx.post(
+        f"{node_server.url}/v1/feedback",
+        json={"meta": {"message_id": final["id"]}, "rating": "positive", "comment": "Clear."},
+        headers=headers,
+        timeout=30,
+    )
+    assert rated.status_code == 200 and rated.json()["message_id"] == final["id"]
+    assert node_server.query("SELECT rating, comment FROM agents_feedback") == [("positive", "Clear.")]
+    assert json.loads(node_server.query("SELECT output_items FROM agents_storedresponse WHERE response_id = ?", final["id"])[0][0])

@@ -1,0 +1,184 @@
+"""The demo instance command, the prune command, and what operators see and edit in the admin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from io import StringIO
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from agents.admin import DocumentForm
+from agents.models import AgentInstance, Feedback, FirstStep, Guardrail, StoredResponse
+from inference.models import CatalogEntry
+from orgs.models import Organization
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", ["create_demo_instance", "prune_agent_responses"])
+def test_each_command_explains_itself_with_help(command: str) -> None:
+    result = subprocess.run([sys.executable, "manage.py", command, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_create_demo_instance_prints_the_id_alone_and_updates_rather_than_duplicates(
+    organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    assert run("create_demo_instance", "acme") == "support.agent.spare-parts\n"
+    Organization.objects.create(slug="globex", name="Globex")
+    assert run("create_demo_instance", "globex") == "support.agent.spare-parts\n"
+
+    instance = AgentInstance.objects.get()
+    assert sorted(instance.organizations.values_list("slug", flat=True)) == ["acme", "globex"]
+    assert (instance.tools, instance.first_step, instance.model) == (["knowledge_search"], FirstStep.SEARCH, catalog_model)
+    assert instance.documents.count() == 3 and instance.guardrails.count() == 1
+
+
+def test_create_demo_instance_refuses_an_unknown_organization(catalog_model: CatalogEntry) -> None:
+    with pytest.raises(CommandError, match="No organization"):
+        run("create_demo_instance", "nobody")
+
+
+def test_prune_agent_responses_reports_what_it_deleted(transactional_db: None) -> None:
+    assert run("prune_agent_responses").startswith("0 stored response(s) deleted")
+
+
+# --- the admin -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def staff(admin_client: Client) -> Client:
+    return admin_client
+
+
+def test_an_instance_is_edited_with_its_tools_documents_and_guardrails(
+    staff: Client, make_instance: Callable[..., AgentInstance]
+) -> None:
+    instance = make_instance("acme.agent", documents=True)
+
+    page = staff.get(f"/admin/agents/agentinstance/{instance.pk}/change/")
+
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'value="knowledge_search"' in html and "Machine 4711: compatible spare parts" in html
+    assert "guardrails-TOTAL_FORMS" in html and "documents-TOTAL_FORMS" in html
+    assert staff.get("/admin/agents/agentinstance/").status_code == 200
+
+
+def test_an_admin_creates_an_instance_with_a_document_and_a_guardrail_for_a_tenant(
+    staff: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    inline = {"TOTAL_FORMS": "1", "INITIAL_FORMS": "0", "MIN_NUM_FORMS": "0", "MAX_NUM_FORMS": "1000"}
+    form = {
+        "instance_id": "support.agent.new",
+        "name": "New",
+        "enabled": "on",
+        "model": str(catalog_model.pk),
+        "organizations": [str(organization.pk)],
+        "instructions": "Be brief.",
+        "tools": ["knowledge_search"],
+        "first_step": "search",
+        **{f"documents-{key}": value for key, value in inline.items()},
+        "documents-0-title": "Belt",
+        "documents-0-url": "https://docs.example.com/belt",
+        "documents-0-text": "Replace the belt every 2000 hours.",
+        **{f"guardrails-{key}": value for key, value in inline.items()},
+        "guardrails-0-name": "secrets",
+        "guardrails-0-enabled": "on",
+        "guardrails-0-applies_to": "both",
+        "guardrails-0-kind": "terms",
+        "guardrails-0-patterns": "password",
+        "guardrails-0-refusal": "Not that.",
+    }
+
+    response = staff.post("/admin/agents/agentinstance/add/", form)
+
+    assert response.status_code == 302, response.content.decode()[:3000]
+    instance = AgentInstance.objects.get(instance_id="support.agent.new")
+    assert (instance.tools, instance.first_step) == (["knowledge_search"], "search")
+    assert list(instance.organizations.all()) == [organization]
+    assert instance.documents.get().title == "Belt" and instance.guardrails.get().patterns == "password"
+
+
+def test_an_instance_is_refused_tools_that_do_not_exist_or_a_first_step_it_cannot_take(
+    make_instance: Callable[..., AgentInstance],
+) -> None:
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError, match="Unknown tools"):
+        make_instance("a.agent", tools=["teleport"])
+    with pytest.raises(ValidationError, match="knowledge_search"):
+        make_instance("b.agent", first_step=FirstStep.SEARCH)
+    with pytest.raises(ValidationError, match="does not reason"):
+        make_instance("c.agent", reasons=True)
+
+
+def test_a_guardrail_with_a_broken_regular_expression_is_refused(make_instance: Callable[..., AgentInstance]) -> None:
+    from django.core.exceptions import ValidationError
+
+    guardrail = Guardrail(instance=make_instance("a.agent"), name="x", kind="regex", patterns="(unclosed")
+    with pytest.raises(ValidationError, match="not a regular expression"):
+        guardrail.full_clean()
+
+
+def test_a_guardrails_terms_match_whole_words_in_any_case(make_instance: Callable[..., AgentInstance]) -> None:
+    pattern = Guardrail(instance=make_instance("a.agent"), name="x", patterns="credit card\npass").pattern()
+
+    assert pattern.search("my CREDIT  card".replace("  ", " ")) and pattern.search("the pass, please")
+    assert not pattern.search("a passport") and not pattern.search("credit cards? no: credit-card")
+
+
+def test_a_document_can_be_uploaded_as_a_text_file() -> None:
+    upload = SimpleUploadedFile("belt.md", "# Belt\nReplace it every 2000 hours.".encode())
+    form = DocumentForm(data={"title": "Belt", "url": "https://docs.example.com/belt"}, files={"upload": upload})
+
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["text"] == "# Belt\nReplace it every 2000 hours."
+    empty = DocumentForm(data={"title": "Belt", "url": "https://docs.example.com/belt"})
+    assert not empty.is_valid() and "text" in empty.errors
+
+
+def test_operators_see_a_stored_turn_with_its_tool_run_and_its_feedback(
+    staff: Client, make_instance: Callable[..., AgentInstance], organization: Organization
+) -> None:
+    response = StoredResponse.objects.create(
+        response_id="resp_1",
+        organization=organization,
+        instance=make_instance("acme.agent"),
+        thread="resp_1",
+        status="completed",
+        input_items=[{"type": "message", "role": "user", "content": "Which belt fits?"}],
+        output_items=[
+            {
+                "type": "agent_runtime:function_call",
+                "name": "knowledge_search",
+                "arguments": '{"query": "belt"}',
+                "status": "failed",
+                "output": None,
+                "error": "The index is down.",
+            },
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "The B-220."}]},
+        ],
+    )
+    Feedback.objects.create(response=response, rating="negative", comment="Wrong belt")
+
+    page = staff.get(f"/admin/agents/storedresponse/{response.pk}/change/").content.decode()
+    listing = staff.get("/admin/agents/storedresponse/").content.decode()
+    feedback = staff.get("/admin/agents/feedback/").content.decode()
+
+    assert "Which belt fits?" in page and "The B-220." in page and "error: The index is down." in page
+    assert "Wrong belt" in page and "negative" in listing
+    assert "Wrong belt" in feedback and "resp_1" in feedback

@@ -1,0 +1,346 @@
+"""POST /v1/responses on the real CPU model: conversations, server tools, citations, guardrails, external tools,
+failures. Every stream is checked against the seed's contract and OpenAI's spec (``conftest.check_stream``) and
+read back by a client written from the seed's checklist.
+
+SmolLM2-135M is slow under grammar-constrained decoding, so answers are short and tool calls are forced only
+where a test needs the model itself to call one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
+from agents.tools import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
+from inference.models import CatalogEntry, UsageRecord
+from inference.usage import flush
+from orgs.models import Organization
+from orgs.services import set_limit
+from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
+from tests.inference.test_responses import THOUGHTFUL, WEATHER, toy_model  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SHORT = {"max_output_tokens": 16}
+SPARE_PARTS_QUESTION = "Which spare parts are compatible with machine 4711?"
+
+
+@pytest.fixture(autouse=True)
+def _usage_written() -> Iterator[None]:
+    yield
+    flush()
+
+
+@pytest.fixture
+def plain_agent(make_instance: Callable[..., AgentInstance]) -> AgentInstance:
+    return make_instance("support.agent.plain")
+
+
+@pytest.fixture
+def searching_agent(make_instance: Callable[..., AgentInstance]) -> AgentInstance:
+    """Must call a server tool first: the model itself writes the knowledge search's query."""
+    return make_instance(
+        "support.agent.searching",
+        documents=True,
+        tools=["knowledge_search"],
+        first_step=FirstStep.TOOL,
+        instructions="You are the spare-parts assistant. Answer in one sentence.",
+    )
+
+
+@pytest.fixture
+def broken_stock_tool(monkeypatch: pytest.MonkeyPatch) -> ServerTool:
+    """A server tool whose backend is down, registered as any tool is."""
+
+    def check_stock(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
+        raise ToolError("The stock service is unreachable.")
+
+    tool = ServerTool(
+        name="check_stock",
+        description="Check which spare parts are in stock.",
+        parameters={"type": "object", "properties": {}},
+        run=check_stock,
+    )
+    monkeypatch.setitem(REGISTRY, tool.name, tool)
+    return tool
+
+
+async def records(**filters: Any) -> list[UsageRecord]:
+    flush()
+    return [record async for record in UsageRecord.objects.filter(**filters).order_by("created")]
+
+
+# --- conversations ------------------------------------------------------------------------------------
+
+
+async def test_a_conversation_continues_over_several_turns_with_previous_response_id(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    turns = []
+    previous = None
+    for text in ["My name is Ada.", "What is my name?", "Thank you."]:
+        events, response = await tenant.stream(model=model, input=text, previous_response_id=previous, **SHORT)
+        assert response["previous_response_id"] == previous and response["store"] is True
+        assert SeedClient().read(events).keep_id == response["id"]
+        assert message_text(response)
+        turns.append(response)
+        previous = response["id"]
+
+    stored = [row async for row in StoredResponse.objects.order_by("created")]
+    assert [row.response_id for row in stored] == [turn["id"] for turn in turns]
+    assert [row.previous_id for row in stored] == [None, stored[0].pk, stored[1].pk]
+    assert {row.thread for row in stored} == {turns[0]["id"]}
+    assert stored[1].input_items == [{"type": "message", "role": "user", "content": "What is my name?"}]
+    assert stored[1].output_items == turns[1]["output"]
+    # Each turn's prompt holds the turns before it.
+    prompts = [turn["usage"]["input_tokens"] for turn in turns]
+    assert prompts[0] < prompts[1] < prompts[2]
+
+
+async def test_without_store_nothing_is_kept_and_the_whole_history_in_input_reads_as_the_stored_one(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    first_input = [{"role": "user", "content": "My name is Ada."}]
+    follow_up = {"role": "user", "content": "What is my name?"}
+    _, first = await tenant.stream(model=model, input=first_input, **SHORT)
+    _, continued = await tenant.stream(model=model, input=[follow_up], previous_response_id=first["id"], **SHORT)
+    assert await StoredResponse.objects.acount() == 2
+
+    history = [*first_input, *first["output"], follow_up]
+    _, replayed = await tenant.stream(model=model, input=history, store=False, **SHORT)
+
+    assert replayed["store"] is False and await StoredResponse.objects.acount() == 2
+    # The same conversation, from the store or from the client: the same prompt, the same answer.
+    assert replayed["usage"]["input_tokens"] == continued["usage"]["input_tokens"]
+    assert message_text(replayed) == message_text(continued)
+    refused = await tenant.post(
+        "/v1/responses", {"model": model, "input": "Hi", "stream": True, "previous_response_id": replayed["id"]}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"
+
+
+# --- server tools and citations ---------------------------------------------------------------------------
+
+
+async def test_a_server_tool_the_model_calls_is_shown_with_its_arguments_and_result_and_what_it_found_is_cited(
+    tenant: Tenant, searching_agent: AgentInstance
+) -> None:
+    events, response = await tenant.stream(model=searching_agent.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=48)
+
+    call, *rest = response["output"]
+    assert call["type"] == AGENT_CALL and call["name"] == "knowledge_search" and call["status"] == "completed"
+    assert isinstance(json.loads(call["arguments"])["query"], str)  # the model's own query (SmolLM2 writes poor ones)
+    assert call["output"]
+    assert [item["type"] for item in rest] == ["message"]
+    annotations = rest[0]["content"][0]["annotations"]
+    assert [a["url"] for a in annotations] == re.findall(r"^\[\d+\] .* \((https://[^)]+)\)$", call["output"], re.M)
+    assert all(a["type"] == "url_citation" and a["start_index"] == 0 for a in annotations)
+    assert all(a["end_index"] == len(message_text(response)) for a in annotations)
+
+    seen = SeedClient().read(events)
+    assert seen.activity == ["knowledge_search: completed"] and seen.to_run == []
+    assert seen.citations == [(a["url"], a["title"]) for a in annotations]
+    # A client that knows only OpenAI's item types reads the same answer.
+    assert SeedClient(knows_agent_calls=False).read(events).text == seen.text == message_text(response)
+
+    (turn,) = await records(endpoint="agents.responses")
+    (tool,) = await records(endpoint="agents.tools")
+    assert (turn.status, turn.error_code, turn.model) == (200, "", searching_agent.model.public_id)
+    assert (turn.input_tokens, turn.output_tokens) == (response["usage"]["input_tokens"], response["usage"]["output_tokens"])
+    assert (tool.model, tool.status, tool.error_code, tool.request_id) == ("knowledge_search", 200, "", turn.request_id)
+
+
+async def test_an_instance_that_searches_first_answers_from_its_documents_and_cites_them(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    events, response = await tenant.stream(model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=40)
+
+    (call,) = agent_calls(response)
+    assert json.loads(call["arguments"]) == {"query": SPARE_PARTS_QUESTION}
+    assert call["output"].startswith("[1] Machine 4711: compatible spare parts (https://docs.example.com/machines/4711/")
+    citations = SeedClient().read(events).citations
+    assert citations[0] == ("https://docs.example.com/machines/4711/spare-parts", "Machine 4711: compatible spare parts")
+    assert "A-104" in message_text(response) or "B-220" in message_text(response) or "C-31" in message_text(response)
+
+
+async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the_agent_goes_on(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance], broken_stock_tool: ServerTool
+) -> None:
+    instance = await sync_to_async(make_instance)("support.agent.stock", tools=["check_stock"], first_step=FirstStep.TOOL)
+
+    events, response = await tenant.stream(model=instance.instance_id, input="Is the A-104 bracket in stock?", max_output_tokens=48)
+
+    assert events[-1]["type"] == "response.completed"
+    call, *rest = response["output"]
+    assert (call["status"], call["error"], call["output"]) == ("failed", "The stock service is unreachable.", None)
+    assert rest and rest[-1]["type"] == "message"
+    assert SeedClient().read(events).activity == ["check_stock: failed"]
+    (tool,) = await records(endpoint="agents.tools")
+    assert (tool.model, tool.error_code) == ("check_stock", "tool_failed")
+
+
+# --- guardrails -------------------------------------------------------------------------------------------
+
+
+async def test_an_input_guardrail_refuses_the_turn_without_running_the_model_and_still_completes(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    events, response = await tenant.stream(model=spare_parts.instance_id, input="What is the admin PASSWORD?")
+
+    assert events[-1]["type"] == "response.completed" and response["status"] == "completed"
+    (message,) = response["output"]
+    assert message["content"] == [
+        {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        {"type": "refusal", "refusal": "I can't help with passwords or payment details."},
+    ]
+    assert response["usage"]["output_tokens"] == 0
+    seen = SeedClient().read(events)
+    assert (seen.text, seen.refusal) == ("", "I can't help with passwords or payment details.")
+    stored = await StoredResponse.objects.aget()
+    assert stored.output_items == response["output"]
+
+
+async def test_an_instances_defaults_apply_to_requests_that_set_none(tenant: Tenant, spare_parts: AgentInstance) -> None:
+    await AgentInstance.objects.filter(pk=spare_parts.pk).aupdate(temperature=0.2, max_output_tokens=40)
+
+    _, defaults = await tenant.stream(model=spare_parts.instance_id, input="My password?", temperature=None)
+    _, chosen = await tenant.stream(model=spare_parts.instance_id, input="My password?", temperature=0.7, max_output_tokens=20)
+
+    assert (defaults["temperature"], defaults["max_output_tokens"]) == (0.2, 40)
+    assert (chosen["temperature"], chosen["max_output_tokens"]) == (0.7, 20)
+
+
+async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    # Blocks any answer of two words or more: the first word has been streamed by then.
+    await Guardrail.objects.acreate(
+        instance=plain_agent,
+        name="one word only",
+        applies_to=Stage.OUTPUT,
+        kind=MatchKind.REGEX,
+        patterns=r"\w+\W+\w+",
+        refusal="That answer was withheld.",
+    )
+
+    events, response = await tenant.stream(model=plain_agent.instance_id, input="Name one river in Oregon.", **SHORT)
+
+    shown = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert shown.strip() and done["text"] == ""
+    assert response["output"][0]["content"][1] == {"type": "refusal", "refusal": "That answer was withheld."}
+    assert events[-1]["type"] == "response.completed"
+    seen = SeedClient().read(events)
+    assert (seen.text, seen.refusal) == ("", "That answer was withheld.")
+
+
+# --- external tools ------------------------------------------------------------------------------------
+
+
+async def test_an_external_function_call_ends_the_response_and_its_output_continues_the_conversation(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    question = "What is the weather in Eugene, Oregon? Use the tool."
+    events, first = await tenant.stream(model=model, input=question, tools=[WEATHER], tool_choice="required", max_output_tokens=48)
+
+    (call,) = first["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather" and json.loads(call["arguments"])["city"]
+    assert events[-1]["type"] == "response.completed"
+    assert SeedClient().read(events).to_run == ["get_weather"]
+
+    unanswered = await tenant.post(
+        "/v1/responses", {"model": model, "stream": True, "previous_response_id": first["id"], "input": "Well?"}
+    )
+    assert unanswered.status_code == 400 and unanswered.json()["error"]["param"] == "previous_response_id"
+
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "52F and raining"}
+    _, answer = await tenant.stream(model=model, input=[output], previous_response_id=first["id"], tools=[WEATHER], **SHORT)
+    assert [item["type"] for item in answer["output"]] == ["message"]
+    stored = await StoredResponse.objects.aget(response_id=answer["id"])
+    assert stored.input_items[0]["type"] == "function_call_output"
+
+
+# --- failures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cramped_agent(make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry) -> AgentInstance:
+    """Searches first on a model whose context holds the question but not the search results too."""
+    cramped = CatalogEntry.objects.create(
+        public_id="b3os/smollm2-cramped",
+        runner=catalog_model.runner,
+        runner_settings=catalog_model.runner_settings,
+        context_length=120,
+        max_output_tokens=16,
+    )
+    return make_instance("support.agent.cramped", model=cramped, documents=True, tools=["knowledge_search"], first_step=FirstStep.SEARCH)
+
+
+async def test_a_response_that_cannot_go_on_sends_an_error_then_fails_keeping_what_it_produced(
+    tenant: Tenant, cramped_agent: AgentInstance
+) -> None:
+    events, response = await tenant.stream(model=cramped_agent.instance_id, input=SPARE_PARTS_QUESTION)
+
+    error, failed = events[-2:]
+    assert error["type"] == "error" and error["code"] == "context_length_exceeded" and error["message"]
+    assert failed["type"] == "response.failed" and response["status"] == "failed"
+    assert response["error"] == {"code": "server_error", "message": error["message"]}
+    (call,) = response["output"]
+    assert call["type"] == AGENT_CALL and call["status"] == "completed"
+    seen = SeedClient().read(events)
+    assert seen.failed and seen.keep_id is None and seen.activity == ["knowledge_search: completed"]
+    (turn,) = await records(endpoint="agents.responses")
+    assert (turn.status, turn.error_code) == (200, "context_length_exceeded")
+    assert (await StoredResponse.objects.aget()).status == "failed"
+
+
+# --- reasoning, refusals before the stream, limits ---------------------------------------------------------------
+
+
+async def test_an_instance_that_reasons_streams_reasoning_items(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry  # noqa: F811
+) -> None:
+    instance = await sync_to_async(make_instance)("support.agent.thinking", model=toy_model, reasons=True, instructions="")
+
+    events, response = await tenant.stream(model=instance.instance_id, input=THOUGHTFUL)
+
+    reasoning, message = response["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"].strip() == "The user wants one river."
+    assert message_text(response) == "The Willamette."
+    assert "response.reasoning_text.delta" in {e["type"] for e in events}
+
+
+async def test_a_request_that_does_not_stream_is_refused_with_400(tenant: Tenant, plain_agent: AgentInstance) -> None:
+    for body in ({"stream": False}, {}):
+        response = await tenant.post("/v1/responses", {"model": plain_agent.instance_id, "input": "Hi", **body})
+        assert response.status_code == 400
+        assert response.json()["error"] == {
+            "message": 'The agent runtime answers with an event stream only: send "stream": true.',
+            "type": "invalid_request_error",
+            "param": "stream",
+            "code": "unsupported_value",
+        }
+
+
+async def test_admission_limits_apply_to_agent_requests(
+    tenant: Tenant, plain_agent: AgentInstance, organization: Organization
+) -> None:
+    await sync_to_async(set_limit)(
+        organization=organization, model_id=None, tokens_per_minute=10, requests_per_minute=None, requests_in_flight=None
+    )
+
+    response = await tenant.post("/v1/responses", {"model": plain_agent.instance_id, "input": "Hi", "stream": True})
+
+    assert response.status_code == 429 and response.json()["error"]["code"] == "rate_limited"
+    assert response["Retry-After"]
+    (record,) = await records(endpoint="agents.responses")
+    assert (record.status, record.error_code) == (429, "rate_limited")
