@@ -27,15 +27,18 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py bootstrap_demo
+	$(PY) manage.py create_demo_instance demo > var/demo-instance
+	@echo "Agent:    $$(cat var/demo-instance)  (X-Tenant-ID: demo, POST http://$(HOST):$(PORT)/v1/responses)"
 	@echo "Models:   curl -s http://$(HOST):$(PORT)/v1/infer/models -H \"Authorization: Bearer $$(cat var/demo-api-key)\""
 	@echo "Admin:    http://$(HOST):$(PORT)/admin/"
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
-# Servers and the browser the tests drive, from Debian's packages.
+# Servers and the browser the tests drive, from Debian's packages (PostgreSQL only for its server programs).
 system-test-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
 		echo "Installing$$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hmac
 
 from django.http import HttpResponseBase
-from rest_framework.negotiation import DefaultContentNegotiation
-from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -48,21 +46,7 @@ def _caller(request: Request) -> Caller:
     return Caller(api_key=request.auth, request_id=request._request.request_id)
 
 
-class AnyAccept(DefaultContentNegotiation):
-    """Clients send the contract's 'Accept: text/event-stream' (often with every request of a session); the
-    stream is the only other thing served, and errors, instances and feedback are JSON, as OpenAI answers them."""
-
-    def select_renderer(
-        self, request: Request, renderers: list[BaseRenderer], format_suffix: str | None = None
-    ) -> tuple[BaseRenderer, str]:
-        return renderers[0], renderers[0].media_type
-
-
-class AgentView(AsyncAPIView):
-    content_negotiation_class = AnyAccept
-
-
-class ResponsesView(AgentView):
+class ResponsesView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> HttpResponseBase:
@@ -71,7 +55,7 @@ class ResponsesView(AgentView):
         return render_result(request, await services.create_response(params=params, caller=_caller(request)))
 
 
-class InstancesView(AgentView):
+class InstancesView(AsyncAPIView):
     http_method_names = ["get"]
 
     async def get(self, request: Request) -> Response:
@@ -94,7 +78,7 @@ class InstancesView(AgentView):
         )
 
 
-class FeedbackView(AgentView):
+class FeedbackView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> Response:

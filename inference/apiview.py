@@ -10,16 +10,29 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import HttpRequest, HttpResponseBase
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from orgs.authentication import APIKeyAuthentication
 
 
+class JSONOrStream(DefaultContentNegotiation):
+    """The API answers JSON, or a stream when the request asks for one in its body; an ``Accept`` header
+    (``text/event-stream`` from streaming clients, anything from others) never turns a request into a 406."""
+
+    def select_renderer(
+        self, request: Request, renderers: list[BaseRenderer], format_suffix: str | None = None
+    ) -> tuple[BaseRenderer, str]:
+        return renderers[0], renderers[0].media_type
+
+
 class AsyncAPIView(APIView):
     """Every handler is ``async``; ``http_method_names`` lists only the methods the view serves."""
 
     authentication_classes = [APIKeyAuthentication]
+    content_negotiation_class = JSONOrStream
 
     async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:  # type: ignore[override]
         self.args, self.kwargs = args, kwargs

@@ -1,10 +1,10 @@
 """The knowledge search on PostgreSQL, production's database: a throwaway cluster, the project's migrations
-(with the GIN index), the demo instance, and the same questions the SQLite tests ask. Skipped where
-PostgreSQL's server programs or psycopg are missing."""
+(with the GIN index), the demo instance, and the same questions the SQLite tests ask. `make test`
+installs PostgreSQL's server programs (Debian's postgresql) and psycopg."""
 
 from __future__ import annotations
 
-import importlib.util
+import glob
 import json
 import os
 import shutil
@@ -17,10 +17,14 @@ import pytest
 
 from tests.conftest import free_port, manage
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("initdb") and shutil.which("pg_ctl") and importlib.util.find_spec("psycopg")),
-    reason="needs PostgreSQL's initdb and pg_ctl, and psycopg",
-)
+
+
+def program(name: str) -> str:
+    """A PostgreSQL server program: on PATH, or where Debian's postgresql package puts it."""
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    if found is None:
+        pytest.fail(f"PostgreSQL's {name} is not installed: `make test` installs Debian's postgresql package")
+    return found
 
 SEARCH = """
 import json
@@ -44,8 +48,8 @@ def postgres_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     if os.geteuid() == 0:
         shutil.chown(root, "nobody")
     port = free_port()
-    run("initdb", "-D", str(root / "data"), "-A", "trust", "-U", "postgres", "--no-sync")
-    run("pg_ctl", "-D", str(root / "data"), "-o", f"-p {port} -k {root} -c listen_addresses=''", "-l", str(root / "log"), "-w", "start")
+    run(program("initdb"), "-D", str(root / "data"), "-A", "trust", "-U", "postgres", "--no-sync")
+    run(program("pg_ctl"), "-D", str(root / "data"), "-o", f"-p {port} -k {root} -c listen_addresses=''", "-l", str(root / "log"), "-w", "start")
     env = {
         **os.environ,
         "DATABASE_URL": f"postgres://postgres@/postgres?host={root}&port={port}",
@@ -58,7 +62,7 @@ def postgres_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         manage("create_demo_instance", "acme", env=env)
         yield env
     finally:
-        run("pg_ctl", "-D", str(root / "data"), "-m", "immediate", "stop")
+        run(program("pg_ctl"), "-D", str(root / "data"), "-m", "immediate", "stop")
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -161,3 +161,14 @@ async def test_an_unhandled_exception_is_a_500_in_the_error_shape(api: API, monk
     error = assert_error(response, 500, "internal_error")
     assert "boom" not in json.dumps(error)
     assert any(response["x-request-id"] in record.getMessage() for record in caplog.records)
+
+
+async def test_an_accept_header_for_event_streams_is_never_refused(api: API) -> None:
+    response = await api.client.post(
+        CHAT,
+        data=json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {api.key}", "Accept": "text/event-stream"},
+    )
+    assert response.status_code == 200
+    assert (await api.client.get("/v1/infer/models", headers={"Authorization": f"Bearer {api.key}", "Accept": "text/html"})).status_code == 200
