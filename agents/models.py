@@ -10,6 +10,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from inference.models import HTTPSURLField
+
 INSTANCE_ID = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
 
 
@@ -91,7 +93,7 @@ class Document(models.Model):
 
     instance = models.ForeignKey(AgentInstance, on_delete=models.CASCADE, related_name="documents")
     title = models.CharField(max_length=300)
-    url = models.URLField("URL", max_length=1000, help_text="Where the answer's citation points.")
+    url = HTTPSURLField("URL", max_length=1000, help_text="Where the answer's citation points.")
     text = models.TextField()
     created = models.DateTimeField(auto_now_add=True)
     updated = models.DateTimeField(auto_now=True)

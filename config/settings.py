@@ -130,7 +130,6 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "config.urls"
-FORMS_URLFIELD_ASSUME_HTTPS = True
 ASGI_APPLICATION = "config.asgi.application"
 APPEND_SLASH = False
 

@@ -13,6 +13,13 @@ RUNNER_CHOICES = [
 CAPABILITIES = ("json_schema", "image_input", "tools", "reasoning")
 
 
+class HTTPSURLField(models.URLField):
+    """A URL field whose form reads a bare host as https, as Django's forms will by default."""
+
+    def formfield(self, **kwargs: Any) -> Any:
+        return super().formfield(**{"assume_scheme": "https", **kwargs})
+
+
 class CatalogEntryQuerySet(models.QuerySet["CatalogEntry"]):
     def enabled(self) -> CatalogEntryQuerySet:
         return self.filter(enabled=True)
@@ -40,7 +47,7 @@ class CatalogEntry(models.Model):
     tools = models.BooleanField("tool calls", default=True)
     reasoning = models.BooleanField("reasoning", default=False)
     enabled = models.BooleanField(default=True)
-    upstream_base_url = models.URLField(
+    upstream_base_url = HTTPSURLField(
         blank=True,
         help_text="Proxy this model to an OpenAI-compatible upstream (e.g. https://host/v1) instead of a local runner; "
         "requests with \"route\": \"gateway\" go there.",
