@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from inference import responses
 from inference.errors import NOT_FOUND, APIError, invalid_request
 from inference.protocol import responses as wire
-from inference.services import Caller, Result, _admit, _meter
+from inference.services import Caller, Result, admit_request, meter_for
 from inference.usage import Meter
 from orgs.admission import Grant
 from orgs.db import db_task
@@ -247,7 +247,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
 
     def tool_ran(name: str, outcome: ToolOutcome) -> None:
         # One usage record per server tool run: the tool's name as the model, its time, and whether it failed.
-        meter = _meter(caller, model=name, endpoint=TOOLS_ENDPOINT, route=ROUTE)
+        meter = meter_for(caller, model=name, endpoint=TOOLS_ENDPOINT, route=ROUTE)
         meter.started = time.monotonic() - outcome.elapsed_ms / 1000
         meter.record(status=200, error_code="" if outcome.error is None else "tool_failed")
 
@@ -262,10 +262,10 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         tool_ran=tool_ran,
     )
     first = await turn.prepare_first()
-    meter = _meter(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
+    meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
     # Charged as any request: the first step's prompt and the whole output budget (later steps' prompts,
     # which hold tool results, are recorded in usage but not charged in advance).
-    grant = await _admit(caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens)
+    grant = await admit_request(caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens)
     return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route=ROUTE)
 
 

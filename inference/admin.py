@@ -1,12 +1,40 @@
 from __future__ import annotations
 
+from typing import Any
+
+from django import forms
 from django.contrib import admin
 
 from .models import CatalogEntry, UsageRecord
 
 
+class CatalogEntryForm(forms.ModelForm):
+    """The upstream's key is written, never shown again; left blank, the stored key stays."""
+
+    upstream_api_key = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="Sent to the upstream; never shown. Leave blank to keep the current key.",
+    )
+    clear_upstream_api_key = forms.BooleanField(required=False, label="Remove the stored upstream key")
+
+    class Meta:
+        model = CatalogEntry
+        fields = "__all__"
+
+    def clean_upstream_api_key(self) -> str:
+        entered = self.cleaned_data.get("upstream_api_key") or ""
+        return entered or (self.instance.upstream_api_key if self.instance.pk else "")
+
+    def save(self, commit: bool = True) -> Any:
+        if self.cleaned_data.get("clear_upstream_api_key"):
+            self.instance.upstream_api_key = ""
+        return super().save(commit=commit)
+
+
 @admin.register(CatalogEntry)
 class CatalogEntryAdmin(admin.ModelAdmin):
+    form = CatalogEntryForm
     list_display = [
         "public_id",
         "runner",
@@ -26,7 +54,10 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         (None, {"fields": ["public_id", "enabled", "owned_by", "created"]}),
         ("Runner", {"fields": ["runner", "runner_settings", "queue"]}),
         ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
-        ("Gateway upstream", {"fields": ["upstream_base_url", "upstream_api_key", "upstream_model"], "classes": ["collapse"]}),
+        (
+            "Gateway upstream",
+            {"fields": ["upstream_base_url", "upstream_api_key", "clear_upstream_api_key", "upstream_model"], "classes": ["collapse"]},
+        ),
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]
 

@@ -41,7 +41,7 @@ class Result:
     route: str = "node"
 
 
-def _meter(caller: Caller, *, model: str, endpoint: str, route: str = "node") -> Meter:
+def meter_for(caller: Caller, *, model: str, endpoint: str, route: str = "node") -> Meter:
     return Meter(
         organization_id=caller.organization_id,
         organization=caller.api_key.organization.slug,
@@ -53,7 +53,7 @@ def _meter(caller: Caller, *, model: str, endpoint: str, route: str = "node") ->
     )
 
 
-async def _admit(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:
+async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:
     """Admission with its accounting: a refusal is recorded and counted, an admission shows in flight."""
     try:
         grant = await admit(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
@@ -130,8 +130,8 @@ async def run_admitted(
     """The common path after validation: prepare (context check), admit, respond; usage in every case."""
     entry = await get_enabled_model(model)
     generation = await build(entry)
-    meter = _meter(caller, model=entry.public_id, endpoint=endpoint)
-    grant = await _admit(caller, meter, model_pk=entry.pk, tokens=generation.prompt_tokens + generation.job.sampling.max_tokens)
+    meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
+    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=generation.prompt_tokens + generation.job.sampling.max_tokens)
     try:
         return await respond(generation, grant, meter)
     except BaseException as exc:
@@ -200,8 +200,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     upstream = gateway.upstream_for(model, entry)
     forwarded = {key: value for key, value in body.items() if key != "route"}
     forwarded["model"] = upstream.model
-    meter = _meter(caller, model=model, endpoint=endpoint, route="gateway")
-    grant = await _admit(caller, meter, model_pk=entry.pk if entry else None, tokens=gateway.estimate_tokens(body))
+    meter = meter_for(caller, model=model, endpoint=endpoint, route="gateway")
+    grant = await admit_request(caller, meter, model_pk=entry.pk if entry else None, tokens=gateway.estimate_tokens(body))
     tally = gateway.Tally()
     try:
         if not body.get("stream"):
