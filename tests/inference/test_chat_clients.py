@@ -11,16 +11,7 @@ from openai import OpenAI
 from pydantic import BaseModel
 
 from tests.conftest import MODEL_ID, LiveServer
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-
+from tests.inference.test_chat_completions import WEATHER_TOOL
 
 @pytest.fixture
 def client(node_server: LiveServer) -> OpenAI:
