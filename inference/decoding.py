@@ -63,6 +63,18 @@ class DecodePlan:
     def forced(self) -> bool:
         return self.reads_tool_calls and self.tool_choice != "auto"
 
+    def enforced_schemas(self) -> list[tuple[int | None, dict[str, Any]]]:
+        """The schemas the constraint enforces: ``(tool index, parameters)``, or ``(None, schema)`` for the output."""
+        if self.constraint is None or self.constraint.kind == "json_object":
+            return []
+        if not self.reads_tool_calls:
+            return [(None, self.constraint.schema or {})]
+        return [
+            (index, tool.schema())
+            for index, tool in enumerate(self.tools)
+            if (self.tool_choice in ("required", tool.name) if self.forced else tool.strict)
+        ]
+
 
 def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[str, Any]:
     """JSON schema of one call object ``{"name": …, "arguments": …}`` for the given tools."""

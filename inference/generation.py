@@ -162,6 +162,9 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     max_tokens_param: str = "max_tokens"
+    # Where a tool's parameters and the output schema are in the request, to name them in errors.
+    tool_schema_param: str = "tools.{index}.function.parameters"
+    output_schema_param: str = "response_format.json_schema.schema"
 
 
 async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
@@ -193,6 +196,14 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
         response_format=request.response_format,
         json_schema=request.json_schema,
     )
+    for index, schema in plan.enforced_schemas():
+        if problem := renderer.schema_problem(schema):
+            param = request.output_schema_param if index is None else request.tool_schema_param.format(index=index)
+            raise APIError(
+                f"The model {entry.public_id!r} cannot enforce the schema in {param}: {problem}",
+                code="invalid_value",
+                param=param,
+            )
     job = GenerationJob(
         job_id=secrets.token_hex(12),
         model_id=entry.public_id,

@@ -11,7 +11,9 @@ import time
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import APIError, invalid_request, unsupported_parameter
 
@@ -19,13 +21,13 @@ MAX_TOOLS = 128
 
 
 class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
 
 class LooseModel(BaseModel):
     """Objects whose unknown fields are tolerated (clients echo back what they received)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 # --- errors from validation ---------------------------------------------------------------------
@@ -87,17 +89,30 @@ def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
 # --- shared pieces ------------------------------------------------------------------------------
 
 
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema valid under its own ``$schema`` draft (2020-12 when it names none)."""
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise ValueError(f"not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    return schema
+
+
+JSONSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+
+
 class FunctionDefinition(WireModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONSchema | None = None
     strict: bool | None = None
 
 
 class JSONSchemaFormat(WireModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JSONSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 

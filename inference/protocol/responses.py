@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from ..errors import invalid_request, unsupported_parameter
-from . import MAX_TOOLS, LooseModel, WireModel, check_metadata
+from . import MAX_TOOLS, JSONSchema, LooseModel, WireModel, check_metadata
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -141,7 +141,7 @@ class FunctionTool(WireModel):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONSchema | None = None
     strict: bool | None = None
     # Codex sends these; the output schema documents what the client will send back.
     output_schema: dict[str, Any] | None = None
@@ -203,7 +203,7 @@ class FormatJSONObject(WireModel):
 class FormatJSONSchema(WireModel):
     type: Literal["json_schema"]
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JSONSchema = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 

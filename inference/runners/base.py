@@ -102,6 +102,10 @@ class RunnerError(Exception):
         self.code = code
 
 
+def _any_schema(schema: dict[str, Any]) -> str | None:
+    return None
+
+
 @dataclass(slots=True)
 class PromptRenderer:
     """Renders chat messages with a model's template and counts tokens, in the API process."""
@@ -111,6 +115,8 @@ class PromptRenderer:
     # Whether ``render`` places the tool definitions itself (the template knows tools); when false
     # the decoding layer describes them in the system message.
     native_tools: bool = False
+    # Why the runner cannot enforce a JSON schema (features its grammar engine lacks), or None.
+    schema_problem: Callable[[dict[str, Any]], str | None] = _any_schema
 
 
 class Runner(Protocol):

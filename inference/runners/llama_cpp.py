@@ -88,7 +88,7 @@ def grammar_for(constraint: Constraint) -> str:
     if constraint.kind == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     else:
-        schema = constraint.schema or {}
+        schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
     schema = converter.resolve_refs(schema, "schema")
     if constraint.kind == "tool_calls":
         converter.visit(schema, "call")
@@ -97,7 +97,58 @@ def grammar_for(constraint: Constraint) -> str:
         converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
     else:
         converter.visit(schema, "")
+    if "dot" in converter._rules:
+        # A pattern's "." is any character but a line break; inside a JSON string, not a quote or backslash either.
+        converter._rules["dot"] = r'[^"\\\x0A\x0D]'
     return converter.format_grammar()
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why this runner cannot enforce ``schema``, or None when it can."""
+    try:
+        grammar_for(Constraint(kind="json_schema", schema=schema))
+    except Exception as exc:  # the converter asserts and raises whatever the schema trips over
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``{"$ref": …, "$defs": …}`` (a recursive Pydantic model) as ``allOf``: the converter skips a $ref's siblings."""
+    if not isinstance(schema.get("$ref"), str) or len(schema) == 1:
+        return schema
+    rest = {key: value for key, value in schema.items() if key != "$ref"}
+    return {**rest, "allOf": [{"$ref": schema["$ref"]}, *rest.get("allOf", [])]}
+
+
+# Keywords whose value maps names to subschemas: there, a key called "pattern" is a property's name.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+# Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.
+_STRING_CHARS = '[^"\\\\]*'
+
+
+def _anchored(schema: Any, *, in_map: bool = False) -> Any:
+    """The schema with every ``pattern`` anchored at both ends, as the grammar converter needs.
+
+    JSON Schema patterns match anywhere in the string, so an unanchored side allows other text.
+    """
+    if isinstance(schema, list):
+        return [_anchored(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if in_map:
+            out[key] = _anchored(value)
+        elif key == "pattern" and isinstance(value, str):
+            head = "" if value.startswith("^") else _STRING_CHARS
+            tail = "" if value.endswith("$") and not value.endswith("\\$") else _STRING_CHARS
+            core = value[1 if not head else 0 : len(value) - (1 if not tail else 0)]
+            out[key] = f"^{head}({core}){tail}$"
+        else:
+            out[key] = _anchored(value, in_map=key in _SCHEMA_MAPS)
+    return out
 
 
 class _Sampler:
@@ -206,15 +257,21 @@ class LlamaCppRunner:
         llm = self._llm
         sampling = job.sampling
         prompt = llm.tokenize(job.prompt.encode("utf-8"), add_bos=False, special=True)
-        if len(prompt) + 1 > llm.n_ctx():
+        # llama.cpp may round its context up; the library's own token buffer keeps the size asked for.
+        context = min(llm.n_ctx(), len(llm.input_ids))
+        if len(prompt) + 1 > context:
             raise RunnerError("the prompt does not fit the model's context", code="context_length_exceeded")
-        max_tokens = min(sampling.max_tokens, llm.n_ctx() - len(prompt))
+        max_tokens = min(sampling.max_tokens, context - len(prompt))
         llm.reset()
         if sampling.seed is not None:
             llm.set_seed(sampling.seed)
         else:
             llm.set_seed(secrets.randbits(32))
-        sampler = _Sampler(llm, sampling, grammar_for(job.constraint) if job.constraint else None)
+        try:
+            grammar = grammar_for(job.constraint) if job.constraint else None
+        except Exception as exc:  # see schema_problem: the API process checks schemas before dispatch
+            raise RunnerError(f"the output constraint cannot be enforced: {exc}", code="invalid_constraint") from None
+        sampler = _Sampler(llm, sampling, grammar)
         try:
             yield from self._decode(job, prompt, max_tokens, sampler, cancelled)
         finally:
@@ -306,5 +363,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     def count_tokens(text: str) -> int:
         return len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True))
 
-    return PromptRenderer(render=render, count_tokens=count_tokens, native_tools=native_tools)
+    return PromptRenderer(
+        render=render, count_tokens=count_tokens, native_tools=native_tools, schema_problem=schema_problem
+    )
 

@@ -224,6 +224,60 @@ async def test_a_strict_tool_in_auto_mode_is_either_text_or_a_valid_call(api: AP
     assert message.get("tool_calls") or message["content"]
 
 
+async def test_a_recursive_schema_as_pydantic_writes_it_is_enforced(api: API, openai_spec: OpenAISpec) -> None:
+    node = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+        "required": ["name", "children"],
+    }
+    schema = {"$defs": {"Node": node}, "$ref": "#/$defs/Node"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "tree", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "A family tree of two people, as JSON."}]
+    data = await complete(api, openai_spec, response_format=fmt, messages=messages, max_tokens=120)
+
+    if data["choices"][0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), schema)
+    assert data["choices"][0]["message"]["content"].startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param", "says"),
+    [
+        (
+            {"tools": [{**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "parameters": {"type": "place"}}}]},
+            "tools.0.function.parameters",
+            "not a valid JSON schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"required": "name"}}}},
+            "response_format.json_schema.schema",
+            "not a valid JSON schema",
+        ),
+        (
+            {"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x$"}}}}}]},
+            "tools.1.function.parameters",
+            "cannot enforce",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
+            "response_format.json_schema.schema",
+            "cannot enforce",
+        ),
+    ],
+    ids=["invalid-tool-schema", "invalid-output-schema", "unenforceable-strict-tool", "unenforceable-output"],
+)
+async def test_a_schema_that_is_invalid_or_cannot_be_enforced_is_refused_by_name(
+    api: API, overrides: dict, param: str, says: str
+) -> None:
+    response = await api.post(CHAT, body(**overrides))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", param)
+    assert says in error["message"]
+
+
 async def test_tool_choice_none_answers_in_text(api: API, openai_spec: OpenAISpec) -> None:
     data = await complete(api, openai_spec, tools=[WEATHER_TOOL], tool_choice="none")
     assert "tool_calls" not in data["choices"][0]["message"]

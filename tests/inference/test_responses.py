@@ -519,6 +519,22 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
         ({"tools": [{**WEATHER, "colour": "red"}]}, "unknown_parameter", "tools.0.colour"),
         ({"stream_options": {"include_obfuscation": False}}, "invalid_value", "stream_options"),
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "missing_required_parameter", "text.format.name"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "place"}}]}, "invalid_value", "tools.0.parameters"),
+        (
+            {"tools": [{**WEATHER, "strict": True, "parameters": {"type": "string", "pattern": "^(?!x)$"}}]},
+            "invalid_value",
+            "tools.0.parameters",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "required": "a"}}}},
+            "invalid_value",
+            "text.format.schema",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {"type": "null"}}}}},
+            "invalid_value",
+            "text.format.schema",
+        ),
     ],
 )
 async def test_it_refuses_bad_parameters_by_name(api: API, body: dict, code: str, param: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference import usage
+from inference import catalog, usage
 from inference.models import CatalogEntry, UsageRecord
 from orgs import admission
 from orgs.models import Limit, Organization
@@ -104,10 +104,18 @@ async def test_requests_in_flight_are_released_when_the_stream_ends(api: API) ->
     assert (await api.post(CHAT, ask())).status_code == 200
 
 
-async def test_a_failed_request_still_counts_but_frees_its_slot(api: API, clock: Clock) -> None:
+async def test_a_request_that_fails_in_the_runner_still_counts_but_frees_its_slot(
+    api: API, clock: Clock, catalog_model: CatalogEntry
+) -> None:
     await limit(requests_per_minute=2, requests_in_flight=1)
-    bad = await api.post(CHAT, ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}))
-    assert bad.status_code in (200, 400, 500)
+    # The catalog promises more context than the runner was loaded with: the runner refuses the prompt.
+    settings = catalog_model.runner_settings
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(runner_settings={**settings, "n_ctx": 16})
+    failed = await api.post(CHAT, ask(messages=[{"role": "user", "content": "word " * 20}]))
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(runner_settings=settings)
+    catalog.clear_cache()
+
+    assert failed.status_code >= 500, failed.content
     assert (await api.post(CHAT, ask())).status_code == 200
     assert (await api.post(CHAT, ask())).status_code == 429
 
