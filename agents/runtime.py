@@ -185,6 +185,11 @@ class AgentTurn:
         return tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in self.params.function_tools)
 
     @property
+    def _client_tool_params(self) -> tuple[str, ...]:
+        tools = self.params.tools or ()
+        return tuple(f"tools.{index}.parameters" for index, tool in enumerate(tools) if isinstance(tool, wire.FunctionTool))
+
+    @property
     def reasoning(self) -> bool:
         asked = self.params.reasoning
         return self.agent.reasons and self.agent.entry.reasoning and not (
@@ -231,6 +236,7 @@ class AgentTurn:
             logprobs=self.params.wants_logprobs,
             top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
             max_tokens_param="max_output_tokens",
+            tool_schema_params=("tools",) * len(offered) + self._client_tool_params,
         )
         return await prepare(entry=self.agent.entry, request=request)
 

@@ -162,8 +162,8 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     max_tokens_param: str = "max_tokens"
-    # Where a tool's parameters and the output schema are in the request, to name them in errors.
-    tool_schema_param: str = "tools.{index}.function.parameters"
+    # Where each tool's parameters and the output schema are in the request, to name them in errors.
+    tool_schema_params: tuple[str, ...] = ()
     output_schema_param: str = "response_format.json_schema.schema"
 
 
@@ -198,7 +198,11 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     )
     for index, schema in plan.enforced_schemas():
         if problem := renderer.schema_problem(schema):
-            param = request.output_schema_param if index is None else request.tool_schema_param.format(index=index)
+            if index is None:
+                param = request.output_schema_param
+            else:
+                named = request.tool_schema_params
+                param = named[index] if index < len(named) else f"tools.{index}.function.parameters"
             raise APIError(
                 f"The model {entry.public_id!r} cannot enforce the schema in {param}: {problem}",
                 code="invalid_value",

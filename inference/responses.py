@@ -243,7 +243,7 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
         logprobs=request.wants_logprobs,
         top_logprobs=(request.top_logprobs or 0) if request.wants_logprobs else 0,
         max_tokens_param="max_output_tokens",
-        tool_schema_param="tools.{index}.parameters",
+        tool_schema_params=tuple(f"tools.{index}.parameters" for index in range(len(tools))),
         output_schema_param="text.format.schema",
     )
 

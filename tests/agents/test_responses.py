@@ -331,6 +331,20 @@ async def test_a_request_that_does_not_stream_is_refused_with_400(tenant: Tenant
         }
 
 
+async def test_a_client_tool_the_model_cannot_be_held_to_is_refused_by_its_place_in_the_request(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance]
+) -> None:
+    agent = await sync_to_async(make_instance)("support.agent.tools", documents=True, tools=["knowledge_search"])
+    unenforceable = {**WEATHER, "strict": True, "parameters": {"not": {"type": "null"}}}
+
+    response = await tenant.post(
+        "/v1/responses", {"model": agent.instance_id, "input": "Hi", "stream": True, "tools": [unenforceable]}
+    )
+
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("tools.0.parameters", "invalid_value")
+
+
 async def test_admission_limits_apply_to_agent_requests(
     tenant: Tenant, plain_agent: AgentInstance, organization: Organization
 ) -> None:
