@@ -4,13 +4,14 @@ view of the stream (``Accept: text/event-stream``), on the demo instance ``make 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from tests.agents.conftest import SeedClient, check_stream
-from tests.conftest import LiveServer, OpenAISpec
+from tests.conftest import MODEL_ID, LiveServer, OpenAISpec
 from tests.inference.test_responses import parse_events
 
 
@@ -75,3 +76,44 @@ def test_curl_reads_the_stream_and_rates_the_answer(node_server: LiveServer, dem
     assert rated.status_code == 200 and rated.json()["message_id"] == final["id"]
     assert node_server.query("SELECT rating, comment FROM agents_feedback") == [("positive", "Clear.")]
     assert json.loads(node_server.query("SELECT output_items FROM agents_storedresponse WHERE response_id = ?", final["id"])[0][0])
+
+
+def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorded(
+    node_server: LiveServer, demo_instance: str
+) -> None:
+    headers = {"Authorization": f"Bearer {node_server.key}", "X-Tenant-ID": node_server.org}
+    body = {
+        "model": demo_instance,
+        "input": "Describe every spare part of machine 4711 in detail.",
+        "stream": True,
+        "store": True,
+        "max_output_tokens": 2000,
+        "temperature": 0.9,
+    }
+    with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json=body) as response:
+            request_id = response.headers["x-request-id"]
+            deltas = 0
+            for line in response.iter_lines():
+                deltas += line.startswith("data: ") and "output_text.delta" in line
+                if deltas >= 5:
+                    break
+        # The model is free again at once: the abandoned turn does not run on to 2000 tokens.
+        started = time.monotonic()
+        quick = http.post("/v1/infer/chat/completions", json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert quick.status_code == 200
+        assert time.monotonic() - started < 10
+
+    rows: list[tuple] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not rows:
+        rows = node_server.query(
+            "select status, error_code, output_tokens from inference_usagerecord where request_id = ? and endpoint = ?",
+            request_id,
+            "agents.responses",
+        )
+        time.sleep(0.2)
+    assert rows, "the abandoned turn left no usage record"
+    status, error_code, output_tokens = rows[0]
+    assert (status, error_code) == (499, "client_disconnected")
+    assert 3 <= output_tokens < 2000
