@@ -52,6 +52,10 @@ class AgentResponseRequest(wire.ResponseCreateRequest):
         for index, value in enumerate(self.include or ()):
             if value not in wire.INCLUDABLE:
                 raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available here")
+        if isinstance(self.tool_choice, wire.ToolChoiceAllowed):
+            raise unsupported_parameter(
+                "tool_choice", "allowed_tools is not supported by the agent runtime: send only the tools it may call"
+            )
         self._check_tools()
 
     @property

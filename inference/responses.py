@@ -210,13 +210,29 @@ def _tool_choice(request: wire.ResponseCreateRequest) -> ToolChoice:
     choice = request.tool_choice
     if isinstance(choice, wire.ToolChoiceFunction):
         return choice.name
+    if isinstance(choice, wire.ToolChoiceAllowed):
+        return choice.mode
     return choice if isinstance(choice, str) else "auto"
+
+
+def _callable_tools(request: wire.ResponseCreateRequest) -> list[tuple[int, wire.FunctionTool]]:
+    """The function tools the model may call, with their places in ``tools``: all, or those allowed."""
+    choice = request.tool_choice
+    allowed = {t.name for t in choice.tools if isinstance(t, wire.ToolChoiceFunction)} if isinstance(
+        choice, wire.ToolChoiceAllowed
+    ) else None
+    return [
+        (index, tool)
+        for index, tool in enumerate(request.tools or ())
+        if isinstance(tool, wire.FunctionTool) and (allowed is None or tool.name in allowed)
+    ]
 
 
 def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> GenerationRequest:
     """Check the request against the model's capabilities and translate it."""
     request.refuse_unsupported()
-    tools = tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in request.function_tools)
+    callable_tools = _callable_tools(request)
+    tools = tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for _, t in callable_tools)
     if tools and not entry.tools:
         raise unsupported_parameter("tools", f"the model {entry.public_id!r} does not support tool calls")
     reasoning = request.reasoning
@@ -243,16 +259,17 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
         logprobs=request.wants_logprobs,
         top_logprobs=(request.top_logprobs or 0) if request.wants_logprobs else 0,
         max_tokens_param="max_output_tokens",
-        tool_schema_params=tuple(f"tools.{index}.parameters" for index in range(len(tools))),
+        tool_schema_params=tuple(f"tools.{index}.parameters" for index, _ in callable_tools),
         output_schema_param="text.format.schema",
     )
 
 
 def echo(request: wire.ResponseCreateRequest) -> dict[str, Any]:
     """The request's settings as the Response repeats them."""
-    applied = _tool_choice(request)
-    named = isinstance(request.tool_choice, wire.ToolChoiceFunction)
-    return wire.request_echo(request, tool_choice={"type": "function", "name": applied} if named else applied)
+    choice = request.tool_choice
+    if isinstance(choice, wire.ToolChoiceFunction | wire.ToolChoiceAllowed):
+        return wire.request_echo(request, tool_choice=choice.model_dump(exclude_unset=True))
+    return wire.request_echo(request, tool_choice=_tool_choice(request))
 
 
 # --- generation events to output items and stream events -------------------------------------------

@@ -184,11 +184,28 @@ class ToolChoiceFunction(WireModel):
     name: str
 
 
+AllowedTool = Annotated[
+    Annotated[ToolChoiceFunction, Tag("function")] | Annotated[OtherTool, Tag("other")],
+    Discriminator(lambda value: _tagged(value, frozenset({"function"}))),
+]
+
+
+class ToolChoiceAllowed(WireModel):
+    """Calls only to these tools, in ``mode`` auto or required; ``tools`` still lists every tool."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool]
+
+
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("mode")]
     | Annotated[ToolChoiceFunction, Tag("function")]
+    | Annotated[ToolChoiceAllowed, Tag("allowed_tools")]
     | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda value: "mode" if isinstance(value, str) else _tagged(value, frozenset({"function"}))),
+    Discriminator(
+        lambda value: "mode" if isinstance(value, str) else _tagged(value, frozenset({"function", "allowed_tools"}))
+    ),
 ]
 
 
@@ -341,10 +358,28 @@ class ResponseCreateRequest(WireModel):
                 param="tool_choice.name",
                 code="invalid_value",
             )
+        if isinstance(choice, ToolChoiceAllowed):
+            self._check_allowed(choice, names)
         if choice == "required" and not names:
             raise invalid_request(
                 "tool_choice 'required' needs at least one tool.", param="tool_choice", code="invalid_value"
             )
+
+    @staticmethod
+    def _check_allowed(choice: ToolChoiceAllowed, names: set[str]) -> None:
+        if not choice.tools:
+            raise invalid_request("allowed_tools needs at least one tool.", param="tool_choice.tools", code="invalid_value")
+        for index, allowed in enumerate(choice.tools):
+            if isinstance(allowed, OtherTool):
+                raise unsupported_parameter(
+                    f"tool_choice.tools.{index}.type", f"the {allowed.type} tool is not supported; only function tools"
+                )
+            if allowed.name not in names:
+                raise invalid_request(
+                    f"tool_choice allows the function {allowed.name!r}, which is not in tools.",
+                    param=f"tool_choice.tools.{index}.name",
+                    code="invalid_value",
+                )
 
     @property
     def function_tools(self) -> list[FunctionTool]:

@@ -345,6 +345,16 @@ async def test_a_client_tool_the_model_cannot_be_held_to_is_refused_by_its_place
     assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("tools.0.parameters", "invalid_value")
 
 
+async def test_allowed_tools_is_refused_by_name(tenant: Tenant, plain_agent: AgentInstance) -> None:
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    body = {"model": plain_agent.instance_id, "input": "Hi", "stream": True, "tools": [WEATHER], "tool_choice": choice}
+
+    response = await tenant.post("/v1/responses", body)
+
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("tool_choice", "unsupported_parameter")
+
+
 async def test_admission_limits_apply_to_agent_requests(
     tenant: Tenant, plain_agent: AgentInstance, organization: Organization
 ) -> None:

@@ -612,6 +612,32 @@ async def test_it_echoes_the_tools_and_tool_choice_as_applied(api: API, openai_s
     assert all(item["type"] == "message" for item in result["output"])
 
 
+async def test_allowed_tools_limits_the_calls_to_its_subset_and_is_echoed(api: API, openai_spec: OpenAISpec) -> None:
+    stock = {**WEATHER, "name": "get_stock_price", "description": "Latest price of a stock ticker."}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    question = "What is the weather in Eugene, Oregon?"
+    response = await api.post(RESPONSES, ask(input=question, tools=[stock, WEATHER], tool_choice=choice, max_output_tokens=60))
+    result = response.json()
+
+    openai_spec.validate("Response", result)
+    assert [(item["type"], item["name"]) for item in result["output"]] == [("function_call", "get_weather")]
+    assert result["tool_choice"] == choice and len(result["tools"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "code"),
+    [
+        ([{"type": "function", "name": "get_stock_price"}], "tool_choice.tools.0.name", "invalid_value"),
+        ([{"type": "web_search"}], "tool_choice.tools.0.type", "unsupported_parameter"),
+        ([], "tool_choice.tools", "invalid_value"),
+    ],
+)
+async def test_allowed_tools_must_name_tools_of_the_request(api: API, tools: list, param: str, code: str) -> None:
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": tools}
+
+    assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER], tool_choice=choice)), 400, code, param)
+
+
 async def test_a_forced_call_streams_its_arguments_and_its_output_goes_back(
     api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
 ) -> None:
