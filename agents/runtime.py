@@ -31,7 +31,7 @@ from django.conf import settings
 
 from inference import responses
 from inference.chat import generation_failed
-from inference.decoding import FunctionTool, TextPiece, ToolCallPiece, ToolChoice, new_call_id
+from inference.decoding import FunctionTool, ReasoningPiece, TextPiece, ToolCallPiece, ToolChoice, new_call_id
 from inference.errors import APIError
 from inference.generation import Done, Failed, Generation, GenerationRequest, prepare
 from inference.models import CatalogEntry
@@ -321,9 +321,10 @@ class AgentTurn:
                     if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
                         outcome.server_calls.append(piece)
                         continue
-                    if isinstance(piece, TextPiece):
-                        # Checked before it is sent: a blocked answer's last words never reach the client.
-                        if (rule := self.agent.guardrails.check_output(self.encoder.open_text + piece.text)) is not None:
+                    if isinstance(piece, TextPiece | ReasoningPiece):
+                        # Checked before it is sent: blocked words never reach the client, in the answer or the reasoning.
+                        so_far = self.encoder.open_text if isinstance(piece, TextPiece) else self.encoder.open_reasoning
+                        if (rule := self.agent.guardrails.check_output(so_far + piece.text)) is not None:
                             outcome.refused = True
                             yield self.encoder.refuse(rule.refusal)
                             break

@@ -358,8 +358,16 @@ class ResponseEncoder:
     @property
     def open_text(self) -> str:
         """The text of the message being streamed so far; empty when no message is open."""
+        return self._open_text("message")
+
+    @property
+    def open_reasoning(self) -> str:
+        """The text of the reasoning being streamed so far; empty when no reasoning is open."""
+        return self._open_text("reasoning")
+
+    def _open_text(self, kind: str) -> str:
         item = self._open
-        return "".join(item.text) if item is not None and item.kind == "message" else ""
+        return "".join(item.text) if item is not None and item.kind == kind else ""
 
     def open_item(self, item: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
         """Adds an item built elsewhere (a tool the server runs), in progress, after closing the open one.

@@ -242,6 +242,24 @@ async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal
     assert (seen.text, seen.refusal) == ("", "That answer was withheld.")
 
 
+async def test_an_output_guardrail_also_reads_the_reasoning(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry  # noqa: F811
+) -> None:
+    instance = await sync_to_async(make_instance)("support.agent.thinking", model=toy_model, reasons=True, instructions="")
+    await Guardrail.objects.acreate(
+        instance=instance, name="no rivers", applies_to=Stage.OUTPUT, kind=MatchKind.TERMS, patterns="river",
+        refusal="That was withheld.",
+    )
+
+    events, response = await tenant.stream(model=instance.instance_id, input=THOUGHTFUL)
+
+    shown = "".join(e["delta"] for e in events if e["type"].endswith(".delta"))
+    assert "river" not in shown.lower()
+    assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
+    assert response["output"][1]["content"][1] == {"type": "refusal", "refusal": "That was withheld."}
+    assert events[-1]["type"] == "response.completed"
+
+
 # --- external tools ------------------------------------------------------------------------------------
 
 
