@@ -172,7 +172,10 @@ class AgentTurn:
     first_token_at: float | None = None
     failure: TurnFailed | None = None
     finished: bool = False
+    # Counts tokens against the organization's tokens per minute once the turn is admitted (``Grant.charge``).
+    charge: Callable[[int], Awaitable[None]] | None = None
     _first: Generation | None = None
+    _first_prompt_tokens: int = 0
     _server_calls: int = 0
 
     def __post_init__(self) -> None:
@@ -240,6 +243,12 @@ class AgentTurn:
         )
         return await prepare(entry=self.agent.entry, request=request)
 
+    async def _charge_prompt(self, tokens: int) -> None:
+        """A later step's prompt (it holds tool results) counts too; admission charged the first step's."""
+        extra, self._first_prompt_tokens = tokens - self._first_prompt_tokens, 0
+        if self.charge is not None and extra > 0:
+            await self.charge(extra)
+
     def _offered(self, tool: ServerTool) -> bool:
         """Instances that search first do not offer the search to the model: the runtime has searched."""
         return not (self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name)
@@ -248,6 +257,7 @@ class AgentTurn:
         """The first model step as it would run now: what admission charges for, and the context check
         that can still be answered with a plain 400."""
         self._first = await self.prepare_step(0)
+        self._first_prompt_tokens = self._first.prompt_tokens
         return self._first
 
     # --- the stream
@@ -292,7 +302,11 @@ class AgentTurn:
                 break
             first, self._first = self._first, None
             generation = first if first is not None and step == 0 and not self.encoder.output else None
-            generation = generation or await self.prepare_step(step)
+            if generation is None:
+                generation = await self.prepare_step(step)
+                await self._charge_prompt(generation.prompt_tokens)
+            else:
+                self._first_prompt_tokens = 0
             outcome = _StepOutcome()
             async for events in self._step(generation, outcome):
                 yield events

@@ -263,9 +263,10 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     )
     first = await turn.prepare_first()
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
-    # Charged as any request: the first step's prompt and the whole output budget (later steps' prompts,
-    # which hold tool results, are recorded in usage but not charged in advance).
+    # Admitted as any request, on the first step's prompt and the whole output budget; later steps' prompts,
+    # which hold tool results, are charged as they are built.
     grant = await admit_request(caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens)
+    turn.charge = grant.charge
     return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route=ROUTE)
 
 

@@ -62,8 +62,14 @@ class Grant:
 
     headers: dict[str, str]
     _release: Any = None
+    _charge: Any = None
     released: bool = False
     _callbacks: list[Any] = field(default_factory=list)
+
+    async def charge(self, tokens: int) -> None:
+        """Counts ``tokens`` more against tokens per minute: input that only became known after admission."""
+        if self._charge is not None and tokens > 0:
+            await self._charge(tokens)
 
     def on_release(self, callback: Any) -> None:
         self._callbacks.append(callback)
@@ -152,6 +158,12 @@ class MemoryStore:
                 reset_requests=w.requests[0] + WINDOW - now if w.requests else 0.0,
                 reset_tokens=w.tokens[0][0] + WINDOW - now if w.tokens else 0.0,
             )
+
+    def charge(self, key: str, tokens: int, now: float) -> None:
+        with self._lock:
+            window = self._windows.setdefault(key, _Window())
+            window.tokens.append((now, tokens))
+            window.token_sum += tokens
 
     def release(self, key: str, slot: str) -> None:
         with self._lock:
@@ -247,15 +259,24 @@ return {1, '', '0', tostring(nreq + 1), tostring(total), tostring(reset_req), to
 """
 
 
+# KEYS: tokens zset, tokens-in-window sum. ARGV: now, tokens, nonce, expiry seconds.
+_CHARGE_LUA = """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3] .. ':' .. ARGV[2])
+redis.call('INCRBY', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+"""
+
+
 class RedisStore:
     def __init__(self) -> None:
-        self._scripts: dict[int, Any] = {}
+        self._scripts: dict[int, tuple[Any, Any]] = {}
 
     def _client(self) -> tuple[Any, Any]:
         client = async_client()
         if id(client) not in self._scripts:
-            self._scripts[id(client)] = client.register_script(_ADMIT_LUA)
-        return client, self._scripts[id(client)]
+            self._scripts[id(client)] = (client.register_script(_ADMIT_LUA), client.register_script(_CHARGE_LUA))
+        return client, self._scripts[id(client)][0]
 
     @staticmethod
     def _keys(key: str) -> list[str]:
@@ -288,6 +309,13 @@ class RedisStore:
             remaining_tokens=None if tpm is None else tpm - used_tokens,
             reset_requests=float(result[5]),
             reset_tokens=float(result[6]),
+        )
+
+    async def charge(self, key: str, tokens: int, now: float) -> None:
+        client, _ = self._client()
+        keys = self._keys(key)
+        await self._scripts[id(client)][1](
+            keys=[keys[1], keys[3]], args=[now, tokens, secrets.token_hex(8), math.ceil(WINDOW + SLOT_TTL) + 5]
         )
 
     async def release(self, key: str, slot: str) -> None:
@@ -408,4 +436,11 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.release(key, slot)
 
-    return Grant(headers=_headers(limits, decision), _release=release)
+    async def charge(tokens: int) -> None:
+        if isinstance(store, RedisStore):
+            await store.charge(key, tokens, clock())
+        else:
+            store.charge(key, tokens, clock())
+
+    metered = limits.tokens_per_minute is not None
+    return Grant(headers=_headers(limits, decision), _release=release, _charge=charge if metered else None)

@@ -23,6 +23,7 @@ from inference.usage import flush
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
+from tests.conftest import read_stream
 from tests.inference.test_responses import THOUGHTFUL, WEATHER, toy_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -386,3 +387,24 @@ async def test_admission_limits_apply_to_agent_requests(
     assert response["Retry-After"]
     (record,) = await records(endpoint="agents.responses")
     assert (record.status, record.error_code) == (429, "rate_limited")
+
+
+async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
+    tenant: Tenant, searching_agent: AgentInstance, organization: Organization
+) -> None:
+    await sync_to_async(set_limit)(
+        organization=organization, model_id=None, tokens_per_minute=100_000, requests_per_minute=None, requests_in_flight=None
+    )
+    body = {"model": searching_agent.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True, "max_output_tokens": 48}
+
+    async def remaining_tokens_at_admission() -> int:
+        response = await tenant.post("/v1/responses", body, accept="text/event-stream")
+        await read_stream(response)
+        return int(response["x-ratelimit-remaining-tokens"])
+
+    first, second = await remaining_tokens_at_admission(), await remaining_tokens_at_admission()
+
+    # Between the two admissions, the first turn was charged in full: every step's prompt and its output budget.
+    turn = min(await records(endpoint="agents.responses"), key=lambda record: record.pk)
+    assert await records(endpoint="agents.tools"), "the turn should have run its tool, so it had a second step"
+    assert first - second == turn.input_tokens + 48

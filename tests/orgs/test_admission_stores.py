@@ -1,0 +1,48 @@
+"""Both admission stores, the in-process one and Redis's, keep the same books: tokens charged after admission count."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orgs import admission, redis as redis_clients
+from tests.inference.test_distributed import start_redis
+
+LIMITS = admission.Limits(tokens_per_minute=100)
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path, settings: Any) -> AsyncIterator[Any]:
+    if request.param == "memory":
+        yield admission.MemoryStore()
+        return
+    server, settings.REDIS_URL = start_redis(tmp_path)
+    redis_clients._async_clients.clear()
+    try:
+        yield admission.RedisStore()
+    finally:
+        await redis_clients.async_client().aclose()
+        redis_clients._async_clients.clear()
+        server.terminate()
+
+
+async def call(result: Any) -> Any:
+    """The Redis store's methods are coroutines; the in-process store's are plain calls."""
+    return await result if hasattr(result, "__await__") else result
+
+
+async def test_a_charge_after_admission_counts_against_tokens_per_minute_until_it_leaves_the_window(store: Any) -> None:
+    admitted = await call(store.try_admit("1:0", LIMITS, 30, "slot-a", NOW))
+    assert admitted.admitted and admitted.remaining_tokens == 70
+
+    await call(store.charge("1:0", 50, NOW + 1))
+
+    refused = await call(store.try_admit("1:0", LIMITS, 30, "slot-b", NOW + 2))
+    assert (refused.admitted, refused.limit) == (False, "tokens_per_minute")
+    assert refused.retry_after == pytest.approx(admission.WINDOW - 2)
+    later = await call(store.try_admit("1:0", LIMITS, 30, "slot-c", NOW + admission.WINDOW + 1.5))
+    assert later.admitted and later.remaining_tokens == 70
