@@ -106,6 +106,7 @@ def to_generation_request(request: protocol.ChatCompletionRequest, entry: Catalo
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
         max_tokens_param="max_completion_tokens" if request.max_completion_tokens else "max_tokens",
+        tool_schema_params=tuple(f"tools.{index}.function.parameters" for index in range(len(tools))),
     )
 
 

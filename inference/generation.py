@@ -198,11 +198,8 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     )
     for index, schema in plan.enforced_schemas():
         if problem := renderer.schema_problem(schema):
-            if index is None:
-                param = request.output_schema_param
-            else:
-                named = request.tool_schema_params
-                param = named[index] if index < len(named) else f"tools.{index}.function.parameters"
+            named = request.tool_schema_params
+            param = request.output_schema_param if index is None else (named[index] if index < len(named) else "tools")
             raise APIError(
                 f"The model {entry.public_id!r} cannot enforce the schema in {param}: {problem}",
                 code="invalid_value",
