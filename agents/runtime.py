@@ -19,6 +19,7 @@ cite sources by number, so the runtime cites what it gave the model rather than 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -269,6 +270,14 @@ class AgentTurn:
             async for events in self._turn():
                 for event in events:
                     yield responses.sse(event)
+        except (GeneratorExit, asyncio.CancelledError):
+            # The client hung up: what was produced is kept as a cancelled response it can still continue from.
+            # Stored apart from this stream, whose task is going away.
+            if not self.finished:
+                self.encoder.cancel()
+                _detached.add(task := asyncio.get_running_loop().create_task(self._keep_quietly()))
+                task.add_done_callback(_detached.discard)
+            raise
         except Exception as exc:  # noqa: BLE001  (once streaming, a fault can only be told by the stream's end)
             if isinstance(exc, TurnFailed):
                 failure = exc
@@ -425,6 +434,10 @@ class AgentTurn:
 
     def time_to_first_token_ms(self, started: float) -> int | None:
         return None if self.first_token_at is None else max(0, int((self.first_token_at - started) * 1000))
+
+
+# Stores of cancelled turns still running: the event loop keeps only weak references to tasks.
+_detached: set[asyncio.Task[None]] = set()
 
 
 @dataclass

@@ -320,7 +320,7 @@ class ResponseEncoder:
         self.response = self._response("in_progress")
 
     def _response(
-        self, status: Literal["in_progress", "completed", "incomplete", "failed"], **kwargs: Any
+        self, status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"], **kwargs: Any
     ) -> dict[str, Any]:
         return wire.response_object(
             response_id=self.response_id,
@@ -430,6 +430,11 @@ class ResponseEncoder:
             self.response = self._response("completed", usage=usage, completed_at=now())
             events.append(wire.lifecycle_event("completed", self.response))
         return self.numbered(events)
+
+    def cancel(self) -> None:
+        """The client went away: the Response is what was produced, ``cancelled``; there is nobody to send events to."""
+        self._close("incomplete")
+        self.response = self._response("cancelled")
 
     def fail(self, message: str, *, error_code: str | None = None) -> list[dict[str, Any]]:
         """``error_code``, when given, sends an ``error`` event with it just before ``response.failed``."""

@@ -431,7 +431,7 @@ def response_object(
     *,
     response_id: str,
     created_at: int,
-    status: Literal["in_progress", "completed", "incomplete", "failed"],
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"],
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None = None,
     completed_at: int | None = None,

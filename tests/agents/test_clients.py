@@ -78,7 +78,7 @@ def test_curl_reads_the_stream_and_rates_the_answer(node_server: LiveServer, dem
     assert json.loads(node_server.query("SELECT output_items FROM agents_storedresponse WHERE response_id = ?", final["id"])[0][0])
 
 
-def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorded(
+def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorded_and_kept(
     node_server: LiveServer, demo_instance: str
 ) -> None:
     headers = {"Authorization": f"Bearer {node_server.key}", "X-Tenant-ID": node_server.org}
@@ -93,8 +93,10 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
     with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/responses", json=body) as response:
             request_id = response.headers["x-request-id"]
-            deltas = 0
+            deltas, response_id = 0, ""
             for line in response.iter_lines():
+                if line.startswith("data: ") and not response_id:
+                    response_id = json.loads(line[6:])["response"]["id"]
                 deltas += line.startswith("data: ") and "output_text.delta" in line
                 if deltas >= 5:
                     break
@@ -117,3 +119,13 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
     status, error_code, output_tokens = rows[0]
     assert (status, error_code) == (499, "client_disconnected")
     assert 3 <= output_tokens < 2000
+
+    # What was produced is kept, cancelled, and the conversation goes on from it.
+    (status, output), = node_server.query(
+        "select status, output_items from agents_storedresponse where response_id = ?", response_id
+    )
+    assert status == "cancelled" and json.loads(output)[-1]["type"] == "message"
+    follow = {"model": demo_instance, "input": "Thanks.", "stream": True, "previous_response_id": response_id, "max_output_tokens": 16}
+    with httpx.stream("POST", f"{node_server.url}/v1/responses", json=follow, headers=headers, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        assert '"response.completed"' in response.read().decode()
