@@ -24,7 +24,7 @@ def _text_or_list(value: Any) -> str:
 
 def _tagged(value: Any, known: frozenset[str], *, default: str | None = None) -> str:
     kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-    return kind if kind in known else "other"
+    return kind if isinstance(kind, str) and kind in known else "other"
 
 
 # --- request: content parts ---------------------------------------------------------------------

@@ -434,6 +434,7 @@ async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
             "input.0.content.0",
             "unsupported_content",
         ),
+        ({"type": ["function_call"], "call_id": "c"}, "input.0.type", "invalid_value"),
     ],
     ids=[
         "unknown-part",
@@ -444,6 +445,7 @@ async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
         "empty-call-id",
         "image",
         "file",
+        "type-not-a-string",
     ],
 )
 async def test_it_names_a_malformed_item_precisely(api: API, item: dict, param: str, code: str) -> None:
@@ -517,6 +519,7 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
         ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools.1.name"),
         ({"tools": [{**WEATHER, "name": "get weather"}]}, "invalid_value", "tools.0.name"),
         ({"tools": [{**WEATHER, "colour": "red"}]}, "unknown_parameter", "tools.0.colour"),
+        ({"tools": [{**WEATHER, "type": {"name": "function"}}]}, "invalid_value", "tools.0.type"),
         ({"stream_options": {"include_obfuscation": False}}, "invalid_value", "stream_options"),
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "missing_required_parameter", "text.format.name"),
         ({"tools": [{**WEATHER, "parameters": {"type": "place"}}]}, "invalid_value", "tools.0.parameters"),
