@@ -176,7 +176,8 @@ class AgentTurn:
     # Counts tokens against the organization's tokens per minute once the turn is admitted (``Grant.charge``).
     charge: Callable[[int], Awaitable[None]] | None = None
     _first: Generation | None = None
-    _first_prompt_tokens: int = 0
+    # The first step's prompt tokens, which admission charged before that step ran.
+    _precharged: int = 0
     _server_calls: int = 0
 
     def __post_init__(self) -> None:
@@ -245,8 +246,8 @@ class AgentTurn:
         return await prepare(entry=self.agent.entry, request=request)
 
     async def _charge_prompt(self, tokens: int) -> None:
-        """A later step's prompt (it holds tool results) counts too; admission charged the first step's."""
-        extra, self._first_prompt_tokens = tokens - self._first_prompt_tokens, 0
+        """A step's prompt counts against tokens per minute, less what admission charged for it."""
+        extra, self._precharged = tokens - self._precharged, 0
         if self.charge is not None and extra > 0:
             await self.charge(extra)
 
@@ -258,7 +259,7 @@ class AgentTurn:
         """The first model step as it would run now: what admission charges for, and the context check
         that can still be answered with a plain 400."""
         self._first = await self.prepare_step(0)
-        self._first_prompt_tokens = self._first.prompt_tokens
+        self._precharged = self._first.prompt_tokens
         return self._first
 
     # --- the stream
@@ -312,10 +313,10 @@ class AgentTurn:
             first, self._first = self._first, None
             generation = first if first is not None and step == 0 and not self.encoder.output else None
             if generation is None:
+                # Later steps hold tool results; a first step rebuilt after the search holds its results.
                 generation = await self.prepare_step(step)
                 await self._charge_prompt(generation.prompt_tokens)
-            else:
-                self._first_prompt_tokens = 0
+            self._precharged = 0
             outcome = _StepOutcome()
             async for events in self._step(generation, outcome):
                 yield events
