@@ -122,6 +122,8 @@ def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
 
 # Keywords whose value maps names to subschemas: there, a key called "pattern" is a property's name.
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose value is data, not a schema: left exactly as written.
+_DATA = frozenset({"const", "enum", "default", "examples"})
 
 
 # Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.
@@ -141,6 +143,8 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
     for key, value in schema.items():
         if in_map:
             out[key] = _anchored(value)
+        elif key in _DATA:
+            out[key] = value
         elif key == "pattern" and isinstance(value, str):
             head = "" if value.startswith("^") else _STRING_CHARS
             tail = "" if value.endswith("$") and not value.endswith("\\$") else _STRING_CHARS

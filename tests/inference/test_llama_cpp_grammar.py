@@ -33,6 +33,12 @@ def test_a_property_called_pattern_is_a_property_not_a_regex() -> None:
     assert rules(schema)["pattern-kv"] == r'"\"pattern\"" space ":" space string'
 
 
+def test_a_constant_that_holds_a_pattern_key_is_left_as_written() -> None:
+    schema = {"const": {"pattern": "abc"}}
+
+    assert "abc" in rules(schema)["root"] and "[^" not in rules(schema)["root"]
+
+
 def test_a_recursive_model_as_pydantic_writes_it_compiles() -> None:
     node = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
     schema = {"$defs": {"Node": node}, "$ref": "#/$defs/Node"}
