@@ -141,6 +141,7 @@ class _Writer:
                 logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
                 time.sleep(0.5 * (attempt + 1))
 
+
 def _insert(rows: list[dict[str, Any]]) -> None:
     """One INSERT statement, executed for every row, with each value prepared by its model field.
 
