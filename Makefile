@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
+LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: run test install install-test system-test-deps bench clean
 
@@ -11,12 +12,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Reinstall only when the project's dependencies change.
-$(VENV)/.installed: pyproject.toml | $(PY)
+# Reinstall only when the project's dependencies change. The CPU runner's engine is built by
+# scripts/build-cpu-runner for a portable x86-64 baseline, before pip could take another build.
+$(VENV)/.installed: pyproject.toml scripts/build-cpu-runner | $(PY)
+	scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION)
 	$(PY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(PY)
+$(VENV)/.installed-test: pyproject.toml scripts/build-cpu-runner | $(PY)
+	scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(VENV)/.installed $@
 
