@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: run test install install-test system-test-deps bench clean
+.PHONY: run test install install-test rebuild-runner system-test-deps bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ $(VENV)/.installed-test: pyproject.toml scripts/build-cpu-runner | $(PY)
 install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
+
+# Compiles the CPU runner's engine again, whatever is cached (after a compiler or CPU change).
+rebuild-runner: | $(PY)
+	scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION) --rebuild
 
 run: install
 	$(PY) manage.py migrate --noinput -v0

@@ -47,10 +47,6 @@ from .tools import KNOWLEDGE_SEARCH, ServerTool, Source, ToolContext, ToolOutcom
 
 logger = logging.getLogger("agents.runtime")
 
-# The first model step of an instance that must call a server tool first: "required", over its tools only.
-SERVER_TOOL_REQUIRED = "required:server"
-
-
 @dataclass(frozen=True, slots=True)
 class Agent:
     """An instance as one request sees it, loaded once."""
@@ -205,26 +201,37 @@ class AgentTurn:
     def budget(self) -> int:
         return output_limit(self.params, self.agent) - sum(step.completion_tokens for step in self.steps)
 
-    def _tool_choice(self, step: int) -> ToolChoice:
+    def _step_tools(self, step: int) -> tuple[tuple[FunctionTool, ...], tuple[str, ...], ToolChoice]:
+        """The tools offered on ``step`` (with where each is named in errors) and how the model must use them.
+
+        An instance that must call a server tool first does so on the first step, whatever the client asked.
+        Then a named function is forced on the step where the model speaks. ``required`` with client tools
+        lets server tools run but ends with a client call: the last step offers only the client's tools.
+        ``required`` without client tools is met by a server tool call on the first step; the model then
+        answers. Server tools are not offered on the last step, nor once ``max_tool_calls`` are spent.
+        """
         asked = self.params.tool_choice
-        if step == settings.AGENT_MAX_STEPS - 1 or asked == "none":
-            return "none"
-        if self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls:
-            return "none"
-        if step > 0:
-            return "auto"
-        if asked is None or asked == "auto":
-            must = self.agent.first_step == FirstStep.TOOL and self.agent.tools
-            return SERVER_TOOL_REQUIRED if must else "auto"
-        return asked.name if isinstance(asked, wire.ToolChoiceFunction) else asked
+        client, client_params = self.client_tools, self._client_tool_params
+        last = step == settings.AGENT_MAX_STEPS - 1
+        spent = self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls
+        server = () if last or spent else tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
+        server_params = ("tools",) * len(server)
+        if asked == "none":
+            return server + client, server_params + client_params, "none"
+        if step == 0 and server and (
+            self.agent.first_step == FirstStep.TOOL or (asked == "required" and not client)
+        ):
+            return server, server_params, "required"
+        if isinstance(asked, wire.ToolChoiceFunction):
+            return server + client, server_params + client_params, asked.name
+        if asked == "required" and client:
+            return server + client, server_params + client_params, "required"
+        choice: ToolChoice = "auto" if (server or client) and not last and not spent else "none"
+        return server + client, server_params + client_params, choice
 
     async def prepare_step(self, step: int) -> Generation:
         """The model's next step; raises ``APIError`` (``context_length_exceeded``) if it cannot fit."""
-        choice = self._tool_choice(step)
-        offered = tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
-        tools = offered + self.client_tools
-        if choice == SERVER_TOOL_REQUIRED:
-            tools, choice = offered, "required"
+        tools, tool_params, choice = self._step_tools(step)
         instructions = "\n\n".join(filter(None, [self.agent.instructions, self.params.instructions]))
         items = [("previous_response_id", item) for item in self.history]
         items += [(f"input.{index}", item) for index, item in enumerate(self.input_items)]
@@ -241,7 +248,7 @@ class AgentTurn:
             logprobs=self.params.wants_logprobs,
             top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
             max_tokens_param="max_output_tokens",
-            tool_schema_params=("tools",) * len(offered) + self._client_tool_params,
+            tool_schema_params=tool_params,
         )
         return await prepare(entry=self.agent.entry, request=request)
 

@@ -105,7 +105,7 @@ def plan_decoding(
     constraint: Constraint | None = None
     if tools and tool_choice not in ("none", "auto"):
         chosen = tools if tool_choice == "required" else tuple(t for t in tools if t.name == tool_choice)
-        constraint = Constraint(kind="json_schema", schema=_call_schema(chosen, strict_only=False))
+        constraint = Constraint(kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True)
     elif tools and tool_choice == "auto" and any(t.strict for t in tools):
         constraint = Constraint(kind="tool_calls", schema=_call_schema(tools, strict_only=True))
     elif response_format == "json_schema":

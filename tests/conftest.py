@@ -23,6 +23,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 from inference.models import CatalogEntry
+from inference.preflight import check_runner
 from orgs.models import Organization
 from orgs.services import create_api_key
 
@@ -30,6 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_MODEL = importlib.import_module("inference.migrations.0003_embedded_default_model").DEFAULT_MODEL
 MODEL_ID = DEFAULT_MODEL["public_id"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite generates with the CPU runner in this process: one whose library crashes stops it here, by name."""
+    if (problem := check_runner(DEFAULT_MODEL["runner"], DEFAULT_MODEL["runner_settings"])) is not None:
+        pytest.exit(problem, returncode=3)
 
 
 # --- the OpenAI spec ------------------------------------------------------------------------------

@@ -41,6 +41,10 @@ class Constraint:
 
     kind: Literal["json_schema", "json_object", "tool_calls"]
     schema: dict[str, Any] | None = None
+    # The output must be whole JSON even when the token budget runs out first (a forced tool call): as
+    # the budget nears its end, decoding takes the shortest way to close the value, and the job finishes
+    # with reason ``length``. Runners without this ability may cut the value short.
+    close_before_limit: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import secrets
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from .base import (
 )
 
 LOCK_POLL_SECONDS = 0.1
+# Tokens kept at the end of a budget to close a value that must be whole JSON (``Constraint.close_before_limit``).
+CLOSING_RESERVE = 32
 
 
 def model_path(settings: dict[str, Any]) -> str:
@@ -80,6 +83,9 @@ def _llama(settings: dict[str, Any], *, vocab_only: bool) -> Any:
     return llm
 
 
+JSON_STRING_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+
+
 def grammar_for(constraint: Constraint) -> str:
     """A GBNF grammar for the constraint, built from its JSON schema."""
     from llama_cpp.llama_grammar import SchemaConverter
@@ -97,9 +103,14 @@ def grammar_for(constraint: Constraint) -> str:
         converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
     else:
         converter.visit(schema, "")
+    if "char" in converter._rules:
+        # A character of a JSON string: the library's rule also lets raw control characters through, which
+        # no JSON parser accepts (a raw line break inside a string), so they must be escaped as JSON says.
+        converter._rules["char"] = JSON_STRING_CHAR
     if "dot" in converter._rules:
-        # A pattern's "." is any character but a line break; inside a JSON string, not a quote or backslash either.
-        converter._rules["dot"] = r'[^"\\\x0A\x0D]'
+        # A pattern's "." is any character but a line break; inside a JSON string, not a quote, a backslash or
+        # another control character either.
+        converter._rules["dot"] = r'[^"\\\x7F\x00-\x1F]'
     return converter.format_grammar()
 
 
@@ -127,7 +138,7 @@ _DATA = frozenset({"const", "enum", "default", "examples"})
 
 
 # Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.
-_STRING_CHARS = '[^"\\\\]*'
+_STRING_CHARS = '[^"\\\\\\x7F\\x00-\\x1F]*'
 
 
 def _anchored(schema: Any, *, in_map: bool = False) -> Any:
@@ -213,16 +224,56 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(self._single))
         return bool(np.isfinite(self._single_data[0].logit))
 
-    def next(self) -> int:
+    def next(self, *, closing: ClosingVocabulary | None = None) -> int:
+        """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows."""
         llm = self._llm
         logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
-        token = self._draw(logits, masked=False)
-        if self._grammar and not self._allowed(token):
-            token = self._draw(logits, masked=True)
+        if closing is not None and self._grammar:
+            token = self._closing(logits, closing)
+        else:
+            token = self._draw(logits, masked=False)
+            if self._grammar and not self._allowed(token):
+                token = self._draw(logits, masked=True)
         if self._grammar:
             self._lib.llama_sampler_accept(self._grammar, token)
         self._lib.llama_sampler_accept(self._chain.sampler, token)
         return token
+
+
+    def _closing(self, logits: np.ndarray, closing: ClosingVocabulary) -> int:
+        candidates = self._candidates
+        candidates.copy_logits(logits)
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
+        allowed = candidates.candidates_data.logit
+        closers = closing.closers
+        if np.isfinite(allowed[closers]).any():
+            return int(closers[np.argmax(allowed[closers])])
+        # What the grammar still requires (a property's name, say) is spelled in as few tokens as it allows.
+        ids = np.flatnonzero(np.isfinite(allowed))
+        ids = ids[closing.lengths[ids] == closing.lengths[ids].max()]
+        return int(ids[np.argmax(allowed[ids])])
+
+
+@dataclass(frozen=True)
+class ClosingVocabulary:
+    """What closing a JSON value takes: tokens that are only closing quotes and brackets (``"``, ``"}``,
+    ``]}`` …) or end generation, and every token's length, to spell what the grammar still requires."""
+
+    closers: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, llm: Any) -> ClosingVocabulary:
+        from llama_cpp import llama_cpp as lib
+
+        vocab = llm._model.vocab
+        closers, lengths = [], np.zeros(llm.n_vocab(), dtype=np.intc)
+        for token in range(llm.n_vocab()):
+            text = llm.detokenize([token], special=False).decode("utf-8", errors="replace")
+            lengths[token] = len(text)
+            if (text.strip() and not text.strip().strip('"]}')) or lib.llama_vocab_is_eog(vocab, token):
+                closers.append(token)
+        return cls(closers=np.array(closers, dtype=np.intc), lengths=lengths)
 
 
 def _end_of_generation(llm: Any) -> Callable[[int], bool]:
@@ -241,6 +292,12 @@ class LlamaCppRunner:
     def __init__(self, settings: dict[str, Any]) -> None:
         self._llm = _llama(settings, vocab_only=False)
         self._lock = threading.Lock()
+        self._closing: ClosingVocabulary | None = None
+
+    def _closing_vocabulary(self) -> ClosingVocabulary:
+        if self._closing is None:
+            self._closing = ClosingVocabulary.of(self._llm)
+        return self._closing
 
     def _acquire(self, cancelled: Callable[[], bool]) -> bool:
         while not self._lock.acquire(timeout=LOCK_POLL_SECONDS):
@@ -296,14 +353,17 @@ class LlamaCppRunner:
         produced = 0
         reason = "length"
         is_end = _end_of_generation(llm)
+        closing_from = max_tokens - min(CLOSING_RESERVE, max(12, max_tokens // 3))
+        must_close = job.constraint is not None and job.constraint.close_before_limit
         llm.eval(prompt)
         while True:
-            token = sampler.next()
+            closing = must_close and produced >= closing_from
+            token = sampler.next(closing=self._closing_vocabulary() if closing else None)
             if cancelled():
                 reason = "cancelled"
                 break
             if is_end(token):
-                reason = "stop"
+                reason = "length" if closing else "stop"
                 break
             produced += 1
             pending_tokens += 1
@@ -371,3 +431,20 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         render=render, count_tokens=count_tokens, native_tools=native_tools, schema_problem=schema_problem
     )
 
+
+
+def self_test(settings: dict[str, Any]) -> None:
+    """One short generation: what a native library built for another CPU crashes on (see ``inference.preflight``)."""
+    runner = LlamaCppRunner(settings)
+    prompt = "The three largest rivers of Oregon are the Columbia, the Snake and the"
+    job = GenerationJob(
+        job_id="self-test",
+        model_id="self-test",
+        runner="llama_cpp",
+        runner_settings=settings,
+        prompt=prompt,
+        prompt_tokens=0,
+        sampling=Sampling(max_tokens=4, temperature=0.0),
+    )
+    for _ in runner.stream(job, lambda: False):
+        pass

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jsonschema
 import pytest
 from asgiref.sync import sync_to_async
 
@@ -286,6 +287,76 @@ async def test_an_external_function_call_ends_the_response_and_its_output_contin
     assert [item["type"] for item in answer["output"]] == ["message"]
     stored = await StoredResponse.objects.aget(response_id=answer["id"])
     assert stored.input_items[0]["type"] == "function_call_output"
+
+
+ASK = {
+    "type": "function",
+    "name": "ask_multiple_choice",
+    "description": "Ask the user a question with a few options to choose from.",
+    "parameters": {
+        "type": "object",
+        "properties": {"question": {"type": "string"}, "options": {"type": "array", "items": {"type": "string"}}},
+        "required": ["question", "options"],
+    },
+}
+COLOURS = "Ask me which colour I like for machine 4711: red, blue or green."
+
+
+def ends_with_a_valid_call(response: dict[str, Any], tool: dict[str, Any]) -> list[str]:
+    """The types of the items before the response's last one, which must be a valid call of ``tool``."""
+    *before, call = response["output"]
+    assert call["type"] == "function_call" and call["name"] == tool["name"], response["output"]
+    jsonschema.validate(json.loads(call["arguments"]), tool["parameters"])
+    return [item["type"] for item in before]
+
+
+@pytest.mark.parametrize("attempt", range(3))
+async def test_a_named_client_tool_is_called_after_the_server_tool_the_instance_must_call_first(
+    tenant: Tenant, searching_agent: AgentInstance, attempt: int
+) -> None:
+    choice = {"type": "function", "name": ASK["name"]}
+    _, response = await tenant.stream(
+        model=searching_agent.instance_id, input=COLOURS, tools=[ASK], tool_choice=choice, temperature=0.6 + attempt / 5,
+        max_output_tokens=96,
+    )
+
+    assert ends_with_a_valid_call(response, ASK) == [AGENT_CALL]
+    assert response["tool_choice"] == choice
+
+
+@pytest.mark.parametrize("attempt", range(2))
+async def test_a_named_client_tool_is_called_after_the_search_the_instance_runs_first(
+    tenant: Tenant, spare_parts: AgentInstance, attempt: int
+) -> None:
+    _, response = await tenant.stream(
+        model=spare_parts.instance_id, input=COLOURS, tools=[ASK], tool_choice={"type": "function", "name": ASK["name"]},
+        temperature=0.6 + attempt / 5, max_output_tokens=96,
+    )
+
+    assert ends_with_a_valid_call(response, ASK) == [AGENT_CALL]
+
+
+async def test_required_with_client_tools_ends_with_a_client_call_whatever_server_tools_ran(
+    tenant: Tenant, searching_agent: AgentInstance
+) -> None:
+    _, response = await tenant.stream(
+        model=searching_agent.instance_id, input=COLOURS, tools=[ASK], tool_choice="required", max_output_tokens=128
+    )
+
+    assert AGENT_CALL in ends_with_a_valid_call(response, ASK)
+
+
+async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_model_then_answers(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance]
+) -> None:
+    instance = await sync_to_async(make_instance)("support.agent.model-first", documents=True, tools=["knowledge_search"])
+
+    _, response = await tenant.stream(
+        model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=64
+    )
+
+    assert [item["type"] for item in response["output"]] == [AGENT_CALL, "message"]
+    assert response["output"][0]["name"] == "knowledge_search"
 
 
 # --- failures ------------------------------------------------------------------------------------------

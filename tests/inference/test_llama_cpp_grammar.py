@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_cpp import llama_cpp as lib
+
+from inference.runners import llama_cpp
 from inference.runners.base import Constraint
 from inference.runners.llama_cpp import grammar_for, schema_problem
+
+from ..conftest import DEFAULT_MODEL
 
 
 def rules(schema: dict) -> dict[str, str]:
@@ -11,14 +23,52 @@ def rules(schema: dict) -> dict[str, str]:
     return dict(line.split(" ::= ", 1) for line in grammar.splitlines())
 
 
-def test_an_unanchored_pattern_allows_other_text_around_its_match_but_never_a_quote() -> None:
+@pytest.fixture(scope="module")
+def vocab() -> Iterator[Any]:
+    yield llama_cpp._llama(DEFAULT_MODEL["runner_settings"], vocab_only=True)
+
+
+def accepts(vocab: Any, schema: dict[str, Any], text: str) -> bool:
+    """Whether llama.cpp's grammar engine lets the model write ``text``, token by token, under ``schema``."""
+    grammar = grammar_for(Constraint(kind="json_schema", schema=schema)).encode()
+    sampler = lib.llama_sampler_init_grammar(vocab._model.vocab, grammar, b"root")
+    one = (lib.llama_token_data * 1)()
+    candidates = lib.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
+    try:
+        for token in vocab.tokenize(text.encode(), add_bos=False, special=False):
+            one[0].id, one[0].logit, one[0].p = token, 1.0, 0.0
+            lib.llama_sampler_apply(sampler, ctypes.byref(candidates))
+            if not np.isfinite(one[0].logit):
+                return False
+            lib.llama_sampler_accept(sampler, token)
+        return True
+    finally:
+        lib.llama_sampler_free(sampler)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_a_json_string_never_holds_a_raw_control_character(vocab: Any) -> None:
+    assert accepts(vocab, CITY, json.dumps({"city": "Eugene,\nOregon\t"}))
+    assert not accepts(vocab, CITY, '{"city": "Eugene,\nOregon"}')
+    assert not accepts(vocab, CITY, '{"city": "Eugene,\tOregon"}')
+
+
+def test_an_unanchored_pattern_allows_other_text_around_its_match_but_never_a_quote(vocab: Any) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "Eugene"}}, "required": ["city"]}
 
-    assert rules(schema)["city"] == r'"\"" [^"\\]* ("Eugene") [^"\\]* "\"" space'
+    assert accepts(vocab, schema, '{"city": "in Eugene, Oregon"}')
+    assert not accepts(vocab, schema, '{"city": "Portland"}')
+    assert not accepts(vocab, schema, '{"city": "Eugene\n"}')
 
 
-def test_a_patterns_dot_never_ends_the_json_string() -> None:
-    assert rules({"type": "string", "pattern": "^a.c$"})["dot"] == r'[^"\\\x0A\x0D]'
+def test_a_patterns_dot_never_ends_the_json_string_nor_holds_a_control_character(vocab: Any) -> None:
+    schema = {"type": "string", "pattern": "^a.c$"}
+
+    assert accepts(vocab, schema, '"abc"')
+    assert not accepts(vocab, schema, '"a"c"')
+    assert not accepts(vocab, schema, '"a\tc"')
 
 
 def test_an_anchored_pattern_stays_anchored() -> None:

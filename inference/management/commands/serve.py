@@ -6,7 +6,7 @@ from typing import Any
 from daphne import http_protocol
 from daphne.server import Server
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.web import http as twisted_http
 
 logger = logging.getLogger("inference.serve")
@@ -45,6 +45,7 @@ class Command(BaseCommand):
 
             # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
             start_periodic_rollup()
+            self.check_runners()
             if not no_warm_up:
                 dispatch.warm_up_embedded()
         http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
@@ -62,3 +63,12 @@ class Command(BaseCommand):
             application_close_timeout=10,
             server_name="b3os",
         ).run()
+
+    def check_runners(self) -> None:
+        """A native runner library that crashes on this CPU stops the start with a message, not a dead server later."""
+        from inference.models import CatalogEntry
+        from inference.preflight import check_runner
+
+        for entry in CatalogEntry.objects.enabled():
+            if (problem := check_runner(entry.runner, entry.runner_settings)) is not None:
+                raise CommandError(f"{entry.public_id}: {problem}")

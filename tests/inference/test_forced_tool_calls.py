@@ -1,0 +1,108 @@
+"""A forced tool call (``required`` or a named function) is a call whose arguments parse and match its schema,
+every time: under many seeds, streamed or not, in chat completions and in Responses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream, sse_data
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+QUESTION = "What is the weather in Eugene?"
+SEEDS = range(6)
+# A schema small models ramble in (they repeat list items): the budget, not the model, ends these calls.
+CHOICES = {
+    "type": "object",
+    "properties": {"question": {"type": "string"}, "options": {"type": "array", "items": {"type": "string"}}},
+    "required": ["question", "options"],
+}
+
+
+def chat_body(seed: int, *, stream: bool, choice: Any, schema: dict[str, Any] = WEATHER, **extra: Any) -> dict[str, Any]:
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.", "parameters": schema}}
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [tool],
+        "tool_choice": choice,
+        "seed": seed,
+        "stream": stream,
+        **extra,
+    }
+
+
+async def chat_call(api: API, spec: OpenAISpec, body: dict[str, Any]) -> tuple[dict[str, Any], str | None, str]:
+    """The one tool call, the message's text and the finish reason, from a completion or its chunks."""
+    response = await api.post("/v1/infer/chat/completions", body)
+    assert response.status_code == 200, response.content
+    if not body["stream"]:
+        data = response.json()
+        spec.validate("CreateChatCompletionResponse", data)
+        choice = data["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        return call["function"], choice["message"]["content"], choice["finish_reason"]
+    chunks = [json.loads(item) for item in sse_data(await read_stream(response))[:-1]]
+    for chunk in chunks:
+        spec.validate("CreateChatCompletionStreamResponse", chunk)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    (call,) = [call for delta in deltas for call in delta.get("tool_calls") or ()]
+    text = "".join(delta.get("content") or "" for delta in deltas)
+    return call["function"], text or None, next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_forced_chat_tool_call_is_a_valid_call(api: API, openai_spec: OpenAISpec, seed: int, stream: bool, choice: Any) -> None:
+    function, text, finish_reason = await chat_call(api, openai_spec, chat_body(seed, stream=stream, choice=choice))
+
+    assert function["name"] == "get_weather"
+    jsonschema.validate(json.loads(function["arguments"]), WEATHER)
+    assert text is None
+    assert finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_forced_call_that_outgrows_its_budget_is_closed_in_time(
+    api: API, openai_spec: OpenAISpec, seed: int, stream: bool
+) -> None:
+    body = chat_body(seed, stream=stream, choice="required", schema=CHOICES, max_tokens=40, temperature=1.2)
+
+    function, text, finish_reason = await chat_call(api, openai_spec, body)
+
+    jsonschema.validate(json.loads(function["arguments"]), CHOICES)
+    assert text is None
+    assert finish_reason in ("tool_calls", "length")
+
+
+def responses_body(seed: int, *, stream: bool, choice: Any) -> dict[str, Any]:
+    tool = {"type": "function", "name": "get_weather", "description": "Current weather for a city.", "parameters": WEATHER}
+    # Responses takes no seed: temperature and the sampler's own draws differ from run to run instead.
+    return {"model": MODEL_ID, "input": QUESTION, "tools": [tool], "tool_choice": choice, "stream": stream, "temperature": 1.0 + seed / 10}
+
+
+async def responses_output(api: API, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = await api.post("/v1/infer/responses", body)
+    assert response.status_code == 200, response.content
+    if not body["stream"]:
+        return response.json()["output"]
+    events = [json.loads(item) for item in sse_data(await read_stream(response))]
+    return next(event["response"]["output"] for event in events if event["type"] == "response.completed")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_forced_responses_tool_call_is_a_valid_function_call_item(api: API, seed: int, stream: bool, choice: Any) -> None:
+    output = await responses_output(api, responses_body(seed, stream=stream, choice=choice))
+
+    assert [item["type"] for item in output] == ["function_call"]
+    assert output[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(output[0]["arguments"]), WEATHER)
