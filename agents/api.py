@@ -13,7 +13,7 @@ from inference.apiview import AsyncAPIView
 from inference.errors import PERMISSION, APIError
 from inference.protocol import parse
 from inference.services import Caller
-from orgs.db import db_task
+from core.db import db_task
 from orgs.models import Organization
 
 from . import protocol, services

@@ -21,7 +21,7 @@ from inference.protocol import responses as wire
 from inference.services import Caller, Result, admit_request, meter_for
 from inference.usage import Meter
 from orgs.admission import Grant
-from orgs.db import db_task
+from core.db import db_task
 
 from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse

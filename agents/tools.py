@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.decoding import FunctionTool
-from orgs.db import db_task
+from core.db import db_task
 
 from .search import query_terms, search_documents
 

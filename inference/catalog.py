@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from orgs.db import db_task
+from core.db import db_task
 
 from .errors import model_not_available
 from .models import CatalogEntry

@@ -23,7 +23,7 @@ from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from orgs.redis import async_client
+from core.redis import async_client
 
 from .execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from .runners.base import Finished, GenerationJob

@@ -9,6 +9,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from . import keycache
+
 KEY_PREFIX = "b3os"
 PREFIX_LENGTH = 10  # random, URL-safe characters used to find the row
 SECRET_BYTES = 32
@@ -19,8 +21,6 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
     """Bulk updates and deletes invalidate remembered keys too (the admin's revoke action is one)."""
 
     def update(self, **kwargs: object) -> int:
-        from . import keycache
-
         count = super().update(**kwargs)
         keycache.bump()
         return count
@@ -30,8 +30,6 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
         return super().update(**kwargs)
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        from . import keycache
-
         result = super().delete()
         keycache.bump()
         return result

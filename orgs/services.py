@@ -9,7 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import keycache
-from .db import db_task
+from core.db import db_task
 from .exceptions import InvalidAPIKey
 from .models import APIKey, Limit, Organization, hash_key, split_key
 
