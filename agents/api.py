@@ -8,15 +8,15 @@ from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inference.api import render_result
-from inference.apiview import AsyncAPIView
-from inference.errors import PERMISSION, APIError
-from inference.protocol import parse
-from inference.services import Caller
+from inference.api.views import render_result
+from inference.api.base import AsyncAPIView
+from inference.openai.errors import PERMISSION, APIError
+from inference.openai.chat import parse
+from inference.serving.caller import Caller
 from core.db import db_task
 from orgs.models import Organization
 
-from . import protocol, services
+from agents import protocol, services
 
 TENANT_HEADER = "X-Tenant-ID"
 

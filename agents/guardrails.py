@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .models import Guardrail, Stage
+from agents.models import Guardrail, Stage
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from agents.tools.registry import REGISTRY
 from inference.models import HTTPSURLField
 
 INSTANCE_ID = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
@@ -72,8 +73,6 @@ class AgentInstance(models.Model):
         return self.instance_id
 
     def clean(self) -> None:
-        from .tools import REGISTRY
-
         if not isinstance(self.tools, list) or not all(isinstance(name, str) for name in self.tools):
             raise ValidationError({"tools": "A list of tool names."})
         if unknown := sorted(set(self.tools) - set(REGISTRY)):

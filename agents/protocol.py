@@ -1,6 +1,6 @@
 """The agent runtime's wire format: what its contract (``seeds/004``) adds to OpenAI's Responses API.
 
-OpenAI's own shapes (input items, output items, stream events) are ``inference.protocol.responses``;
+OpenAI's own shapes (input items, output items, stream events) are ``inference.openai.responses``;
 here are the request as the runtime takes it, the ``agent_runtime:function_call`` item of a tool the
 service runs itself, instances, and feedback.
 """
@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from inference.errors import invalid_request, unsupported_parameter
-from inference.protocol import LooseModel, WireModel
-from inference.protocol import responses as wire
+from inference.openai.errors import invalid_request, unsupported_parameter
+from inference.openai.chat import LooseModel, WireModel
+from inference.openai import responses as wire
 
 AGENT_CALL = "agent_runtime:function_call"
 

@@ -30,20 +30,21 @@ from typing import Any
 
 from django.conf import settings
 
-from inference import responses
-from inference.chat import generation_failed
-from inference.decoding import FunctionTool, ReasoningPiece, TextPiece, ToolCallPiece, ToolChoice, new_call_id
-from inference.errors import APIError
-from inference.generation import Done, Failed, Generation, GenerationRequest, prepare
+from inference.serving import responses
+from inference.serving.chat import generation_failed
+from inference.engine.decoding import FunctionTool, ReasoningPiece, TextPiece, ToolCallPiece, ToolChoice, new_call_id
+from inference.openai.errors import APIError
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, prepare
 from inference.models import CatalogEntry
-from inference.prompting import Message
-from inference.protocol import parse
-from inference.protocol import responses as wire
+from inference.engine.prompting import Message
+from inference.openai.chat import parse
+from inference.openai import responses as wire
 
-from .guardrails import Guardrails
-from .models import FirstStep
-from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
-from .tools import KNOWLEDGE_SEARCH, ServerTool, Source, ToolContext, ToolOutcome, run_tool
+from agents.guardrails import Guardrails
+from agents.models import FirstStep
+from agents.protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
+from agents.tools.knowledge import KNOWLEDGE_SEARCH
+from agents.tools.registry import ServerTool, Source, ToolContext, ToolOutcome, run_tool
 
 logger = logging.getLogger("agents.runtime")
 

@@ -15,20 +15,20 @@ from django.db.models import Max
 from django.utils import timezone
 from pydantic import ValidationError
 
-from inference import responses
-from inference.errors import NOT_FOUND, APIError, invalid_request
-from inference.protocol import responses as wire
-from inference.services import Caller, Result, admit_request, meter_for
-from inference.usage import Meter
+from inference.serving import responses
+from inference.openai.errors import NOT_FOUND, APIError, invalid_request
+from inference.openai import responses as wire
+from inference.serving.caller import Caller, Result, admit_request, meter_for
+from inference.usage.records import Meter
 from orgs.admission import Grant
 from core.db import db_task
 
-from .guardrails import Guardrails
-from .models import AgentInstance, Feedback, StoredResponse
-from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
-from . import runtime
-from .runtime import Agent, AgentTurn
-from .tools import REGISTRY, ToolContext, ToolOutcome
+from agents.guardrails import Guardrails
+from agents.models import AgentInstance, Feedback, StoredResponse
+from agents.protocol import AGENT_CALL, AgentCall, AgentResponseRequest
+from agents import runtime
+from agents.runtime import Agent, AgentTurn
+from agents.tools.registry import REGISTRY, ToolContext, ToolOutcome
 
 ENDPOINT = "agents.responses"
 TOOLS_ENDPOINT = "agents.tools"

@@ -83,7 +83,7 @@ from django.core.management import call_command
 call_command("migrate", verbosity=0)
 from orgs.models import Organization, Limit
 from orgs import admission
-from inference.usage import Meter, flush
+from inference.usage.records import Meter, flush
 open_org = Organization.objects.get_or_create(slug="open")[0]
 limited = Organization.objects.get_or_create(slug="limited")[0]
 Limit.objects.update_or_create(organization=limited, model=None, defaults=dict(tokens_per_minute=10**9, requests_per_minute=10**7, requests_in_flight=1000))

@@ -39,8 +39,8 @@ def direct(concurrency: int, tokens: int) -> tuple[float, list[float]]:
     import django
 
     django.setup()
-    from inference.execution import get_renderer, get_runner
-    from inference.runners.base import Finished, GenerationJob, Sampling, TextChunk
+    from inference.engine.execution import get_renderer, get_runner
+    from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 
     renderer = get_renderer("llama_cpp", SETTINGS)
     runner = get_runner("llama_cpp", SETTINGS)

@@ -21,8 +21,8 @@ from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E402
 from django.urls import set_script_prefix  # noqa: E402
 
-from inference.errors import is_api_path  # noqa: E402
-from inference.websocket import refuse_websocket  # noqa: E402
+from inference.api.errors import is_api_path  # noqa: E402
+from inference.api.websocket import refuse_websocket  # noqa: E402
 
 
 class Handler(ASGIHandler):

@@ -119,7 +119,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "inference.middleware.api_envelope",
+    "inference.api.middleware.api_envelope",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -171,9 +171,9 @@ X_FRAME_OPTIONS = "DENY"
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["orgs.authentication.APIKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONBodyParser"],
+    "DEFAULT_PARSER_CLASSES": ["inference.api.parsers.JSONBodyParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "inference.errors.drf_exception_handler",
+    "EXCEPTION_HANDLER": "inference.api.errors.drf_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 
@@ -263,7 +263,7 @@ GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "inference.middleware.RequestIdLogFilter"}},
+    "filters": {"request_id": {"()": "inference.api.middleware.RequestIdLogFilter"}},
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},

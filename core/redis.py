@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import redis
+import redis.asyncio as aioredis
 from django.conf import settings
 
 _async_clients: dict[int, Any] = {}
@@ -12,8 +14,6 @@ _sync_client: Any = None
 
 
 def async_client() -> Any:
-    import redis.asyncio as aioredis
-
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
@@ -24,7 +24,5 @@ def async_client() -> Any:
 def sync_client() -> Any:
     global _sync_client
     if _sync_client is None:
-        import redis
-
         _sync_client = redis.Redis.from_url(settings.REDIS_URL)
     return _sync_client

@@ -5,7 +5,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
-from .models import CatalogEntry, UsageRecord
+from inference.models import CatalogEntry, UsageRecord
 
 
 class CatalogEntryForm(forms.ModelForm):

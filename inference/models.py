@@ -116,7 +116,7 @@ class UsageDailyRollup(models.Model):
 
     Reports read these for past days, so they stay fast however many raw records there were, and
     raw records can be pruned after ``USAGE_RETENTION_DAYS``. Latencies are kept as sparse histograms
-    (``{bucket: count}``, see ``inference.reports``) so that percentiles can be computed over any
+    (``{bucket: count}``, see ``inference.usage.reports``) so that percentiles can be computed over any
     set of rollups, which averages or stored percentiles would not allow.
     """
 

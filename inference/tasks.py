@@ -8,8 +8,9 @@ from typing import Any
 
 from celery import shared_task
 
-from .dispatch import serve_job
-from .runners.base import GenerationJob
+from inference.engine.dispatch import GENERATE_TASK, serve_job
+from inference.engine.runners.base import GenerationJob
+from inference.usage.reports import roll_up_and_prune
 
 _local = threading.local()
 
@@ -23,7 +24,7 @@ def _loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-@shared_task(name="inference.generate", ignore_result=True, acks_late=False)
+@shared_task(name=GENERATE_TASK, ignore_result=True, acks_late=False)
 def generate(job: dict[str, Any], reply_channel: str) -> None:
     _loop().run_until_complete(serve_job(GenerationJob.from_dict(job), reply_channel))
 
@@ -31,6 +32,4 @@ def generate(job: dict[str, Any], reply_channel: str) -> None:
 @shared_task(name="inference.rollup_usage", ignore_result=True)
 def rollup_usage() -> None:
     """Roll usage up into daily rollups and prune old raw records (scheduled by Celery beat)."""
-    from .reports import roll_up_and_prune
-
     roll_up_and_prune()

@@ -22,8 +22,11 @@ from django.test import AsyncClient
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
+from inference.engine import catalog
 from inference.models import CatalogEntry
-from inference.preflight import check_runner
+from inference.usage import records as usage
+from orgs.admission import clear_limits_cache, memory_store
+from inference.engine.preflight import check_runner
 from orgs.models import Organization
 from orgs.services import create_api_key
 
@@ -152,9 +155,6 @@ def sse_data(text: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _fresh_limits_and_usage() -> Iterator[None]:
-    from inference import catalog, usage
-    from orgs.admission import clear_limits_cache, memory_store
-
     catalog.clear_cache()
     clear_limits_cache()
     memory_store.reset()

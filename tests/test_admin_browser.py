@@ -19,7 +19,7 @@ import pytest
 from django.contrib.auth.hashers import make_password
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from inference.operations import CSV_COLUMNS
+from inference.reporting.views import CSV_COLUMNS
 from tests.conftest import MODEL_ID, LiveServer, manage, start_server, stop_server
 
 pytestmark = pytest.mark.browser

@@ -18,9 +18,9 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
-from agents.tools import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
+from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.models import CatalogEntry, UsageRecord
-from inference.usage import flush
+from inference.usage.records import flush
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text

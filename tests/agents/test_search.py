@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from agents import search
+from agents.tools import search
 from agents.models import AgentInstance, Document
-from agents.tools import KNOWLEDGE_SEARCH, ToolContext, ToolError
+from agents.tools.knowledge import KNOWLEDGE_SEARCH
+from agents.tools.registry import ToolContext, ToolError
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -29,7 +29,7 @@ def program(name: str) -> str:
 SEARCH = """
 import json
 from agents.models import AgentInstance
-from agents.search import search_documents
+from agents.tools.search import search_documents
 instance = AgentInstance.objects.get()
 questions = {questions!r}
 print(json.dumps({{q: [h.title for h in search_documents(instance_id=instance.pk, query=q, limit=3)] for q in questions}}))

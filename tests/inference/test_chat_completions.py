@@ -8,7 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from inference import usage
+from inference.usage import records as usage
 from inference.models import CatalogEntry, UsageRecord
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream, sse_data
 

@@ -151,7 +151,7 @@ async def test_an_unknown_model_is_not_available_and_mentions_the_gateway(api: A
 
 
 async def test_an_unhandled_exception_is_a_500_in_the_error_shape(api: API, monkeypatch, caplog) -> None:
-    from inference import services
+    from inference.serving import caller as services
 
     async def explode(**kwargs):
         raise RuntimeError("boom")

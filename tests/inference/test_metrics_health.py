@@ -9,7 +9,7 @@ from django.db import OperationalError
 from django.test import AsyncClient, Client, override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference import health, metrics
+from inference.usage import health, metrics
 from inference.models import CatalogEntry
 from tests.conftest import MODEL_ID
 

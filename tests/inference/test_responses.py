@@ -18,11 +18,12 @@ from typing import Any
 import jinja2
 import pytest
 
-from inference import execution, responses
+from inference.engine import execution
+from inference.serving import responses
 from inference.models import CatalogEntry, UsageRecord
-from inference.protocol.responses import ResponseCreateRequest
-from inference.runners import tensorrt_llm as tensorrt_llm_runner
-from inference.usage import flush
+from inference.openai.responses import ResponseCreateRequest
+from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
+from inference.usage.records import flush
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream
 
 pytestmark = pytest.mark.django_db(transaction=True)

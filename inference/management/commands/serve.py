@@ -38,10 +38,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, host: str, port: int, no_warm_up: bool, **options: Any) -> None:
         from config.asgi import application
-        from inference import dispatch
+        from inference.engine import dispatch
 
         if not settings.DISTRIBUTED:
-            from inference.reports import start_periodic_rollup
+            from inference.usage.reports import start_periodic_rollup
 
             # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
             start_periodic_rollup()
@@ -67,7 +67,7 @@ class Command(BaseCommand):
     def check_runners(self) -> None:
         """A native runner library that crashes on this CPU stops the start with a message, not a dead server later."""
         from inference.models import CatalogEntry
-        from inference.preflight import check_runner
+        from inference.engine.preflight import check_runner
 
         for entry in CatalogEntry.objects.enabled():
             if (problem := check_runner(entry.runner, entry.runner_settings)) is not None:
