@@ -26,7 +26,9 @@ class AgentInstanceForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["tools"].choices = [(name, f"{name}: {tool.description}") for name, tool in sorted(REGISTRY.items())]
+        self.fields["tools"].choices = [
+            (name, f"{name}: {tool.description}") for name, tool in sorted(REGISTRY.items())
+        ]
 
 
 class DocumentForm(forms.ModelForm):

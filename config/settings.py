@@ -29,7 +29,9 @@ def _bool(name: str, default: bool) -> bool:
         return True
     if value in {"0", "false", "no", "off"}:
         return False
-    CONFIG_PROBLEMS.append(("config.E001", f"{name}={raw!r} is not a boolean.", "Use 1/0, true/false, yes/no or on/off."))
+    CONFIG_PROBLEMS.append(
+        ("config.E001", f"{name}={raw!r} is not a boolean.", "Use 1/0, true/false, yes/no or on/off.")
+    )
     return default
 
 
@@ -205,8 +207,6 @@ STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
 JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
-# In-process generation slots per model in embedded mode (each holds one loaded model).
-EMBEDDED_WORKERS_PER_MODEL = _int("EMBEDDED_WORKERS_PER_MODEL", 1)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups

@@ -7,9 +7,9 @@ connections themselves before each use, as Django does at the start of a request
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from functools import wraps
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -18,7 +18,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-def db_task(fn: Callable[P, T]) -> Callable[P, Awaitable[T]]:
+def db_task(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     """``fn`` as a coroutine that runs on the shared pool with a fresh-enough connection."""
 
     def checked(*args: P.args, **kwargs: P.kwargs) -> T:

@@ -99,7 +99,9 @@ class APIKey(models.Model):
         return f"{KEY_PREFIX}_{self.prefix}_…" if self.prefix else "—"
 
     @classmethod
-    def generate(cls, *, organization: Organization, name: str = "", expires_at: datetime | None = None) -> tuple[APIKey, str]:
+    def generate(
+        cls, *, organization: Organization, name: str = "", expires_at: datetime | None = None
+    ) -> tuple[APIKey, str]:
         """Create a key; the raw secret is returned here once and never stored."""
         while True:
             prefix = secrets.token_urlsafe(PREFIX_LENGTH)[:PREFIX_LENGTH].replace("_", "x")

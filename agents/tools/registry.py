@@ -89,6 +89,7 @@ _run_on_pool = db_task(_run)
 
 async def run_tool(tool: ServerTool, *, context: ToolContext, arguments: Any) -> ToolOutcome:
     started = time.monotonic()
+    error: str | None
     try:
         result = await _run_on_pool(tool, context, arguments)
     except ToolError as exc:

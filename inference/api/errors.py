@@ -1,8 +1,8 @@
-"""The API's one error renderer.
+"""The API's one error renderer: every exception that leaves an API view becomes an HTTP response here.
 
-Every error of every API path leaves as OpenAI's error object (``inference.openai.errors``). Domain
-exceptions (orgs' ``InvalidAPIKey`` and ``LimitExceeded``) and DRF's and Django's own are mapped here;
-anything else is logged and answered as a 500.
+Errors in OpenAI's terms, and the domain's exceptions mapped to them (``inference.openai.errors``, with the
+request's parameter names from its context), DRF's and Django's own; anything else is logged and answered
+as a 500. Every error of every API path leaves as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rest_framework import exceptions as drf_exceptions
 from inference.openai.errors import (
     PERMISSION,
     APIError,
+    ParamNames,
     body_too_large,
     from_exception,
     internal_error,
@@ -27,12 +28,15 @@ from inference.openai.errors import (
     not_found,
 )
 
+from .context import RequestContext, context_of
+
 logger = logging.getLogger("inference.api.errors")
 
 
-def to_api_error(exc: BaseException) -> APIError | None:
-    """Map any exception that has a client-facing meaning; ``None`` for a genuine server fault."""
-    if (error := from_exception(exc)) is not None:
+def to_api_error(exc: BaseException, names: ParamNames | None = None) -> APIError | None:
+    """Map any exception that has a client-facing meaning, naming ``names``' parameters; ``None`` for a genuine
+    server fault."""
+    if (error := from_exception(exc, names)) is not None:
         return error
     if isinstance(exc, drf_exceptions.NotAuthenticated | drf_exceptions.AuthenticationFailed):
         return invalid_api_key()
@@ -64,17 +68,17 @@ def render(error: APIError) -> JsonResponse:
     return response
 
 
-def render_exception(exc: BaseException, *, request_id: str | None = None) -> JsonResponse:
-    error = to_api_error(exc)
+def render_exception(exc: BaseException, context: RequestContext | None) -> JsonResponse:
+    """The response for ``exc``, in the terms of the request's API when the view has parsed it."""
+    error = to_api_error(exc, context.params if context else None)
     if error is None:
-        logger.error("unhandled error in request %s", request_id or "-", exc_info=exc)
+        logger.error("unhandled error in request %s", context.request_id if context else "-", exc_info=exc)
         error = internal_error()
     return render(error)
 
 
 def drf_exception_handler(exc: Exception, context: dict[str, Any]) -> HttpResponse:
-    request = context.get("request")
-    response = render_exception(exc, request_id=getattr(request, "request_id", None))
+    response = render_exception(exc, context_of(context.get("request")))
     if isinstance(exc, drf_exceptions.MethodNotAllowed) and (view := context.get("view")) is not None:
         response["Allow"] = ", ".join(view.allowed_methods)
     return response

@@ -14,8 +14,10 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, ResolverMatch, get_resolver
 
-from inference.api.errors import is_api_path, render, render_exception
 from inference.openai.errors import body_too_large, not_found, status_error
+
+from .context import RequestContext
+from .errors import is_api_path, render, render_exception
 
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
@@ -25,10 +27,6 @@ def new_request_id() -> str:
     """``req_`` and 26 base-32 characters (130 random bits), drawn from one read of the system's randomness."""
     bits = int.from_bytes(secrets.token_bytes(17))
     return "req_" + "".join(_ALPHABET[(bits >> shift) & 31] for shift in range(0, 130, 5))
-
-
-def current_request_id() -> str:
-    return _request_id.get()
 
 
 class RequestIdLogFilter(logging.Filter):
@@ -44,12 +42,11 @@ def _declared_length(request: HttpRequest) -> int:
         return 0
 
 
-def _finish(request: HttpRequest, response: HttpResponseBase, started: float) -> HttpResponseBase:
-    response["x-request-id"] = request.request_id  # type: ignore[attr-defined]
+def _finish(context: RequestContext, response: HttpResponseBase, started: float) -> HttpResponseBase:
+    response["x-request-id"] = context.request_id
     timing = f"total;dur={(time.perf_counter() - started) * 1000:.3f}"
-    route = getattr(request, "infer_route", None)
-    if route:
-        timing += f', infer_route;desc="{route}"'
+    if context.route:
+        timing += f', infer_route;desc="{context.route}"'
     response["Server-Timing"] = timing
     return response
 
@@ -104,8 +101,8 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
         if not is_api_path(request.path):
             return await self.get_response(request)
         started = time.perf_counter()
-        request.request_id = new_request_id()  # type: ignore[attr-defined]
-        token = _request_id.set(request.request_id)  # type: ignore[attr-defined]
+        context = request.api_context = RequestContext(request_id=new_request_id())  # type: ignore[attr-defined]
+        token = _request_id.set(context.request_id)
         try:
             if _declared_length(request) > settings.MAX_REQUEST_BODY_BYTES:
                 response: HttpResponseBase = render(body_too_large())
@@ -113,8 +110,8 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
                 try:
                     response = await _call_api_view(request)
                 except Exception as exc:  # noqa: BLE001  (last line of defence: always the API's error shape)
-                    response = render_exception(exc, request_id=request.request_id)  # type: ignore[attr-defined]
+                    response = render_exception(exc, context)
                 response = _ensure_error_shape(response)
-            return _finish(request, response, started)
+            return _finish(context, response, started)
         finally:
             _request_id.reset(token)

@@ -12,6 +12,7 @@ from django.views.decorators.http import require_GET
 from inference.usage import health as health_checks
 from inference.usage import metrics as prometheus
 
+
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:

@@ -1,27 +1,28 @@
-"""The node API's views: validate, call one service, render."""
+"""The node API's views: validate, call one workflow, render."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpResponse, HttpResponseBase, StreamingHttpResponse
-import orjson
+from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inference.openai import chat as protocol
-from inference.usage import reports
-from inference.serving import caller as services
 from inference.engine.catalog import get_enabled_model, list_enabled_models
 from inference.models import CatalogEntry
-from inference.api.base import AsyncAPIView
+from inference.openai import shared
 from inference.openai import usage as usage_wire
+from inference.openai.chat import ChatCompletionRequest
 from inference.openai.responses import ResponseCreateRequest
+from inference.serving import chat, gateway, responses
+from inference.usage import reports
+
+from .base import AsyncAPIView
 
 
 def _model_object(entry: CatalogEntry) -> dict[str, Any]:
-    return protocol.model_object(
+    return shared.model_object(
         model_id=entry.public_id,
         created=int(entry.created.timestamp()),
         owned_by=entry.owned_by,
@@ -29,56 +30,42 @@ def _model_object(entry: CatalogEntry) -> dict[str, Any]:
     )
 
 
-def _caller(request: Request) -> services.Caller:
-    request._request.infer_route = "node"
-    return services.Caller(api_key=request.auth, request_id=request._request.request_id)
-
-
-def render_result(request: Request, result: services.Result) -> HttpResponseBase:
-    request._request.infer_route = result.route
-    response: HttpResponseBase
-    if result.stream is not None:
-        response = StreamingHttpResponse(result.stream, content_type="text/event-stream; charset=utf-8")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-    else:
-        response = HttpResponse(orjson.dumps(result.body), content_type="application/json")
-    for name, value in result.headers.items():
-        response[name] = value
-    return response
-
-
-class ModelListView(AsyncAPIView):
-    http_method_names = ["get"]
-    async def get(self, request: Request) -> Response:
-        return Response(protocol.model_list([_model_object(entry) for entry in await list_enabled_models()]))
-
-
-class ModelDetailView(AsyncAPIView):
-    http_method_names = ["get"]
-    async def get(self, request: Request, model_id: str) -> Response:
-        return Response(_model_object(await get_enabled_model(model_id)))
-
-
 def _gateway_bound(request: Request) -> dict[str, Any] | None:
     """The body, if it asks for the gateway route; it is forwarded as sent, not validated as a node request."""
     data = request.data
     if isinstance(data, dict) and data.get("route") == "gateway":
-        request._request.infer_route = "gateway"
         return data
     return None
+
+
+class ModelListView(AsyncAPIView):
+    http_method_names = ["get"]
+
+    async def get(self, request: Request) -> Response:
+        return Response(shared.model_list([_model_object(entry) for entry in await list_enabled_models()]))
+
+
+class ModelDetailView(AsyncAPIView):
+    http_method_names = ["get"]
+
+    async def get(self, request: Request, model_id: str) -> Response:
+        return Response(_model_object(await get_enabled_model(model_id)))
 
 
 class ChatCompletionsView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> HttpResponseBase:
-        caller = _caller(request)
         if (body := _gateway_bound(request)) is not None:
-            result = await services.forward_to_gateway(body=body, caller=caller, path="chat/completions", endpoint="chat.completions")
-            return render_result(request, result)
-        params = protocol.parse(protocol.ChatCompletionRequest, request.data)
-        return render_result(request, await services.create_chat_completion(params=params, caller=caller))
+            caller = self.caller(request, route=gateway.ROUTE)
+            result = await gateway.forward_to_gateway(
+                body=body, caller=caller, path="chat/completions", endpoint=chat.ENDPOINT
+            )
+            return self.render_result(request, result)
+        caller = self.caller(request, route="node")
+        params = shared.parse(ChatCompletionRequest, request.data)
+        self.names(request, params.param_names())
+        return self.render_result(request, await chat.create_chat_completion(params=params, caller=caller))
 
 
 class ResponsesView(AsyncAPIView):
@@ -86,15 +73,16 @@ class ResponsesView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> HttpResponseBase:
-        caller = _caller(request)
         if (body := _gateway_bound(request)) is not None:
-            result = await services.forward_to_gateway(body=body, caller=caller, path="responses", endpoint="responses")
-            return render_result(request, result)
-        params = protocol.parse(ResponseCreateRequest, request.data)
-        return render_result(request, await services.create_response(params=params, caller=caller))
-
-
-# --- usage ---------------------------------------------------------------------------------------
+            caller = self.caller(request, route=gateway.ROUTE)
+            result = await gateway.forward_to_gateway(
+                body=body, caller=caller, path="responses", endpoint=responses.ENDPOINT
+            )
+            return self.render_result(request, result)
+        caller = self.caller(request, route="node")
+        params = shared.parse(ResponseCreateRequest, request.data)
+        self.names(request, params.param_names())
+        return self.render_result(request, await responses.create_response(params=params, caller=caller))
 
 
 class UsageView(AsyncAPIView):

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from asgiref.typing import ASGIReceiveCallable, ASGISendCallable
+import orjson
+
+from inference.openai.errors import method_not_allowed
 
 
-async def refuse_websocket(scope: dict[str, Any], receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+async def refuse_websocket(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await receive()  # websocket.connect
     if "websocket.http.response" in scope.get("extensions", {}):
-        body = json.dumps(
-            {
-                "error": {
-                    "message": "WebSocket is not served; send the request over HTTPS with POST.",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "method_not_allowed",
-                }
-            }
-        ).encode()
+        error = method_not_allowed("WebSocket is not served; send the request over HTTPS with POST.")
         await send(
             {
                 "type": "websocket.http.response.start",
-                "status": 405,
+                "status": error.status,
                 "headers": [(b"allow", b"POST"), (b"content-type", b"application/json")],
             }
         )
-        await send({"type": "websocket.http.response.body", "body": body})
+        await send({"type": "websocket.http.response.body", "body": orjson.dumps(error.body())})
         return
     await send({"type": "websocket.close", "code": 1008})

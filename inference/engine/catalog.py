@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from core.db import db_task
-
-from inference.openai.errors import model_not_available
 from inference.models import CatalogEntry
+
+from .exceptions import ModelNotServed
 
 CACHE_SECONDS = 2.0
 
@@ -33,7 +33,7 @@ async def find_enabled_model(model_id: str) -> CatalogEntry | None:
 async def get_enabled_model(model_id: str) -> CatalogEntry:
     entry = await find_enabled_model(model_id)
     if entry is None:
-        raise model_not_available(model_id)
+        raise ModelNotServed(model_id)
     return entry
 
 

@@ -23,7 +23,15 @@ from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
-ToolChoice = Literal["none", "auto", "required"] | str  # a str other than the three is a forced function name
+
+@dataclass(frozen=True, slots=True)
+class ForcedFunction:
+    """A tool choice that forces a call of this function."""
+
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | ForcedFunction
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +69,18 @@ class DecodePlan:
     def forced(self) -> bool:
         return self.reads_tool_calls and self.tool_choice != "auto"
 
-    def enforced_schemas(self) -> list[tuple[int | None, dict[str, Any]]]:
-        """The schemas the constraint enforces: ``(tool index, parameters)``, or ``(None, schema)`` for the output."""
+    def enforced_schemas(self) -> list[tuple[str | None, dict[str, Any]]]:
+        """The schemas the constraint enforces: ``(tool name, parameters)``, or ``(None, schema)`` for the output."""
         if self.constraint is None or self.constraint.kind == "json_object":
             return []
         if not self.reads_tool_calls:
             return [(None, self.constraint.schema or {})]
-        return [
-            (index, tool.schema())
-            for index, tool in enumerate(self.tools)
-            if (self.tool_choice in ("required", tool.name) if self.forced else tool.strict)
-        ]
+        return [(tool.name, tool.schema()) for tool in self.tools if self._enforces(tool)]
+
+    def _enforces(self, tool: FunctionTool) -> bool:
+        if isinstance(self.tool_choice, ForcedFunction):
+            return tool.name == self.tool_choice.name
+        return self.tool_choice == "required" or (not self.forced and bool(tool.strict))
 
 
 def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[str, Any]:
@@ -102,8 +111,13 @@ def plan_decoding(
     """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar."""
     constraint: Constraint | None = None
     if tools and tool_choice not in ("none", "auto"):
-        chosen = tools if tool_choice == "required" else tuple(t for t in tools if t.name == tool_choice)
-        constraint = Constraint(kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True)
+        if isinstance(tool_choice, ForcedFunction):
+            chosen = tuple(t for t in tools if t.name == tool_choice.name)
+        else:
+            chosen = tools
+        constraint = Constraint(
+            kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True
+        )
     elif tools and tool_choice == "auto" and any(t.strict for t in tools):
         constraint = Constraint(kind="tool_calls", schema=_call_schema(tools, strict_only=True))
     elif response_format == "json_schema":
@@ -302,7 +316,10 @@ class StreamDecoder:
         if not isinstance(arguments, dict):
             return None
         piece = ToolCallPiece(
-            index=self._calls, call_id=new_call_id(), name=data["name"], arguments=json.dumps(arguments, ensure_ascii=False)
+            index=self._calls,
+            call_id=new_call_id(),
+            name=data["name"],
+            arguments=json.dumps(arguments, ensure_ascii=False),
         )
         self._calls += 1
         return piece

@@ -25,7 +25,6 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from core.redis import async_client
-
 from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from inference.engine.runners.base import Finished, GenerationJob
 from inference.models import CatalogEntry
@@ -116,7 +115,7 @@ def warm_up_embedded() -> None:
         try:
             get_renderer(entry.runner, entry.runner_settings)
             get_runner(entry.runner, entry.runner_settings)
-        except Exception:  # noqa: BLE001  (one broken entry must not stop the server)
+        except Exception:
             logger.exception("could not load model %s", entry.public_id)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import import_module
@@ -90,7 +90,9 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
     """Run ``job`` on a runner thread; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
-    put: Callable[[Any], None] = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+    def put(item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def work() -> None:
         try:
@@ -99,7 +101,7 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
                 put(event)
         except RunnerError as exc:
             put(JobFailed(exc.code, str(exc)))
-        except Exception as exc:  # noqa: BLE001  (a runner bug must end the stream, not hang it)
+        except Exception as exc:
             logger.exception("runner failed on job %s", job.job_id)
             put(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"))
         finally:

@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
-from jinja2 import TemplateError
 from django.conf import settings
+from jinja2 import TemplateError
 
-from inference.engine.decoding import DecodePlan, FunctionTool, Piece, StreamDecoder, TextPiece, ToolCallPiece, ToolChoice, plan_decoding
-from inference.engine.dispatch import start_job
-from inference.openai.errors import APIError
-from inference.engine.execution import JobFailed, get_renderer
 from inference.models import CatalogEntry
-from inference.engine.prompting import Message, check_context, render_prompt
-from inference.engine.runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
+
+from .decoding import (
+    DecodePlan,
+    FunctionTool,
+    Piece,
+    ReasoningPiece,
+    StreamDecoder,
+    ToolChoice,
+    plan_decoding,
+)
+from .dispatch import start_job
+from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforceable
+from .execution import JobFailed, get_renderer
+from .prompting import Message, check_context, render_prompt
+from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +76,7 @@ class Generation:
     def time_to_first_token_ms(self) -> int | None:
         return None if self.first_token_at is None else int((self.first_token_at - self.started) * 1000)
 
-    async def run(self) -> AsyncIterator[GenerationEvent]:
+    async def run(self) -> AsyncGenerator[GenerationEvent, None]:
         job = start_job(self.job, queue=self.entry.queue)
         decoder = StreamDecoder(self.plan)
         reasoning_chars = 0
@@ -82,11 +91,11 @@ class Generation:
                         if event.logprobs:
                             yield Logprobs(event.logprobs)
                         for piece in decoder.feed(event.text):
-                            reasoning_chars += len(piece.text) if not isinstance(piece, TextPiece | ToolCallPiece) else 0
+                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
                     elif isinstance(event, Finished):
                         for piece in decoder.finish():
-                            reasoning_chars += len(piece.text) if not isinstance(piece, TextPiece | ToolCallPiece) else 0
+                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
                         self.finished = True
                         self.completion_tokens = event.completion_tokens
@@ -161,31 +170,24 @@ class GenerationRequest:
     presence_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    max_tokens_param: str = "max_tokens"
-    # Where each tool's parameters and the output schema are in the request, to name them in errors.
-    tool_schema_params: tuple[str, ...] = ()
-    output_schema_param: str = "response_format.json_schema.schema"
 
 
 async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
-    """Render, count and plan; raises ``APIError`` (``context_length_exceeded``) before anything runs."""
+    """Render, count and plan, before anything runs: raises ``ModelUnavailable``, ``ChatTemplateRefused``,
+    ``ContextLengthExceeded`` or ``SchemaNotEnforceable``."""
     try:
         renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
     except RunnerError as exc:
-        raise APIError(str(exc), code="model_not_available", status=503, type="server_error") from None
+        raise ModelUnavailable(entry.public_id, str(exc)) from None
     describe_tools = bool(request.tools) and request.tool_choice != "none"
     try:
         prompt = await sync_to_async(render_prompt, thread_sensitive=False)(
             renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
         )
     except TemplateError as exc:
-        # The model's chat template refuses this conversation (e.g. roles out of order).
-        raise APIError(f"The model's chat template cannot render these messages: {exc}", code="invalid_request") from None
+        raise ChatTemplateRefused(str(exc)) from None
     room = check_context(
-        prompt_tokens=prompt.tokens,
-        max_output=request.max_output_tokens,
-        context_length=entry.context_length,
-        param=request.max_tokens_param,
+        prompt_tokens=prompt.tokens, max_output=request.max_output_tokens, context_length=entry.context_length
     )
     max_tokens = min(request.max_output_tokens or entry.max_output_tokens, entry.max_output_tokens, room)
     plan = plan_decoding(
@@ -196,15 +198,9 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
         response_format=request.response_format,
         json_schema=request.json_schema,
     )
-    for index, schema in plan.enforced_schemas():
+    for tool, schema in plan.enforced_schemas():
         if problem := renderer.schema_problem(schema):
-            named = request.tool_schema_params
-            param = request.output_schema_param if index is None else (named[index] if index < len(named) else "tools")
-            raise APIError(
-                f"The model {entry.public_id!r} cannot enforce the schema in {param}: {problem}",
-                code="invalid_value",
-                param=param,
-            )
+            raise SchemaNotEnforceable(model_id=entry.public_id, tool=tool, problem=problem)
     job = GenerationJob(
         job_id=secrets.token_hex(12),
         model_id=entry.public_id,

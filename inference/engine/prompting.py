@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from inference.engine.decoding import FunctionTool, format_tool_call, tool_system_prompt
-from inference.openai.errors import APIError
-from inference.engine.runners.base import PromptRenderer
+from .decoding import FunctionTool, format_tool_call, tool_system_prompt
+from .exceptions import ContextLengthExceeded
+from .runners.base import PromptRenderer
 
 Message = dict[str, Any]
 
@@ -58,7 +58,8 @@ def _with_tool_prompt(messages: list[Message], tools: tuple[FunctionTool, ...]) 
 def render_prompt(
     *, renderer: PromptRenderer, messages: list[Message], tools: tuple[FunctionTool, ...], describe_tools: bool
 ) -> RenderedPrompt:
-    """Render and count. ``describe_tools`` is false when ``tool_choice`` is ``none``: the model is not told of tools."""
+    """Render and count. ``describe_tools`` is false when ``tool_choice`` is ``none``: the model is not told of
+    tools."""
     # Developer messages are system messages to templates that predate them.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if renderer.native_tools:
@@ -71,22 +72,11 @@ def render_prompt(
     return RenderedPrompt(text=text, tokens=renderer.count_tokens(text))
 
 
-def check_context(*, prompt_tokens: int, max_output: int | None, context_length: int, param: str) -> int:
-    """The output budget of the request, or ``context_length_exceeded``."""
-    if prompt_tokens >= context_length:
-        raise APIError(
-            f"This model's maximum context length is {context_length} tokens. However, your messages resulted in "
-            f"{prompt_tokens} tokens. Please reduce the length of the messages.",
-            code="context_length_exceeded",
-            param="messages" if param == "max_tokens" else "input",
-        )
+def check_context(*, prompt_tokens: int, max_output: int | None, context_length: int) -> int:
+    """The room left for output, or ``ContextLengthExceeded`` when the prompt, or the output asked for, does not fit."""
     room = context_length - prompt_tokens
-    if max_output is not None and max_output > room:
-        raise APIError(
-            f"This model's maximum context length is {context_length} tokens. However, you requested "
-            f"{prompt_tokens + max_output} tokens ({prompt_tokens} in the messages, {max_output} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            code="context_length_exceeded",
-            param=param,
+    if room <= 0 or (max_output is not None and max_output > room):
+        raise ContextLengthExceeded(
+            prompt_tokens=prompt_tokens, context_length=context_length, requested_output=max_output
         )
     return room

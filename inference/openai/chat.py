@@ -1,116 +1,38 @@
-"""The OpenAI wire format: typed request models and response builders, named after OpenAI's objects.
+"""Chat completions' wire format: the request, its messages and tools, and the completion and chunk objects.
 
-Views, stream encoders and workers share these; nothing else in the project knows OpenAI's shapes.
 Request models validate the body and say exactly which parameter is wrong; response builders emit
 plain dicts, which are cheaper to serialize on the hot path than model instances.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-import orjson
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import Draft202012Validator, validator_for
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from inference.openai.errors import APIError, invalid_request, unsupported_parameter
-
-MAX_TOOLS = 128
-
-
-class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
-
-
-class LooseModel(BaseModel):
-    """Objects whose unknown fields are tolerated (clients echo back what they received)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-# --- errors from validation ---------------------------------------------------------------------
-
-
-def _param(loc: tuple[Any, ...], data: Any) -> str:
-    """The dotted path of a validation error in the request body (``messages.1.content``).
-
-    Pydantic's locations also hold union members and discriminator tags; walking the body keeps only
-    the parts that address it.
-    """
-    parts: list[str] = []
-    node = data
-    for index, part in enumerate(loc):
-        last = index == len(loc) - 1
-        if isinstance(node, dict) and isinstance(part, str) and (part in node or last):
-            parts.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            parts.append(str(part))
-            node = node[part]
-    return ".".join(parts)
-
-
-def validation_error(exc: ValidationError, data: Any) -> APIError:
-    first = exc.errors(include_url=False)[0]
-    param = _param(tuple(first["loc"]), data)
-    kind = first["type"]
-    if kind == "extra_forbidden":
-        return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
-    if kind == "missing":
-        return invalid_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
-
-
-def parse(model: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc, data) from None
-
-
-# --- models -------------------------------------------------------------------------------------
-
-
-def model_object(*, model_id: str, created: int, owned_by: str, capabilities: dict[str, bool]) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "b3os": capabilities}
-
-
-def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"object": "list", "data": models}
-
-
-# --- shared pieces ------------------------------------------------------------------------------
-
-
-def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A JSON schema valid under its own ``$schema`` draft (2020-12 when it names none)."""
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(part) for part in exc.path)
-        raise ValueError(f"not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else "")) from None
-    return schema
-
-
-JSONSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+from .errors import ParamNames, invalid_request, unsupported_parameter
+from .shared import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    JSONSchema,
+    LogprobItems,
+    LooseModel,
+    StreamOptions,
+    WireModel,
+    check_metadata,
+    logprob_objects,
+)
 
 
 class FunctionDefinition(WireModel):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: JSONSchema | None = None
     strict: bool | None = None
 
 
 class JSONSchemaFormat(WireModel):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     schema_: JSONSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
@@ -254,9 +176,8 @@ ResponseFormat = Annotated[
 ]
 
 
-class StreamOptions(WireModel):
+class ChatStreamOptions(StreamOptions):
     include_usage: bool | None = None
-    include_obfuscation: bool | None = None
 
 
 # Known OpenAI parameters this platform does not implement: refused by name, never ignored.
@@ -275,7 +196,7 @@ class ChatCompletionRequest(WireModel):
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: ChatStreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -346,42 +267,33 @@ class ChatCompletionRequest(WireModel):
                     code="invalid_value",
                 )
         if self.tools:
-            names = [tool.function.name for tool in self.tools]
-            if len(set(names)) != len(names):
+            listed = [tool.function.name for tool in self.tools]
+            if len(set(listed)) != len(listed):
                 raise invalid_request("Tool names must be unique.", param="tools", code="invalid_value")
 
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if len(value) > 16:
-        raise ValueError("metadata holds at most 16 pairs")
-    for key, item in value.items():
-        if len(key) > 64 or len(item) > 512:
-            raise ValueError("metadata keys are at most 64 characters and values at most 512")
-    return value
+    def param_names(self) -> ParamNames:
+        images = (
+            f"messages.{index}.content.{part_index}"
+            for index, message in enumerate(self.messages)
+            if isinstance(message, UserMessage) and isinstance(message.content, list)
+            for part_index, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        )
+        return ParamNames(
+            prompt="messages",
+            output_limit="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+            tool_schemas={
+                tool.function.name: f"tools.{index}.function.parameters" for index, tool in enumerate(self.tools or ())
+            },
+            image=next(images, None),
+        )
 
 
 # --- chat completions: response -----------------------------------------------------------------
-
-
-def usage_object(*, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": reasoning_tokens,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
 
 
 def chat_completion(
@@ -432,26 +344,6 @@ def chat_chunk(
     return chunk
 
 
-def logprobs_content(items: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": token,
-                "logprob": logprob,
-                "bytes": list(token.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top
-                ],
-            }
-            for token, logprob, top in items
-        ],
-        "refusal": None,
-    }
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def dumps(payload: Any) -> str:
-    return orjson.dumps(payload).decode()
+def logprobs_object(items: LogprobItems) -> dict[str, Any]:
+    """A choice's ``logprobs``: the content's tokens, with their bytes."""
+    return {"content": logprob_objects(items), "refusal": None}

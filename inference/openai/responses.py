@@ -7,14 +7,13 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypedDict
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator
 
-from inference.openai.errors import invalid_request, unsupported_parameter
-from inference.openai.chat import MAX_TOOLS, JSONSchema, LooseModel, WireModel, check_metadata
-
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+from .errors import ParamNames, invalid_request, unsupported_parameter
+from .shared import FUNCTION_NAME, MAX_TOOLS, JSONSchema, LooseModel, StreamOptions, WireModel, check_metadata
 
 
 def _text_or_list(value: Any) -> str:
@@ -131,6 +130,14 @@ InputItem = Annotated[
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
+_INPUT_ITEM: TypeAdapter[InputItem] = TypeAdapter(InputItem)
+
+
+def input_item(data: dict[str, Any]) -> InputItem:
+    """One input item from its JSON form (an item kept from an earlier turn)."""
+    return _INPUT_ITEM.validate_python(data)
+
+
 Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("list")], Discriminator(_text_or_list)]
 
 
@@ -242,14 +249,6 @@ class Reasoning(WireModel):
     summary: ReasoningSummary | None = None
     generate_summary: ReasoningSummary | None = None
 
-    @property
-    def wants_reasoning(self) -> bool:
-        return self.effort not in (None, "none", "minimal")
-
-
-class StreamOptions(WireModel):
-    include_obfuscation: bool | None = None
-
 
 # ``include`` values with a meaning here; the others ask for results of server tools.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -306,19 +305,23 @@ class ResponseCreateRequest(WireModel):
     def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         return check_metadata(value)
 
+    # Known parameters refused by name when set, with why.
+    REFUSED: ClassVar[Mapping[str, str]] = {
+        "previous_response_id": f"previous_response_id is not supported: {STATELESS}",
+        "conversation": f"conversation is not supported: {STATELESS}",
+        "prompt": "stored prompts are not supported: send instructions and input instead",
+        "context_management": "server-side context management is not supported",
+        "moderation": "moderation is not supported on this node",
+        "background": f"background mode is not supported: {STATELESS}",
+    }
+
+    # Whether ``tool_choice: required`` needs a function tool in ``tools`` (or can be met by tools run elsewhere).
+    REQUIRED_NEEDS_TOOLS: ClassVar[bool] = True
+
     def refuse_unsupported(self) -> None:
-        refused = {
-            "previous_response_id": f"previous_response_id is not supported: {STATELESS}",
-            "conversation": f"conversation is not supported: {STATELESS}",
-            "prompt": "stored prompts are not supported: send instructions and input instead",
-            "context_management": "server-side context management is not supported",
-            "moderation": "moderation is not supported on this node",
-        }
-        for name, message in refused.items():
-            if getattr(self, name) is not None:
+        for name, message in self.REFUSED.items():
+            if getattr(self, name) not in (None, False):
                 raise unsupported_parameter(name, message)
-        if self.background:
-            raise unsupported_parameter("background", f"background mode is not supported: {STATELESS}")
         if self.truncation == "auto":
             raise unsupported_parameter("truncation", "truncation: auto is not supported; use disabled")
         if self.service_tier not in (None, "auto", "default"):
@@ -360,7 +363,7 @@ class ResponseCreateRequest(WireModel):
             )
         if isinstance(choice, ToolChoiceAllowed):
             self._check_allowed(choice, names)
-        if choice == "required" and not names:
+        if choice == "required" and not names and self.REQUIRED_NEEDS_TOOLS:
             raise invalid_request(
                 "tool_choice 'required' needs at least one tool.", param="tool_choice", code="invalid_value"
             )
@@ -368,7 +371,9 @@ class ResponseCreateRequest(WireModel):
     @staticmethod
     def _check_allowed(choice: ToolChoiceAllowed, names: set[str]) -> None:
         if not choice.tools:
-            raise invalid_request("allowed_tools needs at least one tool.", param="tool_choice.tools", code="invalid_value")
+            raise invalid_request(
+                "allowed_tools needs at least one tool.", param="tool_choice.tools", code="invalid_value"
+            )
         for index, allowed in enumerate(choice.tools):
             if isinstance(allowed, OtherTool):
                 raise unsupported_parameter(
@@ -393,18 +398,35 @@ class ResponseCreateRequest(WireModel):
     def wants_logprobs(self) -> bool:
         return INCLUDE_LOGPROBS in (self.include or ())
 
+    @property
+    def reasoning_effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
+    def param_names(self) -> ParamNames:
+        items = [] if isinstance(self.input, str) else self.input
+        images = (
+            f"input.{index}.content.{part_index}"
+            for index, item in enumerate(items)
+            if isinstance(item, EasyInputMessage) and not isinstance(item.content, str)
+            for part_index, part in enumerate(item.content)
+            if isinstance(part, InputImage)
+        )
+        return ParamNames(
+            prompt="input",
+            output_limit="max_output_tokens",
+            tool_schemas={
+                tool.name: f"tools.{index}.parameters"
+                for index, tool in enumerate(self.tools or ())
+                if isinstance(tool, FunctionTool)
+            },
+            output_format="text.format",
+            output_schema="text.format.schema",
+            reasoning="reasoning.effort",
+            image=next(images, None),
+        )
+
 
 # --- response: the Response object and its output items -------------------------------------------
-
-
-def usage_object(*, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": input_tokens + output_tokens,
-    }
 
 
 def function_tool_echo(tool: FunctionTool) -> dict[str, Any]:
@@ -536,27 +558,6 @@ def reasoning_item(*, item_id: str, status: ItemStatus, content: list[dict[str, 
         "content": content,
         "encrypted_content": None,
     }
-
-
-def logprob_objects(items: list[tuple[str, float, list[tuple[str, float]]]]) -> list[dict[str, Any]]:
-    """Logprobs of an ``output_text`` part (``LogProb``: with bytes)."""
-    return [
-        {
-            "token": token,
-            "logprob": logprob,
-            "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top],
-        }
-        for token, logprob, top in items
-    ]
-
-
-def delta_logprob_objects(items: list[tuple[str, float, list[tuple[str, float]]]]) -> list[dict[str, Any]]:
-    """Logprobs of a text delta event (``ResponseLogProb``: without bytes)."""
-    return [
-        {"token": token, "logprob": logprob, "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}
-        for token, logprob, top in items
-    ]
 
 
 # --- stream events --------------------------------------------------------------------------------

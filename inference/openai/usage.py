@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, get_args
 
-from inference.usage import reports
 from inference.openai.errors import APIError, invalid_request
+from inference.usage import reports
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +33,12 @@ def _day(raw: str, *, name: str, ceil: bool) -> date:
     counts its whole day (for the exclusive ``end``)."""
     try:
         if raw.lstrip("-").isdigit():
-            moment = datetime.fromtimestamp(int(raw), dt_timezone.utc)
+            moment = datetime.fromtimestamp(int(raw), UTC)
         elif len(raw) == 10:
             return date.fromisoformat(raw)
         else:
             moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-            moment = moment.astimezone(dt_timezone.utc) if moment.tzinfo else moment.replace(tzinfo=dt_timezone.utc)
+            moment = moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
     except (ValueError, OverflowError, OSError):
         raise _param_error(name, "use a date (2025-01-31), an ISO 8601 time or unix seconds.") from None
     day = moment.date()

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import date, timedelta
 from collections.abc import Mapping
+from datetime import date, timedelta
 from typing import Any
 
 from django import forms
 
-from orgs.models import APIKey, Organization
-
 from inference.models import CatalogEntry, UsageDailyRollup, UsageRecord
 from inference.usage.reports import MAX_REPORT_DAYS, UsageFilter, day_start, utc_today
+from orgs.models import APIKey, Organization
 
 DEFAULT_DAYS = 14
 

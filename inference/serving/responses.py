@@ -11,22 +11,53 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inference.serving.chat import generation_failed
-from inference.engine.decoding import FunctionTool, ReasoningPiece, TextPiece, ToolCallPiece, ToolChoice
-from inference.openai.errors import APIError, invalid_request, unsupported_parameter
-from inference.engine.generation import Done, Failed, Generation, GenerationEvent, GenerationRequest, Logprobs
-from inference.models import CatalogEntry
+from inference.engine import capabilities
+from inference.engine.decoding import (
+    ForcedFunction,
+    FunctionTool,
+    ReasoningPiece,
+    TextPiece,
+    ToolCallPiece,
+    ToolChoice,
+)
+from inference.engine.generation import (
+    Done,
+    Failed,
+    Generation,
+    GenerationEvent,
+    GenerationRequest,
+    Logprobs,
+    prepare,
+)
 from inference.engine.prompting import Message
-from inference.openai.chat import dumps, now
+from inference.models import CatalogEntry
 from inference.openai import responses as wire
+from inference.openai.errors import APIError, generation_failed, invalid_request, unsupported_parameter
+from inference.openai.shared import (
+    LogprobItems,
+    delta_logprob_objects,
+    dumps,
+    logprob_objects,
+    now,
+    response_usage,
+)
+from inference.usage.records import Meter
+from orgs.admission import Grant
+
+from .caller import Caller, Result, run_admitted
+from .metered import Ending, generation_outcome, metered
 
 logger = logging.getLogger("inference.serving.responses")
 
-LogprobItems = list[tuple[str, float, list[tuple[str, float]]]]
+ENDPOINT = "responses"
+
+# An input item, and where the client sent it: ``input.3``, or ``previous_response_id`` for stored history.
+LocatedItem = tuple[str, wire.InputItem]
 
 
 def _new_id(prefix: str) -> str:
@@ -36,40 +67,39 @@ def _new_id(prefix: str) -> str:
 # --- input items to a conversation ------------------------------------------------------------------
 
 
+def _at(where: str, part: str) -> str:
+    """A part of an item, as a parameter; stored history is named by the id that brought it, as a whole."""
+    return where if where == "previous_response_id" else f"{where}.{part}"
+
+
 def _part_text(part: wire.InputText | wire.OutputText | wire.Refusal) -> str:
     return part.refusal if isinstance(part, wire.Refusal) else part.text
 
 
-def _message_content(item: wire.EasyInputMessage, param: str, entry: CatalogEntry) -> str | list[dict[str, Any]]:
-    """Text, or for image models a user message's text and images in the chat template's form."""
+def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict[str, Any]]:
+    """Text, or with images a user message's text and images in the chat template's form."""
     if isinstance(item.content, str):
         return item.content
     parts: list[dict[str, Any]] = []
     for index, part in enumerate(item.content):
-        where = f"{param}.content.{index}"
+        at = _at(where, f"content.{index}")
         if isinstance(part, wire.InputImage):
             if item.role != "user":
                 raise invalid_request(
                     f"input_image content is only allowed in user messages, not in {item.role} messages.",
-                    param=where,
+                    param=at,
                     code="invalid_value",
-                )
-            if not entry.image_input:
-                raise invalid_request(
-                    f"The model {entry.public_id!r} does not accept image input.",
-                    param=where,
-                    code="unsupported_content",
                 )
             if part.image_url is None:
                 raise invalid_request(
                     "input_image needs an image_url: images by file_id need the Files API, "
                     "which this node does not serve.",
-                    param=f"{where}.image_url",
+                    param=_at(where, f"content.{index}.image_url"),
                     code="unsupported_content",
                 )
             parts.append({"type": "image", "url": part.image_url})
         elif isinstance(part, wire.InputFile | wire.InputAudio):
-            raise invalid_request(f"{part.type} content is not supported.", param=where, code="unsupported_content")
+            raise invalid_request(f"{part.type} content is not supported.", param=at, code="unsupported_content")
         else:
             parts.append({"type": "text", "text": _part_text(part)})
     if any(p["type"] == "image" for p in parts):
@@ -77,7 +107,7 @@ def _message_content(item: wire.EasyInputMessage, param: str, entry: CatalogEntr
     return "".join(p["text"] for p in parts)
 
 
-def _output_text(item: wire.FunctionCallOutput, param: str) -> str:
+def _output_text(item: wire.FunctionCallOutput, where: str) -> str:
     if isinstance(item.output, str):
         return item.output
     texts = []
@@ -85,7 +115,7 @@ def _output_text(item: wire.FunctionCallOutput, param: str) -> str:
         if not isinstance(part, wire.InputText | wire.OutputText):
             raise invalid_request(
                 f"{part.type} content in a function_call_output is not supported; send the output as text.",
-                param=f"{param}.output.{index}",
+                param=_at(where, f"output.{index}"),
                 code="unsupported_content",
             )
         texts.append(part.text)
@@ -97,8 +127,8 @@ class _Conversation:
     """Input items folded into chat-template messages, with the bookkeeping the integrity checks need."""
 
     messages: list[Message] = field(default_factory=list)
-    calls: dict[str, int] = field(default_factory=dict)  # call_id -> input index of its function_call
-    answered: dict[str, int] = field(default_factory=dict)  # call_id -> input index of its output
+    calls: dict[str, str] = field(default_factory=dict)  # call_id: where its function_call is
+    answered: dict[str, str] = field(default_factory=dict)  # call_id: where its output is
     reasoning: list[str] = field(default_factory=list)  # replayed reasoning, for the next assistant message
 
     def assistant(self, content: str | list[dict[str, Any]], *, join: bool) -> Message:
@@ -114,53 +144,51 @@ class _Conversation:
             self.reasoning = []
         return message
 
-    def function_call(self, item: wire.FunctionCall, index: int) -> None:
-        param = f"input.{index}"
+    def function_call(self, item: wire.FunctionCall, where: str) -> None:
         if item.call_id in self.calls:
-            earlier = self.calls[item.call_id]
             raise invalid_request(
-                f"call_id {json.dumps(item.call_id)} is already used by the function_call at input.{earlier}",
-                param=f"{param}.call_id",
+                f"call_id {json.dumps(item.call_id)} is already used by the function_call at "
+                f"{self.calls[item.call_id]}",
+                param=_at(where, "call_id"),
             )
         try:
             json.loads(item.arguments)
         except ValueError:
             raise invalid_request(
                 f"the arguments of function_call {json.dumps(item.call_id)} are not valid JSON",
-                param=f"{param}.arguments",
+                param=_at(where, "arguments"),
             ) from None
-        self.calls[item.call_id] = index
+        self.calls[item.call_id] = where
         message = self.assistant("", join=True)
         call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
         message.setdefault("tool_calls", []).append(call)
 
-    def function_call_output(self, item: wire.FunctionCallOutput, index: int) -> None:
-        param = f"input.{index}"
+    def function_call_output(self, item: wire.FunctionCallOutput, where: str) -> None:
         if item.call_id not in self.calls:
             raise invalid_request(
                 f"no function_call with call_id {json.dumps(item.call_id)} comes before this output",
-                param=f"{param}.call_id",
+                param=_at(where, "call_id"),
             )
         if item.call_id in self.answered:
             raise invalid_request(
                 f"the function_call with call_id {json.dumps(item.call_id)} already has its output at "
-                f"input.{self.answered[item.call_id]}",
-                param=f"{param}.call_id",
+                f"{self.answered[item.call_id]}",
+                param=_at(where, "call_id"),
             )
-        self.answered[item.call_id] = index
-        self.messages.append({"role": "tool", "content": _output_text(item, param), "tool_call_id": item.call_id})
+        self.answered[item.call_id] = where
+        self.messages.append({"role": "tool", "content": _output_text(item, where), "tool_call_id": item.call_id})
 
     def unanswered(self) -> None:
-        for call_id, index in self.calls.items():
+        for call_id, where in self.calls.items():
             if call_id not in self.answered:
                 raise invalid_request(
                     f"no function_call_output with call_id {json.dumps(call_id)} comes after this call",
-                    param=f"input.{index}.call_id",
+                    param=_at(where, "call_id"),
                 )
 
 
-def _refuse_item(item: wire.OtherItem, index: int) -> APIError:
-    param = f"input.{index}.type"
+def _refuse_item(item: wire.OtherItem, where: str) -> APIError:
+    param = _at(where, "type")
     if item.type == "item_reference":
         return unsupported_parameter(param, f"item_reference needs stored items: {wire.STATELESS}")
     tool = item.type.removesuffix("_output").removesuffix("_call")
@@ -171,30 +199,31 @@ def _refuse_item(item: wire.OtherItem, index: int) -> APIError:
     return unsupported_parameter(param, f"input items of type {item.type!r} are not supported on this node")
 
 
-def conversation(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> list[Message]:
-    """The instructions and input items as chat-template messages; raises on items that do not fit together."""
+def conversation(items: Sequence[LocatedItem], *, instructions: str | None) -> list[Message]:
+    """The instructions and input items as chat-template messages; raises on items that do not fit together.
+
+    Errors name each item where the client sent it, so the agent runtime passes stored history and its own
+    output under the names the client knows them by.
+    """
     state = _Conversation()
-    if request.instructions:
-        state.messages.append({"role": "system", "content": request.instructions})
-    items = (
-        [wire.EasyInputMessage(role="user", content=request.input)] if isinstance(request.input, str) else request.input
-    )
-    for index, item in enumerate(items):
+    if instructions:
+        state.messages.append({"role": "system", "content": instructions})
+    for where, item in items:
         if isinstance(item, wire.EasyInputMessage):
-            content = _message_content(item, f"input.{index}", entry)
+            content = _message_content(item, where)
             if item.role == "assistant":
                 state.assistant(content, join=False)
             else:
                 state.messages.append({"role": item.role, "content": content})
         elif isinstance(item, wire.FunctionCall):
-            state.function_call(item, index)
+            state.function_call(item, where)
         elif isinstance(item, wire.FunctionCallOutput):
-            state.function_call_output(item, index)
+            state.function_call_output(item, where)
         elif isinstance(item, wire.ReasoningItem):
             # Only readable reasoning can go back to the model; encrypted_content from elsewhere cannot.
             state.reasoning.extend(part.text for part in item.content or ())
         else:
-            raise _refuse_item(item, index)
+            raise _refuse_item(item, where)
     state.unanswered()
     if not any(m["role"] != "system" for m in state.messages):
         raise invalid_request(
@@ -203,54 +232,58 @@ def conversation(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> li
     return state.messages
 
 
+def input_items(request: wire.ResponseCreateRequest) -> list[LocatedItem]:
+    """The request's input as located items (a string is one user message)."""
+    if isinstance(request.input, str):
+        return [("input.0", wire.EasyInputMessage(role="user", content=request.input))]
+    return [(f"input.{index}", item) for index, item in enumerate(request.input)]
+
+
 # --- the request as a generation -----------------------------------------------------------------
 
 
 def _tool_choice(request: wire.ResponseCreateRequest) -> ToolChoice:
     choice = request.tool_choice
     if isinstance(choice, wire.ToolChoiceFunction):
-        return choice.name
+        return ForcedFunction(choice.name)
     if isinstance(choice, wire.ToolChoiceAllowed):
         return choice.mode
     return choice if isinstance(choice, str) else "auto"
 
 
-def _callable_tools(request: wire.ResponseCreateRequest) -> list[tuple[int, wire.FunctionTool]]:
-    """The function tools the model may call, with their places in ``tools``: all, or those allowed."""
+def _callable_tools(request: wire.ResponseCreateRequest) -> list[wire.FunctionTool]:
+    """The function tools the model may call: all, or those ``allowed_tools`` allows."""
     choice = request.tool_choice
-    allowed = {t.name for t in choice.tools if isinstance(t, wire.ToolChoiceFunction)} if isinstance(
-        choice, wire.ToolChoiceAllowed
-    ) else None
-    return [
-        (index, tool)
-        for index, tool in enumerate(request.tools or ())
-        if isinstance(tool, wire.FunctionTool) and (allowed is None or tool.name in allowed)
-    ]
+    allowed = None
+    if isinstance(choice, wire.ToolChoiceAllowed):
+        allowed = {t.name for t in choice.tools if isinstance(t, wire.ToolChoiceFunction)}
+    return [tool for tool in request.function_tools if allowed is None or tool.name in allowed]
+
+
+def function_tools(tools: Sequence[wire.FunctionTool]) -> tuple[FunctionTool, ...]:
+    return tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in tools)
 
 
 def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> GenerationRequest:
     """Check the request against the model's capabilities and translate it."""
     request.refuse_unsupported()
-    callable_tools = _callable_tools(request)
-    tools = tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for _, t in callable_tools)
-    if tools and not entry.tools:
-        raise unsupported_parameter("tools", f"the model {entry.public_id!r} does not support tool calls")
-    reasoning = request.reasoning
-    if reasoning is not None and reasoning.wants_reasoning and not entry.reasoning:
-        raise unsupported_parameter(
-            "reasoning.effort",
-            f"the model {entry.public_id!r} does not reason: leave reasoning.effort unset, or send none",
-        )
+    tools = function_tools(_callable_tools(request))
     fmt = request.text_format
     kind: Literal["text", "json_object", "json_schema"] = "text" if fmt is None else fmt.type
-    if kind != "text" and not entry.json_schema:
-        raise unsupported_parameter("text.format", f"the model {entry.public_id!r} does not support structured output")
+    capabilities.check(
+        model_id=entry.public_id,
+        offers=entry.capabilities(),
+        tools=bool(tools),
+        reasoning_effort=request.reasoning_effort,
+        structured_output=kind != "text",
+        images=request.param_names().image is not None,
+    )
     return GenerationRequest(
-        messages=conversation(request, entry),
+        messages=conversation(input_items(request), instructions=request.instructions),
         tools=tools,
         tool_choice=_tool_choice(request),
         parallel_tool_calls=request.parallel_tool_calls is not False,
-        reasoning=entry.reasoning and (reasoning is None or reasoning.effort not in ("none", "minimal")),
+        reasoning=capabilities.reasoning_on(model_reasons=entry.reasoning, effort=request.reasoning_effort),
         response_format=kind,
         json_schema=fmt.schema_ if isinstance(fmt, wire.FormatJSONSchema) else None,
         max_output_tokens=request.max_output_tokens,
@@ -258,9 +291,6 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
         top_p=request.top_p,
         logprobs=request.wants_logprobs,
         top_logprobs=(request.top_logprobs or 0) if request.wants_logprobs else 0,
-        max_tokens_param="max_output_tokens",
-        tool_schema_params=tuple(f"tools.{index}.parameters" for index, _ in callable_tools),
-        output_schema_param="text.format.schema",
     )
 
 
@@ -269,7 +299,7 @@ def echo(request: wire.ResponseCreateRequest) -> dict[str, Any]:
     choice = request.tool_choice
     if isinstance(choice, wire.ToolChoiceFunction | wire.ToolChoiceAllowed):
         return wire.request_echo(request, tool_choice=choice.model_dump(exclude_unset=True))
-    return wire.request_echo(request, tool_choice=_tool_choice(request))
+    return wire.request_echo(request, tool_choice=choice if isinstance(choice, str) else "auto")
 
 
 # --- generation events to output items and stream events -------------------------------------------
@@ -292,7 +322,7 @@ class _OpenItem:
     def part(self) -> dict[str, Any]:
         text = "".join(self.text)
         if self.kind == "message":
-            return wire.output_text_part(text, wire.logprob_objects(self.logprobs))
+            return wire.output_text_part(text, logprob_objects(self.logprobs))
         return wire.reasoning_text_part(text)
 
     def item(self, status: wire.ItemStatus, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -417,7 +447,7 @@ class ResponseEncoder:
         if not self.output:
             # A turn always answers with an item, even when the model said nothing.
             events += [*self._open_item("message"), *self._close("incomplete" if truncated else "completed")]
-        usage = wire.usage_object(
+        usage = response_usage(
             input_tokens=done.prompt_tokens,
             output_tokens=done.completion_tokens,
             cached_tokens=done.cached_tokens,
@@ -458,7 +488,7 @@ class ResponseEncoder:
             # Logprobs arrive before the text they belong to, which the decoder may have held back.
             logprobs, self._pending_logprobs = self._pending_logprobs, []
             item.logprobs.extend(logprobs)
-            events.append(wire.output_text_delta_event(item.ref, text, wire.delta_logprob_objects(logprobs)))
+            events.append(wire.output_text_delta_event(item.ref, text, delta_logprob_objects(logprobs)))
         return events
 
     def _open_item(self, kind: Literal["message", "reasoning"]) -> list[dict[str, Any]]:
@@ -481,7 +511,7 @@ class ResponseEncoder:
                 events.append(wire.annotation_added_event(item.ref, index, annotation))
             part["annotations"] = annotations or []
             done = wire.output_text_done_event(
-                item.ref, part["text"], wire.delta_logprob_objects(item.logprobs), annotations
+                item.ref, part["text"], delta_logprob_objects(item.logprobs), annotations
             )
         else:
             done = wire.reasoning_text_done_event(item.ref, part["text"])
@@ -519,7 +549,7 @@ async def complete(*, generation: Generation, encoder: ResponseEncoder) -> tuple
     """Run to the end and build one Response."""
     async for event in generation.run():
         if isinstance(event, Failed):
-            raise generation_failed(event)
+            raise generation_failed(event.code, event.message)
         if isinstance(event, Done):
             encoder.finish(event)
             return encoder.response, event
@@ -532,29 +562,54 @@ def sse(event: dict[str, Any]) -> str:
 
 
 async def stream_events(
-    *, generation: Generation, encoder: ResponseEncoder, outcome: dict[str, Any]
-) -> AsyncIterator[str]:
+    *, generation: Generation, encoder: ResponseEncoder, ending: Ending
+) -> AsyncGenerator[str, None]:
     """The Responses event stream, ending in ``response.completed``, ``.incomplete`` or ``.failed``.
 
-    ``outcome`` receives the terminal event (``done`` or ``failed``) for usage accounting.
+    ``ending`` receives the terminal event (``Done`` or ``Failed``) for usage accounting.
     """
     for event in encoder.start():
         yield sse(event)
     try:
-        async for piece in generation.run():
-            if isinstance(piece, Failed):
-                outcome["failed"] = piece
-                events = encoder.fail(generation_failed(piece).message)
-            elif isinstance(piece, Done):
-                outcome["done"] = piece
-                events = encoder.finish(piece)
-            else:
-                events = encoder.feed(piece)
-            for event in events:
-                yield sse(event)
+        async with aclosing(generation.run()) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, Failed):
+                    ending.event = piece
+                    events = encoder.fail(generation_failed(piece.code, piece.message).message)
+                elif isinstance(piece, Done):
+                    ending.event = piece
+                    events = encoder.finish(piece)
+                else:
+                    events = encoder.feed(piece)
+                for event in events:
+                    yield sse(event)
     except Exception:
         # Once the stream has begun, the only way left to report a fault is the stream's own end.
         logger.exception("response stream %s failed", encoder.response_id)
-        outcome["failed"] = Failed("internal_error", "The server had an error while generating the response.")
-        for event in encoder.fail(outcome["failed"].message):
+        failed = ending.event = Failed("internal_error", "The server had an error while generating the response.")
+        for event in encoder.fail(failed.message):
             yield sse(event)
+
+
+# --- the workflow ------------------------------------------------------------------------------------
+
+
+async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller) -> Result:
+    async def build(entry: CatalogEntry) -> Generation:
+        return await prepare(entry=entry, request=to_generation_request(params, entry))
+
+    async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
+        encoder = ResponseEncoder(echo=echo(params))
+        if params.stream:
+            ending = Ending()
+            events = stream_events(generation=generation, encoder=encoder, ending=ending)
+            stream = metered(
+                events, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
+            )
+            return Result(headers=grant.headers, stream=stream)
+        body, done = await complete(generation=generation, encoder=encoder)
+        grant.release()
+        generation_outcome(generation, done).record(meter)
+        return Result(headers=grant.headers, body=body)
+
+    return await run_admitted(caller=caller, model=params.model, endpoint=ENDPOINT, build=build, respond=respond)

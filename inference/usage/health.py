@@ -25,9 +25,9 @@ from django.conf import settings
 from django.db import connection
 
 from inference.engine import execution
-from inference.models import CatalogEntry
 from inference.engine.runners.base import RunnerError
 from inference.engine.runners.llama_cpp import model_path as llama_cpp_model_path
+from inference.models import CatalogEntry
 
 Status = Literal["ok", "error", "absent"]
 

@@ -17,8 +17,8 @@ from typing import Any
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
-from inference.usage import metrics
 from inference.models import UsageRecord
+from inference.usage import metrics
 
 logger = logging.getLogger("inference.usage.records")
 
@@ -137,7 +137,7 @@ class _Writer:
                 close_old_connections()
                 _insert(batch)
                 return
-            except Exception:  # noqa: BLE001  (the database may be briefly busy; never lose the batch silently)
+            except Exception:
                 logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
                 time.sleep(0.5 * (attempt + 1))
 
@@ -151,7 +151,9 @@ def _insert(rows: list[dict[str, Any]]) -> None:
     fields = [field for field in UsageRecord._meta.concrete_fields if not field.primary_key]
     quote = connection.ops.quote_name
     sql = "INSERT INTO {} ({}) VALUES ({})".format(
-        quote(UsageRecord._meta.db_table), ", ".join(quote(field.column) for field in fields), ", ".join(["%s"] * len(fields))
+        quote(UsageRecord._meta.db_table),
+        ", ".join(quote(field.column) for field in fields),
+        ", ".join(["%s"] * len(fields)),
     )
     params = [[field.get_db_prep_save(row[field.attname], connection) for field in fields] for row in rows]
     with transaction.atomic(), connection.cursor() as cursor:

@@ -19,8 +19,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import date, datetime, time, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, Literal, TypeVar
 
 from django.conf import settings
@@ -29,9 +28,8 @@ from django.db.models import Count, F, Min, Q, QuerySet, Sum, Value
 from django.db.models.functions import Ceil, Greatest, Ln, TruncDate
 from django.utils import timezone
 
-from orgs.models import APIKey, Organization
-
 from inference.models import UsageDailyRollup, UsageRecord
+from orgs.models import APIKey, Organization
 
 logger = logging.getLogger("inference.usage.reports")
 
@@ -46,10 +44,6 @@ K = TypeVar("K", bound=Hashable)
 
 
 # --- histograms and tallies -------------------------------------------------------------------------
-
-
-def bucket_of(ms: float) -> int:
-    return 0 if ms <= 1 else math.ceil(math.log(ms) / math.log(GROWTH))
 
 
 def bucket_bounds(index: int) -> tuple[float, float]:
@@ -198,11 +192,11 @@ class UsageRow:
 
 
 def utc_today() -> date:
-    return timezone.now().astimezone(dt_timezone.utc).date()
+    return timezone.now().astimezone(UTC).date()
 
 
 def day_start(day: date) -> datetime:
-    return datetime.combine(day, time.min, tzinfo=dt_timezone.utc)
+    return datetime.combine(day, time.min, tzinfo=UTC)
 
 
 def days_between(start: date, end: date) -> list[date]:
@@ -235,7 +229,7 @@ def _bucket(field_name: str) -> Any:
 
 def aggregate_records(records: QuerySet[UsageRecord]) -> list[UsageRow]:
     """Raw records summed per day and dimension, in three grouped queries (totals, latency, TTFT)."""
-    records = records.annotate(day=TruncDate("created", tzinfo=dt_timezone.utc)).order_by()
+    records = records.annotate(day=TruncDate("created", tzinfo=UTC)).order_by()
     tallies: dict[tuple[Any, ...], Tally] = {}
     totals = records.values(*_DIMENSIONS, "status", "error_code").annotate(
         n=Count("id"),
@@ -265,7 +259,10 @@ def aggregate_records(records: QuerySet[UsageRecord]) -> list[UsageRow]:
     with_ttft = records.filter(time_to_first_token_ms__isnull=False)
     for item in with_ttft.values(*_DIMENSIONS, bucket=_bucket("time_to_first_token_ms")).annotate(n=Count("id")):
         tallies[tuple(item[d] for d in _DIMENSIONS)].ttft_histogram[int(item["bucket"])] += item["n"]
-    return [UsageRow(*key, tally=tally) for key, tally in tallies.items()]
+    return [
+        UsageRow(day=day, organization_id=org, api_key_id=key, model=model, endpoint=endpoint, route=route, tally=tally)
+        for (day, org, key, model, endpoint, route), tally in tallies.items()
+    ]
 
 
 # --- rolling up and pruning -------------------------------------------------------------------------
@@ -306,7 +303,7 @@ def _days_with_records(before: date) -> Iterator[date]:
         first = records.aggregate(first=Min("created"))["first"]
         if first is None:
             return
-        day = first.astimezone(dt_timezone.utc).date()
+        day = first.astimezone(UTC).date()
         yield day
         since = day_start(day + timedelta(days=1))
 
@@ -369,7 +366,7 @@ def start_periodic_rollup(
                 result = roll_up_and_prune()
                 if result.rolled_up or result.pruned:
                     logger.info("rolled up %d day(s), pruned %d raw record(s)", len(result.rolled_up), result.pruned)
-            except Exception:  # noqa: BLE001  (a failed run is retried at the next interval)
+            except Exception:
                 logger.exception("usage rollup failed")
             finally:
                 close_old_connections()

@@ -1,4 +1,5 @@
-"""The CPU runner's grammars: JSON Schema features the llama.cpp converter reads differently, made to mean what they say."""
+"""The CPU runner's grammars: JSON Schema features the llama.cpp converter reads differently, made to mean what
+they say."""
 
 from __future__ import annotations
 

@@ -57,7 +57,9 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
         renderer = get_renderer("llama_cpp", LLAMA_SETTINGS)
         prompt = renderer.render([{"role": "user", "content": "Write a long story about a river in Oregon."}], None)
-        yield Subject("llama_cpp", get_runner("llama_cpp", LLAMA_SETTINGS), LLAMA_SETTINGS, prompt, renderer.count_tokens(prompt))
+        yield Subject(
+            "llama_cpp", get_runner("llama_cpp", LLAMA_SETTINGS), LLAMA_SETTINGS, prompt, renderer.count_tokens(prompt)
+        )
         return
     _drop_tensorrt_llm_modules()
     monkeypatch.syspath_prepend(str(FAKES))
@@ -124,13 +126,17 @@ def test_it_stops_promptly_when_cancelled(subject: Subject) -> None:
 
 
 def test_a_json_schema_constraint_always_yields_matching_json(subject: Subject) -> None:
-    chunks, finished = run(subject, subject.job(max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9))
+    chunks, finished = run(
+        subject, subject.job(max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9)
+    )
     assert finished.reason == "stop"
     jsonschema.validate(json.loads(text(chunks)), CITY)
 
 
 def test_a_forced_tool_call_is_a_valid_call_object(subject: Subject) -> None:
-    tool = FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True)
+    tool = FunctionTool(
+        "get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True
+    )
     plan = plan_decoding(tools=(tool,), tool_choice="required", parallel_tool_calls=False, reasoning=False)
     chunks, _ = run(subject, subject.job(max_tokens=60, constraint=plan.constraint))
     call = json.loads(text(chunks))
@@ -139,7 +145,9 @@ def test_a_forced_tool_call_is_a_valid_call_object(subject: Subject) -> None:
 
 
 def test_a_tool_calls_constraint_is_free_text_or_valid_tagged_calls(subject: Subject) -> None:
-    tool = FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True)
+    tool = FunctionTool(
+        "get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True
+    )
     plan = plan_decoding(tools=(tool,), tool_choice="auto", parallel_tool_calls=True, reasoning=False)
     assert plan.constraint is not None and plan.constraint.kind == "tool_calls"
     output = text(run(subject, subject.job(max_tokens=60, constraint=plan.constraint))[0])

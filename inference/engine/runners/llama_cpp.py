@@ -10,8 +10,8 @@ from __future__ import annotations
 import atexit
 import codecs
 import ctypes
-import secrets
 import os
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -118,7 +118,7 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     """Why this runner cannot enforce ``schema``, or None when it can."""
     try:
         grammar_for(Constraint(kind="json_schema", schema=schema))
-    except Exception as exc:  # the converter asserts and raises whatever the schema trips over
+    except Exception as exc:  # noqa: BLE001  (the converter asserts and raises whatever the schema trips over)
         return str(exc) or type(exc).__name__
     return None
 
@@ -216,7 +216,7 @@ class _Sampler:
         return int(candidates.candidates_data.id[candidates.candidates.selected])
 
     def _allowed(self, token: int) -> bool:
-        self._single_data[0].id = token
+        self._single_data[0].id = token  # type: ignore[assignment]  # ctypes converts the int
         self._single_data[0].logit = 1.0
         self._single_data[0].p = 0.0
         self._single.size = 1
@@ -330,7 +330,7 @@ class LlamaCppRunner:
             llm.set_seed(secrets.randbits(32))
         try:
             grammar = grammar_for(job.constraint) if job.constraint else None
-        except Exception as exc:  # see schema_problem: the API process checks schemas before dispatch
+        except Exception as exc:  # noqa: BLE001  (see schema_problem: the API process checks schemas before dispatch)
             raise RunnerError(f"the output constraint cannot be enforced: {exc}", code="invalid_constraint") from None
         sampler = _Sampler(llm, sampling, grammar)
         try:
@@ -422,7 +422,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     native_tools = "tools" in template
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return formatter(messages=messages, tools=tools).prompt
+        return formatter(messages=messages, tools=tools).prompt  # type: ignore[arg-type]  # plain dicts of that shape
 
     def count_tokens(text: str) -> int:
         return len(vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True))
@@ -434,7 +434,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
 
 
 def self_test(settings: dict[str, Any]) -> None:
-    """One short generation: what a native library built for another CPU crashes on (see ``inference.engine.preflight``)."""
+    """One short generation: what a native library built for another CPU crashes on (see ``engine.preflight``)."""
     runner = LlamaCppRunner(settings)
     prompt = "The three largest rivers of Oregon are the Columbia, the Snake and the"
     job = GenerationJob(
