@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: run test install install-test rebuild-runner system-test-deps bench clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +52,12 @@ system-test-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-test: install-test system-test-deps
+# Lint (with import order) and type checks come first: they take seconds, the suite minutes.
+lint: install-test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: lint system-test-deps
 	$(PY) -m pytest
 
 bench: install-test system-test-deps
