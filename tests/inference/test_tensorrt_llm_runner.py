@@ -25,7 +25,7 @@ import jinja2
 import pytest
 import xgrammar
 
-from inference import execution
+from inference import execution, tasks
 from inference.errors import APIError
 from inference.generation import GenerationRequest, prepare
 from inference.models import CatalogEntry
@@ -867,3 +867,51 @@ async def test_top_logprobs_beyond_what_the_entry_returns_are_a_400(hf: Loads, f
     assert (raised.value.code, raised.value.param) == ("invalid_value", "top_logprobs")
     generation = await prepare(entry=toy_entry(max_top_logprobs=0), request=GenerationRequest(messages=USER, logprobs=True))
     assert generation.job.sampling.logprobs is True
+
+
+# -- the worker process: models are loaded when it starts --------------------------------------------
+
+
+@dataclass
+class StartingWorker:
+    """What the start-up hook reads of Celery's WorkController."""
+
+    queues: list[str]
+    pool_cls: str = "threads"
+
+    @property
+    def app(self) -> Any:
+        return types.SimpleNamespace(amqp=types.SimpleNamespace(queues=types.SimpleNamespace(consume_from={q: None for q in self.queues})))
+
+
+@pytest.mark.django_db
+def test_a_worker_builds_the_models_of_its_queues_when_it_starts(
+    engine: Seen, fresh_caches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    CatalogEntry.objects.create(
+        public_id="b3os/other", runner="tensorrt_llm", runner_settings={"model": "/models/other"}
+    )
+    monkeypatch.setattr(tasks, "_served_queues", frozenset())
+
+    tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue]))
+
+    assert [str(llm.args.model) for llm in engine.llms] == ["/models/toy-chat"]
+    # The first job finds the engine ready.
+    runner = execution.get_runner(served.runner, served.runner_settings)
+    collect(runner.stream(make_job("ready"), never))
+    assert len(engine.llms) == 1
+
+
+@pytest.mark.django_db
+def test_a_prefork_worker_builds_them_in_each_child_process_not_in_the_parent(
+    engine: Seen, fresh_caches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    monkeypatch.setattr(tasks, "_served_queues", frozenset())
+
+    tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue], pool_cls="prefork"))
+    assert engine.llms == []  # a GPU engine must not be forked
+
+    tasks._load_models_at_worker_process_init()
+    assert len(engine.llms) == 1
