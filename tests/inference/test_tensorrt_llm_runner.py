@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ from typing import Any
 import jinja2
 import pytest
 import xgrammar
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from inference import execution, tasks
 from inference.errors import APIError
@@ -915,3 +918,30 @@ def test_a_prefork_worker_builds_them_in_each_child_process_not_in_the_parent(
 
     tasks._load_models_at_worker_process_init()
     assert len(engine.llms) == 1
+
+
+# -- the smoke test a GPU host runs ------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_smoke_test_command_loads_the_entry_and_streams_one_completion(
+    hf: Loads, engine: Seen, fresh_caches: None
+) -> None:
+    CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    out = io.StringIO()
+
+    call_command("smoke_test_model", "b3os/toy-chat", "--prompt", "Say hi", "--max-tokens", "8", stdout=out)
+
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("b3os/toy-chat: tensorrt_llm loaded in ")
+    assert lines[1] == "<s><|user|>Say hi <|assistant|>"  # the toy model echoes the rendered prompt's words
+    assert lines[2].startswith("finish_reason=stop prompt_tokens=3 completion_tokens=3 first_token=")
+    assert engine.calls[0].sampling_params.max_tokens == 8
+
+
+@pytest.mark.django_db
+def test_the_smoke_test_command_fails_loudly_when_the_model_cannot_load(fresh_caches: None) -> None:
+    CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+
+    with pytest.raises(CommandError, match="did not load"):
+        call_command("smoke_test_model", "b3os/toy-chat", stdout=io.StringIO())
