@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_init, worker_process_init
+from django.db import DatabaseError
 
 from .dispatch import serve_job
 from .execution import get_runner
@@ -58,10 +59,16 @@ _served_queues: frozenset[str] = frozenset()
 
 def load_served_models(queues: Collection[str]) -> list[str]:
     """Load every enabled catalog model whose queue is in ``queues``; the ids loaded."""
+    if not queues:
+        return []
+    try:
+        entries = [entry for entry in CatalogEntry.objects.enabled() if entry.queue in queues]
+    except DatabaseError:
+        # The worker still starts; each model then loads with its first job.
+        logger.exception("could not read the catalog to load this worker's models")
+        return []
     loaded = []
-    for entry in CatalogEntry.objects.enabled():
-        if entry.queue not in queues:
-            continue
+    for entry in entries:
         try:
             get_runner(entry.runner, entry.runner_settings)
         except Exception:  # noqa: BLE001  (one broken entry must not stop the others; its jobs fail with the cause)

@@ -27,6 +27,7 @@ import pytest
 import xgrammar
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import DatabaseError
 
 from inference import execution, tasks
 from inference.errors import APIError
@@ -918,6 +919,15 @@ def test_a_prefork_worker_builds_them_in_each_child_process_not_in_the_parent(
 
     tasks._load_models_at_worker_process_init()
     assert len(engine.llms) == 1
+
+
+def test_a_worker_that_cannot_read_the_catalog_still_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable() -> Any:
+        raise DatabaseError("could not connect to server")
+
+    monkeypatch.setattr(CatalogEntry.objects, "enabled", unreachable)
+
+    assert tasks.load_served_models({"model.b3os.toy-chat"}) == []
 
 
 # -- the smoke test a GPU host runs ------------------------------------------------------------------
