@@ -205,6 +205,12 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
                 code="invalid_value",
                 param=param,
             )
+    if request.logprobs and request.top_logprobs > renderer.max_top_logprobs:
+        raise APIError(
+            f"The model {entry.public_id!r} returns at most {renderer.max_top_logprobs} top_logprobs.",
+            code="invalid_value",
+            param="top_logprobs",
+        )
     job = GenerationJob(
         job_id=secrets.token_hex(12),
         model_id=entry.public_id,
