@@ -1,16 +1,24 @@
-"""Celery tasks: thin interfaces over the dispatch services."""
+"""Celery tasks: thin interfaces over the dispatch services, and the worker's start-up hook."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from celery import shared_task
+from celery.signals import worker_init, worker_process_init
+from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, serve_job
+from inference.engine.execution import get_runner
 from inference.engine.runners.base import GenerationJob
+from inference.models import CatalogEntry
 from inference.usage.reports import roll_up_and_prune
+
+logger = logging.getLogger(__name__)
 
 _local = threading.local()
 
@@ -33,3 +41,58 @@ def generate(job: dict[str, Any], reply_channel: str) -> None:
 def rollup_usage() -> None:
     """Roll usage up into daily rollups and prune old raw records (scheduled by Celery beat)."""
     roll_up_and_prune()
+
+
+# -- loading the models when the worker starts ---------------------------------------------------------
+#
+# A model is loaded in the process that runs its jobs, before the first job, in the main thread: a
+# TensorRT-LLM engine starts its executor (an MPI worker process, or threads in this process with
+# TLLM_WORKER_USE_SINGLE_PROCESS=1) and takes the GPU, which is not something to do on the first job's
+# pool thread while other jobs wait on a lock. With ``--pool threads`` (the model hosts' pool) jobs run
+# in the worker's main process, which gets ``worker_init``; a prefork child or the solo pool gets
+# ``worker_process_init``.
+
+# The queues this worker consumes, noted at worker_init; prefork children inherit it.
+_served_queues: frozenset[str] = frozenset()
+
+
+def load_served_models(queues: Collection[str]) -> list[str]:
+    """Load every enabled catalog model whose queue is in ``queues``; the ids loaded."""
+    if not queues:
+        return []
+    try:
+        entries = [entry for entry in CatalogEntry.objects.enabled() if entry.queue in queues]
+    except DatabaseError:
+        # The worker still starts; each model then loads with its first job.
+        logger.exception("could not read the catalog to load this worker's models")
+        return []
+    loaded = []
+    for entry in entries:
+        try:
+            get_runner(entry.runner, entry.runner_settings)
+        except Exception:
+            logger.exception("could not load model %s", entry.public_id)
+        else:
+            loaded.append(entry.public_id)
+    return loaded
+
+
+def _runs_jobs_in_main_process(worker: Any) -> bool:
+    pool = getattr(worker, "pool_cls", "")
+    name = pool if isinstance(pool, str) else f"{getattr(pool, '__module__', '')}.{getattr(pool, '__name__', '')}"
+    return any(kind in name.lower() for kind in ("thread", "gevent", "eventlet"))
+
+
+@worker_init.connect
+def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
+    global _served_queues
+    app = getattr(sender, "app", None)
+    queues = getattr(getattr(getattr(app, "amqp", None), "queues", None), "consume_from", None)
+    _served_queues = frozenset(queues or ())
+    if _runs_jobs_in_main_process(sender):
+        logger.info("loaded %s", load_served_models(_served_queues))
+
+
+@worker_process_init.connect
+def _load_models_at_worker_process_init(**_: Any) -> None:
+    logger.info("loaded %s", load_served_models(_served_queues))

@@ -74,3 +74,12 @@ class SchemaNotEnforceable(EngineError):
         self.model_id = model_id
         self.tool = tool
         self.problem = problem
+
+
+class TooManyTopLogprobs(EngineError):
+    """The request asks for more alternatives per token than the model returns."""
+
+    def __init__(self, *, model_id: str, most: int) -> None:
+        super().__init__(f"the model {model_id!r} returns at most {most} top logprobs")
+        self.model_id = model_id
+        self.most = most

@@ -29,7 +29,7 @@ from .decoding import (
     plan_decoding,
 )
 from .dispatch import start_job
-from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforceable
+from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforceable, TooManyTopLogprobs
 from .execution import JobFailed, get_renderer
 from .prompting import Message, check_context, render_prompt
 from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
@@ -174,7 +174,7 @@ class GenerationRequest:
 
 async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
     """Render, count and plan, before anything runs: raises ``ModelUnavailable``, ``ChatTemplateRefused``,
-    ``ContextLengthExceeded`` or ``SchemaNotEnforceable``."""
+    ``ContextLengthExceeded``, ``SchemaNotEnforceable`` or ``TooManyTopLogprobs``."""
     try:
         renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
     except RunnerError as exc:
@@ -201,6 +201,8 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     for tool, schema in plan.enforced_schemas():
         if problem := renderer.schema_problem(schema):
             raise SchemaNotEnforceable(model_id=entry.public_id, tool=tool, problem=problem)
+    if request.logprobs and request.top_logprobs > renderer.max_top_logprobs:
+        raise TooManyTopLogprobs(model_id=entry.public_id, most=renderer.max_top_logprobs)
     job = GenerationJob(
         job_id=secrets.token_hex(12),
         model_id=entry.public_id,

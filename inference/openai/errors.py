@@ -20,6 +20,7 @@ from inference.engine.exceptions import (
     ModelNotServed,
     ModelUnavailable,
     SchemaNotEnforceable,
+    TooManyTopLogprobs,
 )
 from orgs.exceptions import InvalidAPIKey, LimitExceeded
 
@@ -70,6 +71,7 @@ class ParamNames:
     output_format: str = "response_format"
     output_schema: str = "response_format.json_schema.schema"
     reasoning: str = "reasoning_effort"
+    top_logprobs: str = "top_logprobs"
     image: str | None = None  # the first image in the conversation
 
 
@@ -161,6 +163,12 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             f"The model {exc.model_id!r} cannot enforce the schema in {param}: {exc.problem}",
             code="invalid_value",
             param=param,
+        )
+    if isinstance(exc, TooManyTopLogprobs):
+        return invalid_request(
+            f"The model {exc.model_id!r} returns at most {exc.most} top_logprobs.",
+            param=names.top_logprobs,
+            code="invalid_value",
         )
     if isinstance(exc, ChatTemplateRefused):
         return invalid_request(

@@ -100,6 +100,31 @@ async def test_an_out_of_range_value_is_named(api: API) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "param", "value"),
+    [
+        # OpenAI's own ranges, the same for every runner: a runner never sees a value outside them.
+        (CHAT, "temperature", 2.01),
+        (CHAT, "temperature", -0.1),
+        (CHAT, "top_p", 1.01),
+        (CHAT, "top_p", -0.01),
+        (CHAT, "frequency_penalty", 2.5),
+        (CHAT, "presence_penalty", -2.5),
+        (CHAT, "top_logprobs", 21),
+        ("/v1/infer/responses", "temperature", 2.5),
+        ("/v1/infer/responses", "top_p", 1.5),
+        ("/v1/infer/responses", "top_logprobs", 21),
+    ],
+)
+async def test_a_sampling_parameter_outside_openais_range_is_named(
+    api: API, path: str, param: str, value: float
+) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
+    body = {"model": MODEL_ID, **prompt, param: value}
+
+    assert_error(await api.post(path, body), 400, "invalid_value", param)
+
+
 async def test_an_unknown_parameter_is_named(api: API) -> None:
     assert_error(
         await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}),

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 QUESTION = "What is the weather in Eugene?"
-SEEDS = range(6)
+SEEDS = range(4)
 # A schema small models ramble in (they repeat list items): the budget, not the model, ends these calls.
 CHOICES = {
     "type": "object",
@@ -109,7 +109,7 @@ def responses_body(seed: int, *, stream: bool, choice: Any) -> dict[str, Any]:
         "tools": [tool],
         "tool_choice": choice,
         "stream": stream,
-        "temperature": 1.0 + seed / 10,
+        "temperature": 0.7 + seed / 10,
     }
 
 
@@ -119,7 +119,7 @@ async def responses_output(api: API, body: dict[str, Any]) -> list[dict[str, Any
     if not body["stream"]:
         return response.json()["output"]
     events = [json.loads(item) for item in sse_data(await read_stream(response))]
-    return next(event["response"]["output"] for event in events if event["type"] == "response.completed")
+    return events[-1]["response"]["output"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -8,6 +8,7 @@ and fast where the CPU runner's grammar-constrained decoding is slow.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import types
@@ -162,6 +163,9 @@ def _drop_tensorrt_llm_modules() -> None:
 def toy_model(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch) -> Iterator[CatalogEntry]:
     _drop_tensorrt_llm_modules()
     monkeypatch.syspath_prepend(str(FAKES))
+    # The runner compiles guides with xgrammar, which imports the real transformers: load it before
+    # the stand-in below takes that module's name.
+    importlib.import_module("xgrammar")
     transformers = types.ModuleType("transformers")
     transformers.AutoTokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: EchoTokenizer())  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers", transformers)

@@ -1,12 +1,15 @@
 """The TensorRT-LLM runner, driven through the stand-in of the ``tensorrt_llm`` API in ``tests/fakes``.
 
 The stand-in's engine echoes the prompt's words, one whitespace token per step, or writes a minimal
-instance of a guided JSON schema; see ``tests/fakes/tensorrt_llm/__init__.py`` for what it mirrors.
+instance of a guided JSON schema; it compiles guides with the real xgrammar. See
+``tests/fakes/tensorrt_llm/__init__.py`` for what it mirrors of TensorRT-LLM's source.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -21,7 +24,15 @@ from typing import Any
 
 import jinja2
 import pytest
+import xgrammar
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import DatabaseError
 
+from inference import tasks
+from inference.engine import execution
+from inference.engine.exceptions import SchemaNotEnforceable, TooManyTopLogprobs
+from inference.engine.generation import GenerationRequest, prepare
 from inference.engine.runners import tensorrt_llm as runner_module
 from inference.engine.runners.base import (
     Constraint,
@@ -32,6 +43,8 @@ from inference.engine.runners.base import (
     Sampling,
     TextChunk,
 )
+from inference.models import CatalogEntry
+from inference.openai.errors import ParamNames, from_exception
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
@@ -163,7 +176,8 @@ def test_it_streams_the_generated_text_and_reports_exact_usage(engine: Seen) -> 
     assert [c.tokens for c in chunks] == [1, 1, 1, 1]
     assert finished == Finished(reason="stop", prompt_tokens=4, completion_tokens=4, cached_tokens=0)
     (call,) = engine.calls
-    assert call.inputs == "one two three four"
+    # Submitted as token ids: the runner counts the prompt itself, once, before queueing it.
+    assert engine.llms[0].tokenizer.decode(call.inputs) == "one two three four"
     assert call.streaming is True
     assert finished.prompt_tokens == len(call.output.prompt_token_ids)
     assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
@@ -236,6 +250,21 @@ def test_it_sends_held_back_text_once_it_cannot_become_a_stop_sequence(engine: S
     assert finished.reason == "stop"
 
 
+def test_a_stop_string_the_engine_matches_on_token_ids_leaves_none_of_itself_in_the_text(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    # " gamma delta" encodes to the very tokens generated, so the engine itself stops on their ids and
+    # cuts them from token_ids; the " gamma" it streamed a step earlier stays in the output's text.
+    job = make_job("alpha beta gamma delta epsilon", stop=(" gamma delta",))
+    chunks, finished = collect(runner.stream(job, never))
+
+    output = engine.calls[0].output.outputs[0]
+    assert (output.text, output.stop_reason) == ("alpha beta gamma", " gamma delta")
+    assert "".join(c.text for c in chunks) == "alpha beta"
+    assert finished.reason == "stop"
+    assert finished.completion_tokens == len(output.token_ids) == 2
+
+
 def test_it_returns_logprobs_when_asked(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
 
@@ -287,12 +316,54 @@ def test_it_aborts_the_request_when_cancelled(
 def test_it_finishes_cancelled_when_cancelled_before_any_output(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
 
-    chunks, finished = collect(runner.stream(make_job(words(300), max_tokens=300), lambda: True))
+    chunks, finished = collect(runner.stream(make_job(words(300), max_tokens=300, prompt_tokens=300), lambda: True))
 
     assert chunks == []
-    assert finished.reason == "cancelled"
-    assert finished.prompt_tokens == 300
-    assert engine.calls[0].output.aborted()
+    assert (finished.reason, finished.prompt_tokens, finished.completion_tokens) == ("cancelled", 300, 0)
+    # Either it never reached the engine, or it was aborted there.
+    assert wait_until(lambda: all(call.output.aborted() for call in engine.calls))
+
+
+def _pending_requests(engine_loop: asyncio.AbstractEventLoop) -> int:
+    """Coroutines still reading a request's outputs on the runner's engine loop."""
+
+    async def count() -> int:
+        return len(asyncio.all_tasks()) - 1  # less this one
+
+    return asyncio.run_coroutine_threadsafe(count(), engine_loop).result(timeout=2)
+
+
+def test_it_ends_a_cancelled_job_that_was_still_waiting_in_the_engines_queue(
+    engine: Seen, toy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(toy, "STEP_SECONDS", 0.02)
+    settings = {**SETTINGS, "max_batch_size": 1}
+    runner = runner_module.load(settings)
+    first = runner.stream(make_job(words(200), max_tokens=200, settings=settings), never)
+    assert isinstance(next(first), TextChunk)  # the one place in the batch is taken
+    cancel = threading.Event()
+    cancelled_at = 0.0
+
+    def cancel_soon() -> bool:
+        nonlocal cancelled_at
+        if not cancel.is_set() and engine.calls[-1:] and len(engine.calls) == 2:
+            cancel.set()
+            cancelled_at = time.monotonic()
+        return cancel.is_set()
+
+    chunks, finished = collect(runner.stream(make_job("still waiting", settings=settings), cancel_soon))
+
+    # TensorRT-LLM drops a cancelled request from its waiting queue without any final output.
+    waiting = engine.calls[1].output
+    assert wait_until(waiting.aborted)
+    assert not waiting.finished
+    assert chunks == []
+    assert (finished.reason, finished.completion_tokens) == ("cancelled", 0)
+    assert time.monotonic() - cancelled_at < 1.0
+    # Nothing is left waiting for that output: only the first job's request is being read.
+    (engine_state,) = runner_module._ENGINES.values()
+    assert _pending_requests(engine_state.loop) == 1
+    first.close()
 
 
 def test_it_aborts_the_request_when_the_consumer_stops_reading(
@@ -392,6 +463,53 @@ def test_a_tool_calls_constraint_becomes_a_structural_tag_around_hermes_blocks(e
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     assert call["name"] == "get_weather" and len(call["arguments"]["city"]) >= 1
+
+
+def test_the_structural_tag_it_sends_is_one_the_real_xgrammar_compiles(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    collect(runner.stream(make_job("x", constraint=Constraint(kind="tool_calls", schema=CALL_SCHEMA)), never))
+
+    guide = engine.calls[0].sampling_params.guided_decoding.structural_tag
+    assert isinstance(xgrammar.Grammar.from_structural_tag(guide), xgrammar.Grammar)
+
+
+UNENFORCEABLE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}},
+}
+
+
+def test_a_guide_the_engine_cannot_compile_is_refused_before_it_can_fail_the_whole_batch(
+    engine: Seen, toy: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(toy, "STEP_SECONDS", 0.01)
+    runner = runner_module.load(SETTINGS)
+    running = runner.stream(make_job(words(60), max_tokens=100), never)
+    first = next(running)
+
+    job = make_job("x", constraint=Constraint(kind="json_schema", schema=UNENFORCEABLE_SCHEMA))
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(job, never))
+
+    assert raised.value.code == "invalid_constraint"
+    assert "Lookbehind is not supported" in str(raised.value)
+    assert len(engine.calls) == 1  # never queued
+    # The request that was being generated is unharmed.
+    rest, finished = collect(running)
+    assert first.text + "".join(c.text for c in rest) == words(60)
+    assert finished.reason == "stop"
+
+
+def test_a_tool_schema_the_engine_cannot_compile_is_refused_too(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    call_schema = {**CALL_SCHEMA, "properties": {**CALL_SCHEMA["properties"], "arguments": UNENFORCEABLE_SCHEMA}}
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("x", constraint=Constraint(kind="tool_calls", schema=call_schema)), never))
+
+    assert raised.value.code == "invalid_constraint"
+    assert engine.calls == []
 
 
 # -- concurrency -------------------------------------------------------------------------------------
@@ -499,22 +617,75 @@ def test_a_prompt_the_engine_refuses_as_too_long_surfaces_as_a_runner_error(engi
 
     assert raised.value.code == "context_length_exceeded"
     assert "max_num_tokens" in str(raised.value)
+    # A refused request is not a broken engine: the same LLM serves the next job.
+    chunks, _ = collect(runner.stream(make_job("a b", settings=settings), never))
+    assert "".join(c.text for c in chunks) == "a b"
+    assert len(engine.llms) == 1
 
 
-def test_a_failure_during_generation_surfaces_as_a_runner_error(engine: Seen) -> None:
+def test_a_prompt_and_max_tokens_beyond_max_seq_len_are_refused_before_anything_is_queued(engine: Seen) -> None:
+    settings = {"model": "/models/toy-chat", "max_seq_len": 8}
+    runner = runner_module.load(settings)
+
+    # The engine itself would only clamp max_tokens to the 2 tokens left and stop with "length".
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job(words(6), max_tokens=5, settings=settings), never))
+
+    assert raised.value.code == "context_length_exceeded"
+    assert "max_seq_len (8)" in str(raised.value)
+    assert engine.calls == []
+
+
+def test_a_prompt_and_max_tokens_that_fit_max_seq_len_are_served(engine: Seen) -> None:
+    settings = {"model": "/models/toy-chat", "max_seq_len": 8}
+    runner = runner_module.load(settings)
+
+    chunks, finished = collect(runner.stream(make_job(words(6), max_tokens=2, settings=settings), never))
+
+    assert "".join(c.text for c in chunks) == "w0 w1"
+    assert (finished.reason, finished.prompt_tokens, finished.completion_tokens) == ("length", 6, 2)
+
+
+def test_a_failure_during_generation_surfaces_as_a_runner_error(
+    trtllm: types.ModuleType, engine: Seen, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = runner_module.load(SETTINGS)
-    # xgrammar resolves only local references: the request fails once the engine compiles its guide.
-    bad = Constraint(kind="json_schema", schema={"$ref": "https://example.com/person.json"})
+    # The executor fails this one request (as it does a request whose SamplingConfig it refuses).
+    monkeypatch.setattr(trtllm.SamplingParams, "_sampling_config_error", lambda self: "the engine failed it")
 
     with pytest.raises(RunnerError) as raised:
-        collect(runner.stream(make_job("x", constraint=bad), never))
+        collect(runner.stream(make_job("x"), never))
 
     assert raised.value.code == "generation_failed"
-    assert "$ref" in str(raised.value)
+    assert "the engine failed it" in str(raised.value)
     # A per-request failure leaves the engine serving.
+    monkeypatch.undo()
     chunks, _ = collect(runner.stream(make_job("still here"), never))
     assert "".join(c.text for c in chunks) == "still here"
     assert len(engine.llms) == 1
+
+
+def test_top_p_zero_asks_for_the_single_most_likely_token(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    # OpenAI allows top_p 0; the runtime's SamplingConfig allows only 0 < top_p <= 1.
+    chunks, finished = collect(runner.stream(make_job("a b c", top_p=0.0, temperature=0.0), never))
+
+    params = engine.calls[0].sampling_params
+    assert (params.top_p, params.top_k) == (None, 1)
+    assert ("".join(c.text for c in chunks), finished.reason) == ("a b c", "stop")
+
+
+def test_it_refuses_a_tensorrt_llm_older_than_the_structural_tag_form_it_sends(
+    trtllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trtllm, "__version__", "1.0.0")
+
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load(SETTINGS)
+
+    assert raised.value.code == "runner_unavailable"
+    assert "TensorRT-LLM 1.0.0 is installed" in str(raised.value) and "1.2" in str(raised.value)
 
 
 # -- imports -----------------------------------------------------------------------------------------
@@ -643,3 +814,154 @@ def test_a_chat_template_setting_overrides_the_tokenizers(hf: Loads) -> None:
 
     assert render.native_tools is False
     assert render.render([{"role": "user", "content": "Hi"}], None) == "<|user|>Hi\n<|assistant|>"
+
+
+def test_the_renderer_finds_a_schema_xgrammar_cannot_compile_and_names_why(hf: Loads) -> None:
+    render = runner_module.renderer(SETTINGS)
+
+    assert render.schema_problem(PERSON_SCHEMA) is None
+    problem = render.schema_problem(UNENFORCEABLE_SCHEMA)
+    assert problem is not None and problem.startswith("Regex parsing error")
+    unsatisfiable = {"type": "integer", "minimum": 5, "maximum": 1}
+    assert "minimum greater than maximum" in (render.schema_problem(unsatisfiable) or "")
+
+
+def test_the_renderer_says_how_many_top_logprobs_the_entry_returns(hf: Loads) -> None:
+    assert runner_module.renderer(SETTINGS).max_top_logprobs == 20
+    assert runner_module.renderer({**SETTINGS, "max_top_logprobs": 0}).max_top_logprobs == 0
+    with pytest.raises(RunnerError):
+        runner_module.renderer({**SETTINGS, "max_top_logprobs": 21})
+
+
+# -- the API process: guides and logprobs are checked before anything is queued ---------------------
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(execution, "_runners", {})
+    monkeypatch.setattr(execution, "_renderers", {})
+
+
+def toy_entry(**settings: Any) -> CatalogEntry:
+    return CatalogEntry(
+        public_id="b3os/toy-chat",
+        runner="tensorrt_llm",
+        runner_settings={**SETTINGS, **settings},
+        context_length=4096,
+        max_output_tokens=256,
+    )
+
+
+USER = [{"role": "user", "content": "Who is it?"}]
+
+
+async def test_a_response_schema_the_gpu_cannot_enforce_is_a_400_naming_the_parameter(
+    hf: Loads, fresh_caches: None
+) -> None:
+    request = GenerationRequest(messages=USER, response_format="json_schema", json_schema=UNENFORCEABLE_SCHEMA)
+
+    with pytest.raises(SchemaNotEnforceable) as raised:
+        await prepare(entry=toy_entry(), request=request)
+
+    error = from_exception(raised.value, ParamNames())
+    assert error is not None and (error.status, error.code) == (400, "invalid_value")
+    assert error.param == "response_format.json_schema.schema"
+    assert "Lookbehind" in error.message
+
+
+async def test_top_logprobs_beyond_what_the_entry_returns_are_a_400(hf: Loads, fresh_caches: None) -> None:
+    request = GenerationRequest(messages=USER, logprobs=True, top_logprobs=2)
+
+    with pytest.raises(TooManyTopLogprobs) as raised:
+        await prepare(entry=toy_entry(max_top_logprobs=0), request=request)
+
+    error = from_exception(raised.value, ParamNames())
+    assert error is not None and (error.status, error.code, error.param) == (400, "invalid_value", "top_logprobs")
+    plain = GenerationRequest(messages=USER, logprobs=True)
+    generation = await prepare(entry=toy_entry(max_top_logprobs=0), request=plain)
+    assert generation.job.sampling.logprobs is True
+
+
+# -- the worker process: models are loaded when it starts --------------------------------------------
+
+
+@dataclass
+class StartingWorker:
+    """What the start-up hook reads of Celery's WorkController."""
+
+    queues: list[str]
+    pool_cls: str = "threads"
+
+    @property
+    def app(self) -> Any:
+        queues = types.SimpleNamespace(consume_from=dict.fromkeys(self.queues))
+        return types.SimpleNamespace(amqp=types.SimpleNamespace(queues=queues))
+
+
+@pytest.mark.django_db
+def test_a_worker_builds_the_models_of_its_queues_when_it_starts(
+    engine: Seen, fresh_caches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    CatalogEntry.objects.create(
+        public_id="b3os/other", runner="tensorrt_llm", runner_settings={"model": "/models/other"}
+    )
+    monkeypatch.setattr(tasks, "_served_queues", frozenset())
+
+    tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue]))
+
+    assert [str(llm.args.model) for llm in engine.llms] == ["/models/toy-chat"]
+    # The first job finds the engine ready.
+    runner = execution.get_runner(served.runner, served.runner_settings)
+    collect(runner.stream(make_job("ready"), never))
+    assert len(engine.llms) == 1
+
+
+@pytest.mark.django_db
+def test_a_prefork_worker_builds_them_in_each_child_process_not_in_the_parent(
+    engine: Seen, fresh_caches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    monkeypatch.setattr(tasks, "_served_queues", frozenset())
+
+    tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue], pool_cls="prefork"))
+    assert engine.llms == []  # a GPU engine must not be forked
+
+    tasks._load_models_at_worker_process_init()
+    assert len(engine.llms) == 1
+
+
+def test_a_worker_that_cannot_read_the_catalog_still_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable() -> Any:
+        raise DatabaseError("could not connect to server")
+
+    monkeypatch.setattr(CatalogEntry.objects, "enabled", unreachable)
+
+    assert tasks.load_served_models({"model.b3os.toy-chat"}) == []
+
+
+# -- the smoke test a GPU host runs ------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_smoke_test_command_loads_the_entry_and_streams_one_completion(
+    hf: Loads, engine: Seen, fresh_caches: None
+) -> None:
+    CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    out = io.StringIO()
+
+    call_command("smoke_test_model", "b3os/toy-chat", "--prompt", "Say hi", "--max-tokens", "8", stdout=out)
+
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("b3os/toy-chat: tensorrt_llm loaded in ")
+    assert lines[1] == "<s><|user|>Say hi <|assistant|>"  # the toy model echoes the rendered prompt's words
+    assert lines[2].startswith("finish_reason=stop prompt_tokens=3 completion_tokens=3 first_token=")
+    assert engine.calls[0].sampling_params.max_tokens == 8
+
+
+@pytest.mark.django_db
+def test_the_smoke_test_command_fails_loudly_when_the_model_cannot_load(fresh_caches: None) -> None:
+    CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+
+    with pytest.raises(CommandError, match="did not load"):
+        call_command("smoke_test_model", "b3os/toy-chat", stdout=io.StringIO())

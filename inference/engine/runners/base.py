@@ -125,6 +125,8 @@ class PromptRenderer:
     native_tools: bool = False
     # Why the runner cannot enforce a JSON schema (features its grammar engine lacks), or None.
     schema_problem: Callable[[dict[str, Any]], str | None] = _any_schema
+    # How many alternatives per token the model can return with logprobs (OpenAI allows up to 20).
+    max_top_logprobs: int = 20
 
 
 class Runner(Protocol):

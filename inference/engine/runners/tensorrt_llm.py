@@ -10,16 +10,23 @@ thread-safe queue. The worker thread polls ``cancelled`` while it waits and call
 ``tensorrt_llm`` (GPU-only, several GB) and ``transformers`` are imported only when a runner or a
 renderer is built, so the API process and CPU-only machines import this module freely.
 
+The engine is built when the worker process starts (``inference.tasks``), not by the first job.
+
 API surface used, as read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/llmapi/llm.py``,
 ``tensorrt_llm/sampling_params.py``, ``tensorrt_llm/executor/result.py``,
-``tensorrt_llm/llmapi/tokenizer.py``, ``tensorrt_llm/serve/openai_server.py``,
-``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve builds ``SamplingParams`` for chat) and
-``docs/source/features/guided-decoding.md`` (structural tags for tool calls).
+``tensorrt_llm/executor/base_worker.py``, ``tensorrt_llm/llmapi/tokenizer.py``,
+``tensorrt_llm/_torch/pyexecutor/py_executor.py`` and ``grammar_matcher.py``,
+``tensorrt_llm/serve/openai_server.py``, ``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve
+builds ``SamplingParams`` for chat) and ``docs/source/features/guided-decoding.md`` (structural tags).
+Guides are compiled with xgrammar, the library TensorRT-LLM's guided decoder uses, before anything is
+queued: in the API process (``schema_problem``) and again in the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import queue
@@ -48,11 +55,25 @@ logger = logging.getLogger(__name__)
 
 # How long the worker thread waits on the engine before looking at ``cancelled`` again.
 POLL_SECONDS: Final = 0.05
-# After ``abort()`` the engine still sends a final output with the token count; how long to wait for it.
+# After ``abort()`` an active request still gets a final output with its token count; how long to
+# wait for it. A request still in the engine's waiting queue gets none at all (see ``stream``).
 CANCEL_GRACE_SECONDS: Final = 2.0
 
+# The oldest release known to take structural tags in the {"type": "structural_tag", "format": {...}}
+# form the runner sends: with xgrammar 0.1.25 TensorRT-LLM hands the tag string to
+# ``compile_structural_tag`` as it is (``_torch/pyexecutor/grammar_matcher.py``; its change "Support
+# new structural tag API"), and release 1.2 ships xgrammar 0.1.25. 1.0 parsed the older
+# {"structures": [...], "triggers": [...]} form itself, which xgrammar 0.1.25 and later refuse
+# ("Structural tag must have a format field").
+MIN_VERSION: Final = (1, 2)
+
+# OpenAI's own maximum for top_logprobs, and so the default for an entry that sets none.
+MAX_TOP_LOGPROBS: Final = 20
+
 # Settings that are the platform's, not ``LLM()`` keyword arguments.
-_NOT_LLM_ARGS: Final = frozenset({"model", "kv_cache_free_gpu_memory_fraction", "chat_template"})
+_NOT_LLM_ARGS: Final = frozenset(
+    {"model", "kv_cache_free_gpu_memory_fraction", "chat_template", "max_top_logprobs"}
+)
 
 # A request that outlives its own deadline in the engine is cut short, like one that hit max_tokens:
 # the client gets a truncated answer either way, and "length" is the reason that tells it so.
@@ -80,6 +101,7 @@ class _API:
 
 def _import_api() -> _API:
     try:
+        import tensorrt_llm
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig, RequestError
     except ImportError as exc:
@@ -87,7 +109,19 @@ def _import_api() -> _API:
             f"TensorRT-LLM is not available here ({exc}); it needs an NVIDIA GPU and the 'gpu' extra.",
             code="runner_unavailable",
         ) from exc
+    version = str(getattr(tensorrt_llm, "__version__", "0"))
+    if _release(version) < MIN_VERSION:
+        raise RunnerError(
+            f"TensorRT-LLM {version} is installed; this runner needs {MIN_VERSION[0]}.{MIN_VERSION[1]} or later "
+            "(its guided decoder takes structural tags in the form the runner sends). Install the 'gpu' extra.",
+            code="runner_unavailable",
+        )
     return _API(LLM, SamplingParams, GuidedDecodingParams, KvCacheConfig, RequestError)
+
+
+def _release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 # -- events from the engine's loop to the worker thread ----------------------------------------------
@@ -129,12 +163,13 @@ _Event = _Started | _Step | _Failed | _Ended
 
 
 class _Request:
-    """One job's request on an engine; ``abort`` and ``events`` are for the worker thread."""
+    """One job's request on an engine; ``abort``, ``stop`` and ``events`` are for the worker thread."""
 
     def __init__(self, engine: _Engine) -> None:
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.ended = False
         self._engine = engine
+        self.driver: concurrent.futures.Future[None] | None = None
         # Touched only in the loop thread.
         self._output: Any = None
         self._abort_requested = False
@@ -144,6 +179,11 @@ class _Request:
             self._engine.loop.call_soon_threadsafe(self._abort_in_loop)
         except RuntimeError:  # the loop is closed: the engine, and with it the request, is gone
             pass
+
+    def stop(self) -> None:
+        """Stop reading the request's outputs: the coroutine would otherwise wait for a final one forever."""
+        if self.driver is not None:
+            self.driver.cancel()
 
     def _abort_in_loop(self) -> None:
         self._abort_requested = True
@@ -158,9 +198,13 @@ class _Request:
 class _Engine:
     """An ``LLM`` and the event loop its requests live on."""
 
-    def __init__(self, llm: Any, api: _API) -> None:
+    def __init__(self, llm: Any, api: _API, *, max_seq_len: int | None) -> None:
         self.llm = llm
         self.api = api
+        # The PyTorch backend never refuses a prompt for max_seq_len: base_worker.py's
+        # _deduce_max_tokens clamps max_tokens to the room left, down to zero, and llm.py's
+        # _check_arguments checks only max_num_tokens. So the runner checks it before submitting.
+        self.max_seq_len = max_seq_len
         self.loop = asyncio.new_event_loop()
         self._active: set[_Request] = set()
         self._lock = threading.Lock()
@@ -175,7 +219,7 @@ class _Engine:
         request = _Request(self)
         with self._lock:
             self._active.add(request)
-        asyncio.run_coroutine_threadsafe(self._drive(request, prompt, params, top_logprobs), self.loop)
+        request.driver = asyncio.run_coroutine_threadsafe(self._drive(request, prompt, params, top_logprobs), self.loop)
         return request
 
     def forget(self, request: _Request) -> None:
@@ -183,9 +227,31 @@ class _Engine:
             self._active.discard(request)
 
     async def _drive(self, request: _Request, prompt: str, params: Any, top_logprobs: int | None) -> None:
+        if request._abort_requested:  # cancelled before it reached the engine
+            return
         try:
-            output = self.llm.generate_async(prompt, params, streaming=True)
-        except (ValueError, TypeError) as exc:  # the library's checks on the request itself
+            # Tokenized here, on the loop's thread like the library's own calls, and submitted as ids:
+            # the prompt is counted once, exactly, and checked before anything is queued.
+            prompt_ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=False))
+        except Exception as exc:  # noqa: BLE001  (a tokenizer failure is this request's)
+            request.events.put(_Failed(exc, "generation_failed"))
+            return
+        if self.max_seq_len is not None and len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            request.events.put(
+                _Failed(
+                    ValueError(
+                        f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({params.max_tokens}) exceed "
+                        f"the engine's max_seq_len ({self.max_seq_len})"
+                    ),
+                    "context_length_exceeded",
+                )
+            )
+            return
+        try:
+            output = self.llm.generate_async(prompt_ids, params, streaming=True)
+        except (ValueError, TypeError, self.api.RequestError) as exc:
+            # The library's checks on the request itself (max_num_tokens raises RequestError in later
+            # releases, ValueError before): this request is refused, the engine is fine.
             request.events.put(_Failed(exc, _refusal_code(exc)))
             return
         except Exception as exc:  # noqa: BLE001  (e.g. "LLM is shutting down": the engine is gone)
@@ -199,7 +265,7 @@ class _Engine:
             async for step in output:
                 request.events.put(self._snapshot(step, top_logprobs))
         except self.api.RequestError as exc:
-            request.events.put(_Failed(exc, "generation_failed"))
+            request.events.put(_Failed(exc, _refusal_code(exc)))
         except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
             request.events.put(_Failed(exc, "generation_failed", fatal=True))
         else:
@@ -212,13 +278,28 @@ class _Engine:
         if top_logprobs is not None:
             logprobs = _token_logprobs(self.llm.tokenizer, new_ids, list(completion.logprobs_diff), top_logprobs)
         return _Step(
-            text=completion.text,
+            text=self._settled_text(step, completion),
             new_tokens=len(new_ids),
             total_tokens=len(completion.token_ids),
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
         )
+
+    def _settled_text(self, step: Any, completion: Any) -> str:
+        """The output's text, less a stop string's beginning that the library left in it.
+
+        When the runtime stops on a stop string's token ids it cuts those ids from ``token_ids``, but a
+        streamed result detokenizes incrementally and never takes text back (``executor/result.py``
+        ``_handle_sequence``; ``llmapi/tokenizer.py`` ``decode_incrementally``): the text of the stop
+        string's first tokens, decoded in earlier steps, stays at the end of ``text``. The ids are
+        then the truth. (A stop string found in the text instead is cut from the text itself.)
+        """
+        text = str(completion.text)
+        if not (step.finished and completion.finish_reason == "stop" and isinstance(completion.stop_reason, str)):
+            return text
+        decoded = str(self.llm.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True))
+        return decoded if text.startswith(decoded) else text
 
     def close(self) -> None:
         with self._lock:
@@ -237,7 +318,7 @@ class _Engine:
 
 
 def _refusal_code(exc: BaseException) -> str:
-    # generate_async checks the prompt against max_num_tokens / max_seq_len before anything runs.
+    # The library refuses a prompt longer than max_num_tokens (llm.py _check_arguments).
     message = str(exc)
     return "context_length_exceeded" if "max_num_tokens" in message or "max_seq_len" in message else "generation_failed"
 
@@ -267,7 +348,7 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _engine_key(settings: Mapping[str, Any]) -> str:
-    llm_settings = {k: v for k, v in settings.items() if k != "chat_template"}
+    llm_settings = {k: v for k, v in settings.items() if k not in ("chat_template", "max_top_logprobs")}
     return json.dumps(llm_settings, sort_keys=True, default=str)
 
 
@@ -306,7 +387,13 @@ def _engine_for(settings: Mapping[str, Any], api: _API) -> _Engine:
                 raise RunnerError(f"invalid tensorrt_llm settings: {exc}", code="runner_unavailable") from exc
             except Exception as exc:
                 raise RunnerError(f"TensorRT-LLM could not load the model: {exc}", code="runner_unavailable") from exc
-            engine = _ENGINES[key] = _Engine(llm, api)
+            max_seq_len = settings.get("max_seq_len") or getattr(getattr(llm, "args", None), "max_seq_len", None)
+            if not max_seq_len:
+                logger.warning(
+                    "tensorrt_llm settings for %s set no max_seq_len: prompts are not checked against the engine's",
+                    settings.get("model"),
+                )
+            engine = _ENGINES[key] = _Engine(llm, api, max_seq_len=int(max_seq_len) if max_seq_len else None)
         return engine
 
 
@@ -360,6 +447,56 @@ def _tool_calls_tag(call_schema: dict[str, Any]) -> str:
     return json.dumps(tag)
 
 
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise RunnerError(
+            f"checking output constraints for tensorrt_llm models needs xgrammar ({exc}); "
+            "install the 'gpu-api' extra (API processes) or the 'gpu' extra (GPU workers)",
+            code="runner_unavailable",
+        ) from exc
+    return xgrammar
+
+
+# xgrammar's C++ errors start with a time and a source position: "[09:50:42] /project/cpp/x.cc:75: ".
+_XGRAMMAR_PREFIX: Final = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_problem(kind: str, guide: str) -> str | None:
+    """Why xgrammar cannot compile a guide (a JSON schema or a structural tag, as JSON), or None.
+
+    TensorRT-LLM compiles each guide inside the executor loop (``grammar_matcher.py``:
+    ``compile_json_schema`` / ``compile_structural_tag``) for the whole scheduled batch, with no guard
+    around one request: a guide that fails there fails every active request (``py_executor.py``,
+    ``_handle_errors``). The same conversion is run here first, so a bad guide is refused alone.
+    The same tools come with every request of a conversation, hence the cache.
+    """
+    xgrammar = _xgrammar()
+    try:
+        if kind == "structural_tag":
+            xgrammar.Grammar.from_structural_tag(guide)
+        else:
+            xgrammar.Grammar.from_json_schema(guide)
+    except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError, ValueError and its own errors)
+        return _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+    return None
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why TensorRT-LLM's guided decoder (xgrammar) cannot enforce ``schema``, or None when it can."""
+    return _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
+
+
+def _constraint_problem(constraint: Constraint | None) -> str | None:
+    if constraint is None or constraint.kind == "json_object" or constraint.schema is None:
+        return None
+    if constraint.kind == "tool_calls":
+        return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema))
+    return schema_problem(constraint.schema)
+
+
 def _guide(constraint: Constraint | None, api: _API) -> Any:
     if constraint is None:
         return None
@@ -387,8 +524,15 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         # the renderer counted the prompt's tokens the same way.
         "add_special_tokens": False,
     }
+    if sampling.top_p <= 0:
+        # OpenAI allows top_p 0 (only the most likely token); the runtime's SamplingConfig requires
+        # 0 < top_p <= 1 (samplingConfig.cpp, checkTopP) and would fail the request. top_k 1 is the
+        # same choice, and what the LLM API itself counts as greedy (SamplingParams._greedy_decoding).
+        kwargs["top_p"] = None
+        kwargs["top_k"] = 1
     if sampling.logprobs:
-        kwargs["logprobs"] = max(1, sampling.top_logprobs)
+        limit = _max_top_logprobs(job.runner_settings)
+        kwargs["logprobs"] = max(1, min(sampling.top_logprobs, limit))
     guide = _guide(job.constraint, api)
     if guide is not None:
         kwargs["guided_decoding"] = guide
@@ -422,6 +566,10 @@ class TensorRTLLMRunner:
     # A generator, so that a consumer that stops reading early (close()) still aborts the request.
     def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Generator[RawEvent, None, None]:
         engine = _engine_for(job.runner_settings, self._api)
+        # The API process refused such a guide already (schema_problem); a job can still come from an
+        # API process with another xgrammar, and one bad guide would fail the engine's whole batch.
+        if problem := _constraint_problem(job.constraint):
+            raise RunnerError(f"the output constraint cannot be enforced: {problem}", code="invalid_constraint")
         params = _sampling_params(job, self._api)
         request = engine.submit(job.prompt, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
         stops = job.sampling.stop
@@ -430,11 +578,18 @@ class TensorRTLLMRunner:
         sent = 0  # characters of the output text already yielded
         owed_tokens = 0  # tokens whose text is held back or not yet detokenized
         owed_logprobs: list[TokenLogprob] = []
+        was_cancelled = False
         cancel_deadline: float | None = None
         try:
             while True:
-                if cancel_deadline is None and cancelled():
+                if not was_cancelled and cancelled():
+                    was_cancelled = True
                     request.abort()
+                    if last is None:
+                        # Nothing came out yet, so the request may still wait in the engine's queue, from
+                        # which TensorRT-LLM drops a cancelled request without any final output
+                        # (py_executor.py _handle_canceled_requests -> update_waiting_queue). End it here.
+                        break
                     cancel_deadline = time.monotonic() + CANCEL_GRACE_SECONDS
                 wait = POLL_SECONDS
                 if cancel_deadline is not None:
@@ -449,7 +604,7 @@ class TensorRTLLMRunner:
                     prompt_tokens = event.prompt_tokens
                 elif isinstance(event, _Failed):
                     request.ended = True
-                    if cancel_deadline is not None:  # the client is gone; how the request died is moot
+                    if was_cancelled:  # the client is gone; how the request died is moot
                         break
                     if event.fatal:
                         _discard(engine)
@@ -459,7 +614,7 @@ class TensorRTLLMRunner:
                     break
                 else:
                     last = event
-                    if cancel_deadline is not None:
+                    if was_cancelled:
                         continue
                     owed_tokens += event.new_tokens
                     owed_logprobs.extend(event.logprobs)
@@ -468,10 +623,10 @@ class TensorRTLLMRunner:
                         yield TextChunk(text=event.text[sent:ready], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
                         sent, owed_tokens, owed_logprobs = ready, 0, []
 
-            if cancel_deadline is not None:
+            if was_cancelled:
                 reason: FinishReason = "cancelled"
             else:
-                # The final text is settled (stop strings already cut): send what was held back.
+                # The final text is settled (stop strings cut, see _settled_text): send what was held back.
                 if last is not None and len(last.text) > sent:
                     yield TextChunk(text=last.text[sent:], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
                 reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
@@ -482,8 +637,11 @@ class TensorRTLLMRunner:
                 cached_tokens=last.cached_tokens if last else 0,
             )
         finally:
-            if not request.ended:  # cancelled, or the consumer stopped reading: free the engine's slot
+            if not request.ended:
+                # Cancelled, or the consumer stopped reading: free the engine's place, and stop waiting
+                # for a final output that a request dropped from the waiting queue never gets.
                 request.abort()
+                request.stop()
             engine.forget(request)
 
 
@@ -544,4 +702,37 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         # As the runner tokenizes the prompt: the template placed the special tokens already.
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    return PromptRenderer(render=render, count_tokens=count_tokens, native_tools=_knows_tools(template))
+    _check_structural_tags()
+    return PromptRenderer(
+        render=render,
+        count_tokens=count_tokens,
+        native_tools=_knows_tools(template),
+        schema_problem=schema_problem,
+        max_top_logprobs=_max_top_logprobs(settings),
+    )
+
+
+def _max_top_logprobs(settings: Mapping[str, Any]) -> int:
+    """How many alternatives per token this entry returns with logprobs (its ``max_top_logprobs`` setting).
+
+    The PyTorch backend returns each token's top-k as {token id: Logprob} (``executor/result.py``);
+    the TensorRT engine backend without gathered generation logits returns only the sampled
+    token's logprob, a plain float, so such an entry sets 0 and asks for more are refused up front.
+    """
+    value = settings.get("max_top_logprobs", MAX_TOP_LOGPROBS)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RunnerError(
+            f"tensorrt_llm setting max_top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
+            code="runner_unavailable",
+        )
+    return value
+
+
+def _check_structural_tags() -> None:
+    """Refuse to serve when the installed xgrammar cannot read the structural tags the runner sends."""
+    probe = {"type": "object", "properties": {"name": {"const": "f"}}, "required": ["name"]}
+    if problem := _compile_problem("structural_tag", _tool_calls_tag(probe)):
+        raise RunnerError(
+            f"the installed xgrammar cannot compile the runner's structural tags ({problem}); it needs 0.1.25 or later",
+            code="runner_unavailable",
+        )

@@ -1,20 +1,24 @@
 """The fiction behind the stand-in: a toy tokenizer and a toy in-flight-batching engine.
 
-Nothing here exists in TensorRT-LLM. It replaces the model and the C++ executor so that tests can
-check text, token counts, stop strings, ``max_tokens``, guided JSON, cancellation and concurrency:
+The model is not real: it replaces the weights and the GPU so that tests can check text, token
+counts, stop strings, ``max_tokens``, guided JSON, cancellation and concurrency. The scheduling
+around it follows TensorRT-LLM's PyTorch executor, each rule from the file named where it is kept:
 
 - ``ToyTokenizer`` behaves like a Hugging Face tokenizer whose tokens are runs of non-space
   characters together with the whitespace before them, so ``decode(encode(text)) == text``.
   ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true.
-- ``ToyExecutor`` runs in its own thread, like the real executor's worker. Each step it produces one
-  token for every request in flight (up to ``max_batch_size``) and delivers a response to that
-  request's result object. A request's output is fixed when it is submitted: the prompt's words
-  echoed, or, under guided decoding, a minimal instance of the JSON schema (``"{}"`` for a JSON
-  object), or for a ``triggered_tags`` structural tag its first tag wrapped around a minimal
-  instance of the tag's schema (the toy model "calls the first tool"). A schema xgrammar could not
-  compile (a remote ``$ref``) or a malformed structural tag fails the request, as xgrammar would.
-  Regex and EBNF guides are accepted but not enforced. ``abort_request`` ends a request at the
-  next step with ``CANCELLED``.
+- ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is fixed
+  when it is submitted: the prompt's words echoed, or, under guided decoding, a minimal instance of
+  the JSON schema (``"{}"`` for a JSON object), or for a ``triggered_tags`` structural tag its first
+  tag wrapped around a minimal instance of the tag's schema (the toy model "calls the first tool").
+  Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
+  token for every active request and delivers a response to it.
+- Guides are compiled with the real ``xgrammar`` when their request is scheduled, and a guide that
+  does not compile fails every active request, not just its own (``py_executor.py``).
+- A request aborted while it waits is dropped without any response; one that is active ends at the
+  next step with ``CANCELLED`` (``py_executor.py``, ``executor_request_queue.py``).
+- Stop strings are matched on token ids by the engine, which then ends the request with
+  ``STOP_WORDS`` (the C++ runtime's stop words; the result cuts them, ``executor/result.py``).
 - ``STEP_SECONDS`` is the time a step takes; tests raise it to keep a request in flight.
 """
 
@@ -24,14 +28,19 @@ import json
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .executor.result import CANCELLED, END_ID, LENGTH, Logprob
-from .sampling_params import SamplingParams
+import xgrammar
+
+from .executor.result import CANCELLED, END_ID, LENGTH, STOP_WORDS, Logprob
+from .sampling_params import GuidedDecodingParams, SamplingParams
 
 STEP_SECONDS = 0.001
+# The toy model's config.json: what TensorRT-LLM falls back to when LLM() is given no max_seq_len.
+MAX_POSITION_EMBEDDINGS = 4096
 
 # Alternatives offered as top logprobs besides the token that was "sampled".
 _ALTERNATIVES = ("the", "a", "of", "and", "to")
@@ -139,16 +148,27 @@ def minimal_instance(schema: Any, root: Any = None) -> Any:
 
 def _first_tag_instance(structural_tag: dict[str, Any]) -> str:
     """What the toy model writes under a ``triggered_tags`` structural tag: its first tag, filled in."""
-    if structural_tag["type"] != "structural_tag" or structural_tag["format"]["type"] != "triggered_tags":
-        raise ValueError("the stand-in knows only a structural_tag of triggered_tags")
-    triggers, tags = structural_tag["format"]["triggers"], structural_tag["format"]["tags"]
-    for tag in tags:
-        if not any(tag["begin"].startswith(trigger) for trigger in triggers):
-            raise ValueError(f"tag begin {tag['begin']!r} does not start with a trigger")
-        if tag["content"]["type"] != "json_schema":
-            raise ValueError("the stand-in knows only json_schema tag content")
-    first = tags[0]
+    first = structural_tag["format"]["tags"][0]
     return first["begin"] + json.dumps(minimal_instance(first["content"]["json_schema"])) + first["end"]
+
+
+def compile_guide(guide: GuidedDecodingParams) -> None:
+    """Compile a guide as ``XGrammarMatcherFactory.create`` does (``_torch/pyexecutor/grammar_matcher.py``).
+
+    The real factory calls ``compile_json_schema`` / ``compile_builtin_json_grammar`` /
+    ``compile_structural_tag`` on the guide string; those convert it to a grammar (what is done
+    here) and then build the token mask cache for the tokenizer, which the toy has no use for.
+    Since xgrammar 0.1.25 the structural tag string is handed over as it is, so only the
+    ``{"type": "structural_tag", "format": ...}`` form compiles.
+    """
+    if guide.json is not None:
+        xgrammar.Grammar.from_json_schema(guide.json if isinstance(guide.json, str) else json.dumps(guide.json))
+    elif guide.structural_tag is not None:
+        xgrammar.Grammar.from_structural_tag(guide.structural_tag)
+    elif guide.regex is not None:
+        xgrammar.Grammar.from_regex(guide.regex)
+    elif guide.grammar is not None:
+        xgrammar.Grammar.from_ebnf(guide.grammar)
 
 
 @dataclass(slots=True)
@@ -168,6 +188,8 @@ class _Slot:
     max_tokens: int
     top_logprobs: int | None
     deliver: Callable[[EngineResponse], None]
+    guide: GuidedDecodingParams | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
     error: str | None = None
     aborted: bool = False
     produced: int = 0
@@ -178,11 +200,15 @@ class _Slot:
             return EngineResponse(self.request_id, [], None, True, error=self.error)
         if self.aborted:
             return EngineResponse(self.request_id, [], CANCELLED, True)
-        if self.produced >= len(self.plan):
-            return EngineResponse(self.request_id, [], END_ID, True)
+        if self.produced >= min(len(self.plan), self.max_tokens):
+            return EngineResponse(self.request_id, [], LENGTH if self.max_tokens <= 0 else END_ID, True)
         token = self.plan[self.produced]
         self.produced += 1
         finish = LENGTH if self.produced >= self.max_tokens else END_ID if self.produced == len(self.plan) else None
+        # The runtime looks for stop words in the generated ids after every token.
+        so_far = self.plan[: self.produced]
+        if any(words and so_far[-len(words) :] == words for words in self.stop_words):
+            finish = STOP_WORDS
         logprobs = None
         if self.top_logprobs:
             entry = {token: Logprob(logprob=-0.25, rank=1)}
@@ -200,29 +226,49 @@ class ToyExecutor:
         self._max_batch_size = max_batch_size
         self._guided_decoding_backend = guided_decoding_backend
         self._cond = threading.Condition()
-        self._slots: dict[int, _Slot] = {}
+        self._waiting: deque[_Slot] = deque()
+        self._active: dict[int, _Slot] = {}
         self._last_id = 0
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name="toy-tensorrt-llm-engine", daemon=True)
         self._thread.start()
 
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, deliver: Callable[[EngineResponse], None]
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        deliver: Callable[[EngineResponse], None],
     ) -> int:
         plan, error = self._plan(prompt_token_ids, params)
+        if error is None:
+            error = params._sampling_config_error()
         with self._cond:
             self._last_id += 1
-            slot = _Slot(self._last_id, plan, params.max_tokens, params.logprobs, deliver, error=error)
+            slot = _Slot(
+                self._last_id,
+                plan,
+                max_tokens,
+                params.logprobs,
+                deliver,
+                guide=params.guided_decoding,
+                stop_words=params._get_stop_words(),
+                error=error,
+            )
             slot.alternatives = [self._tokenizer._id(" " + word) for word in _ALTERNATIVES]
-            self._slots[slot.request_id] = slot
+            self._waiting.append(slot)
             self._cond.notify_all()
             return slot.request_id
 
     def abort_request(self, request_id: int) -> None:
         with self._cond:
-            slot = self._slots.get(request_id)
+            slot = self._active.get(request_id)
             if slot is not None:
                 slot.aborted = True
+                return
+            # ExecutorRequestQueue.update_waiting_queue: a cancelled request that is still waiting is
+            # removed from the queue, and nothing is ever sent for it.
+            self._waiting = deque(s for s in self._waiting if s.request_id != request_id)
 
     def is_shutdown(self) -> bool:
         return self._shutdown
@@ -241,30 +287,58 @@ class ToyExecutor:
         if guide is not None:
             if self._guided_decoding_backend is None:
                 return [], "Guided decoding requested, but the LLM was built without guided_decoding_backend."
-            try:
-                if guide.json is not None:
-                    schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
+            if guide.json is not None:
+                schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
+                try:
                     text = json.dumps(minimal_instance(schema))
-                elif guide.json_object:
-                    text = "{}"
-                elif guide.structural_tag is not None:
+                except (ValueError, KeyError, TypeError, IndexError):
+                    text = "{}"  # xgrammar decides whether the schema compiles, when it is scheduled
+            elif guide.json_object:
+                text = "{}"
+            elif guide.structural_tag is not None:
+                try:
                     text = _first_tag_instance(json.loads(guide.structural_tag))
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
-                return [], f"xgrammar: cannot compile the guide: {exc}"
+                except (ValueError, KeyError, TypeError, IndexError):
+                    text = ""
         return self._tokenizer.encode(text, add_special_tokens=False), None
+
+    def _schedule(self) -> str | None:
+        """Move waiting requests into free places; the error of a guide that fails to compile, if any."""
+        error: str | None = None
+        while self._waiting and len(self._active) < self._max_batch_size:
+            slot = self._waiting.popleft()
+            self._active[slot.request_id] = slot
+            if slot.guide is not None and slot.error is None and error is None:
+                try:
+                    compile_guide(slot.guide)
+                except Exception as exc:  # noqa: BLE001  (xgrammar raises whatever the guide trips over)
+                    error = str(exc)
+        return error
+
+    def _handle_errors(self, error_msg: str) -> list[tuple[_Slot, EngineResponse]]:
+        """PyExecutor._handle_errors: every active request is failed with the same message."""
+        failed = [
+            (slot, EngineResponse(slot.request_id, [], None, True, error=error_msg)) for slot in self._active.values()
+        ]
+        self._active.clear()
+        return failed
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._slots and not self._shutdown:
+                while not self._waiting and not self._active and not self._shutdown:
                     self._cond.wait()
                 if self._shutdown:
                     return
-                batch = list(self._slots.values())[: self._max_batch_size]
-            for slot in batch:
-                response = slot.step()
-                if response.is_final:
-                    with self._cond:
-                        self._slots.pop(slot.request_id, None)
+                error = self._schedule()
+                if error is not None:
+                    # The guided decoder runs for the whole batch, with no guard around one request.
+                    results = self._handle_errors(error)
+                else:
+                    results = [(slot, slot.step()) for slot in list(self._active.values())]
+                    for slot, response in results:
+                        if response.is_final:
+                            self._active.pop(slot.request_id, None)
+            for slot, response in results:
                 slot.deliver(response)
             time.sleep(STEP_SECONDS)

@@ -1,4 +1,9 @@
-"""Mirrors ``tensorrt_llm/sampling_params.py``: the fields the runner sets, with the real defaults."""
+"""Mirrors ``tensorrt_llm/sampling_params.py``: the fields the runner sets, with the real defaults.
+
+The LLM API checks little itself (``_validate``); the ranges are checked when the request is turned
+into the C++ runtime's ``SamplingConfig`` (``cpp/tensorrt_llm/executor/samplingConfig.cpp``), on the
+executor's side, so a value out of range fails the request rather than the constructor.
+"""
 
 from __future__ import annotations
 
@@ -84,6 +89,28 @@ class SamplingParams:
             strs = [self.stop] if isinstance(self.stop, str) else self.stop
             self._stop_word_ids = [tokenizer.encode(s, add_special_tokens=add_special_tokens) for s in strs]
         return self
+
+    def _get_stop_words(self) -> list[list[int]]:
+        """The token ids the runtime stops on: one list per stop string, as ``_setup`` encoded them."""
+        return list(self._stop_word_ids or [])
+
+    def _sampling_config_error(self) -> str | None:
+        """What ``SamplingConfig``'s checks (``samplingConfig.cpp``: checkTopK, checkTopP, checkTemperature, …) refuse.
+
+        ``base_worker.py`` builds the config in ``_enqueue_request`` and turns the failed
+        ``TLLM_CHECK`` into a ``RequestError`` for this request.
+        """
+        checks = [
+            (self.top_k is None or self.top_k >= 0, "topK.value() >= 0"),
+            (self.top_p is None or 0 < self.top_p <= 1, "topP.value() > 0.f && topP.value() <= 1.f"),
+            (self.temperature is None or self.temperature >= 0, "temperature.value() >= 0.f"),
+            (self.min_tokens is None or self.min_tokens >= 0, "minTokens.value() >= 0"),
+            (self.repetition_penalty is None or self.repetition_penalty > 0, "repetitionpenalty.value() > 0.f"),
+        ]
+        for ok, condition in checks:
+            if not ok:
+                return f"[TensorRT-LLM][ERROR] Assertion failed: {condition} (samplingConfig.cpp)"
+        return None
 
     def _get_stop_reasons(self) -> list[str]:
         if self.stop is None:

@@ -3,9 +3,20 @@
 As in the real module, a result created inside a running event loop gets an asyncio queue and can be
 iterated with ``async for``; one created outside a loop gets a thread queue and async iteration fails
 with the real assertion. Every response from the engine updates the single ``CompletionOutput`` in
-place (``_last_*_len`` remember the previous lengths, so the ``*_diff`` properties give what is new),
-detokenizes, and looks for stop strings in the text: a hit cuts the text there, sets ``finish_reason``
-"stop" and ``stop_reason``, aborts the request and ends the iteration.
+place (``_last_*_len`` remember the previous lengths, so the ``*_diff`` properties give what is new).
+
+Stop strings end a request in two ways, both kept here:
+
+- the runtime matched a stop string's token ids (``STOP_WORDS``): ``_handle_sequence`` cuts those ids
+  from ``token_ids``, but a streamed result detokenizes incrementally (``decode_incrementally``
+  appends the new ids' text to the previous text), so the text of the stop string's first tokens,
+  sent in earlier steps, stays in ``text``;
+- the stop string appears in the detokenized text (its ids differ, e.g. a leading space):
+  ``DetokenizedGenerationResultBase._handle_response`` cuts the cumulative ``text`` there, sets
+  ``finish_reason`` "stop" and ``stop_reason``, aborts the request and ends the iteration.
+
+A response carrying an error is raised as ``RequestError`` (the executor's background error handler
+does so for a per-request error string).
 """
 
 from __future__ import annotations
@@ -177,9 +188,18 @@ class GenerationResult:
             output.logprobs = logprobs + response.logprobs
         if response.finish_reason == CANCELLED:
             output.finish_reason = "cancelled"
+        params = self.sampling_params
         if self._done:
-            if response.finish_reason in (END_ID, STOP_WORDS):
+            if response.finish_reason == END_ID:
                 output.finish_reason = "stop"
+            elif response.finish_reason == STOP_WORDS:
+                output.finish_reason = "stop"
+                for stop_reason, stop_ids in zip(params._get_stop_reasons(), params._get_stop_words(), strict=False):
+                    if stop_ids and output.token_ids[-len(stop_ids) :] == stop_ids:
+                        output.stop_reason = stop_reason
+                        if not params.include_stop_str_in_output:
+                            output.token_ids = output.token_ids[: -len(stop_ids)]
+                        break
             elif response.finish_reason == LENGTH:
                 output.finish_reason = "length"
             elif response.finish_reason == TIMED_OUT:
@@ -188,10 +208,15 @@ class GenerationResult:
                 raise ValueError(f"Unknown finish reason: {response.finish_reason}")
 
         # DetokenizedGenerationResultBase._handle_response
-        params = self.sampling_params
         if params.detokenize and self.tokenizer is not None:
             output._last_text_len = len(output.text)
-            output.text = self.tokenizer.decode(output.token_ids, skip_special_tokens=params.skip_special_tokens)
+            kwargs = {"skip_special_tokens": params.skip_special_tokens}
+            if self._streaming and hasattr(self.tokenizer, "decode_incrementally"):
+                output.text, _ = self.tokenizer.decode_incrementally(
+                    output.token_ids_diff, prev_text=output.text, flush=self._done, **kwargs
+                )
+            else:
+                output.text = self.tokenizer.decode(output.token_ids, **kwargs)
             if not self._done or output.finish_reason in ("stop", "length"):
                 for stop_reason in params._get_stop_reasons():
                     if stop_reason in output.text:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from .._toy import ToyExecutor, ToyTokenizer
+from .._toy import MAX_POSITION_EMBEDDINGS, ToyExecutor, ToyTokenizer
 from ..executor.result import GenerationResult
+from ..executor.utils import RequestError
 from ..sampling_params import SamplingParams
 from .llm_args import TorchLlmArgs
 from .tokenizer import TransformersTokenizer
@@ -107,8 +108,19 @@ class LLM:
             tokenizer=self._tokenizer,
         )
         output._prompt = prompt
-        output.id = self._executor.submit(prompt_token_ids, sampling_params, output._deliver)
+        max_tokens = self._deduce_max_tokens(len(prompt_token_ids), sampling_params)
+        output.id = self._executor.submit(prompt_token_ids, sampling_params, max_tokens, output._deliver)
         return output
+
+    def _deduce_max_tokens(self, prompt_len: int, sampling_params: SamplingParams) -> int:
+        """``_deduce_max_tokens`` in ``executor/base_worker.py``, for a request that sets ``max_tokens``.
+
+        Nothing refuses a prompt longer than ``max_seq_len``: ``max_tokens`` is only clamped to the
+        room left (with a logged warning), down to zero or below, and the request then ends at once
+        with finish reason "length".
+        """
+        max_seq_len = self.args.max_seq_len or MAX_POSITION_EMBEDDINGS
+        return min(sampling_params.max_tokens, max_seq_len - prompt_len)
 
     def _prepare_sampling_params(self, sampling_params: SamplingParams | None = None) -> SamplingParams:
         if sampling_params is None:
@@ -129,7 +141,9 @@ class LLM:
             and max_num_tokens
             and prompt_len + query_len > max_num_tokens
         ):
-            raise ValueError(
+            # The PyTorch backend checks only max_num_tokens here, never max_seq_len. Later sources
+            # raise RequestError from generate_async itself, earlier ones ValueError.
+            raise RequestError(
                 f"The sum of prompt length ({prompt_len}), query length ({query_len}) should not exceed "
                 f"max_num_tokens ({max_num_tokens})"
             )

@@ -33,6 +33,18 @@ class TransformersTokenizer(TokenizerBase):
     def decode(self, token_ids: list[int], *args: Any, **kwargs: Any) -> str:
         return self.tokenizer.decode(token_ids, *args, **kwargs)
 
+    def decode_incrementally(
+        self,
+        token_ids: list[int],
+        prev_text: str | None = None,
+        states: dict[str, Any] | None = None,
+        *,
+        flush: bool = False,
+        **kwargs: Any,
+    ) -> tuple[str, dict[str, Any]]:
+        """The new ids' text appended to what was decoded before: text once decoded is never taken back."""
+        return (prev_text or "") + self.decode(token_ids, **kwargs), states or {}
+
     def apply_chat_template(self, conversation: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
         return self.tokenizer.apply_chat_template(conversation, *args, **kwargs)
 
