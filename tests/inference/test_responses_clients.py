@@ -170,12 +170,15 @@ def test_codex_exec_answers_with_the_readmes_configuration(node_server: LiveServ
     }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(home), "B3OS_API_KEY": node_server.key}
-    # Codex resends its ~6,500-token prefix every turn, which the CPU runner reads in 25 s to a few minutes, as busy as
-    # the machine is. No retries: a failure shows at once, not after five more prefills.
-    no_retries = ["-c", "model_providers.b3os.request_max_retries=0", "-c", "model_providers.b3os.stream_max_retries=0"]
+    # Codex resends its ~6,300-token prefix every turn, which the CPU runner reads in 1 to 3.5 minutes on a busy 2-core
+    # machine, with no event in between: Codex waits up to 13 minutes for one. No retries: a failure shows at once, not
+    # after five more prefills.
+    provider = "model_providers.b3os"
+    patience = ["-c", f"{provider}.stream_idle_timeout_ms=780000"]
+    patience += ["-c", f"{provider}.request_max_retries=0", "-c", f"{provider}.stream_max_retries=0"]
     run = subprocess.run(
         [
-            str(CODEX), "exec", *no_retries, "--skip-git-repo-check", "--output-schema", str(tmp_path / "schema.json"),
+            str(CODEX), "exec", *patience, "--skip-git-repo-check", "--output-schema", str(tmp_path / "schema.json"),
             "--output-last-message", str(answer), "Say hello.",
         ],
         cwd=work,
