@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
+# The Codex CLI release the tests drive against a live server (tests/inference/test_responses_clients.py).
+CODEX_VERSION := 0.171.0
+CODEX_DIR := var/codex
 
-.PHONY: run test lint install install-test rebuild-runner system-test-deps bench clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,12 +55,22 @@ system-test-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# Into the project's var/ only, never globally; once per pinned version (about 400 MB installed).
+$(CODEX_DIR)/.installed-$(CODEX_VERSION):
+	@command -v npm >/dev/null || { echo "npm (Node.js 20 or later) is needed for the Codex CLI the tests run" >&2; exit 1; }
+	@echo "Installing the Codex CLI $(CODEX_VERSION) into $(CODEX_DIR)"
+	rm -f $(CODEX_DIR)/.installed-*
+	npm install --prefix $(CODEX_DIR) --no-save --no-audit --no-fund --loglevel=error @openai/codex@$(CODEX_VERSION)
+	touch $@
+
+codex-cli: $(CODEX_DIR)/.installed-$(CODEX_VERSION)
+
 # Lint (with import order) and type checks come first: they take seconds, the suite minutes.
 lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-test: lint system-test-deps
+test: lint system-test-deps codex-cli
 	$(PY) -m pytest
 
 bench: install-test system-test-deps

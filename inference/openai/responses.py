@@ -7,6 +7,7 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
@@ -186,6 +187,20 @@ SERVER_TOOLS = frozenset(
 )
 
 
+def _refusal(tool: OtherTool) -> str:
+    if tool.type == "namespace":
+        # A namespaced function's calls must come back and be replayed with their namespace, which the
+        # function_call items here do not carry: refused whole rather than half served.
+        name = (tool.model_extra or {}).get("name")
+        named = f" {json.dumps(name)}" if isinstance(name, str) else ""
+        return (
+            f"namespace tools are not supported: offer the functions of the namespace{named} as top-level "
+            "function tools; this node serves function tools only"
+        )
+    why = "runs on OpenAI's side" if tool.type in SERVER_TOOLS else "is not supported"
+    return f"the {tool.type} tool {why}; this node serves function tools only"
+
+
 class ToolChoiceFunction(WireModel):
     type: Literal["function"]
     name: str
@@ -286,6 +301,8 @@ class ResponseCreateRequest(WireModel):
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
+    # Strings OpenAI's own clients (Codex) attach to every request for OpenAI's logs: nothing to do with them here.
+    client_metadata: dict[str, str] | None = None
     # Caching hints, best-effort at OpenAI too: accepted, with no effect here.
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
@@ -341,10 +358,7 @@ class ResponseCreateRequest(WireModel):
         names: set[str] = set()
         for index, tool in enumerate(self.tools or ()):
             if isinstance(tool, OtherTool):
-                why = "runs on OpenAI's side" if tool.type in SERVER_TOOLS else "is not supported"
-                raise unsupported_parameter(
-                    f"tools.{index}.type", f"the {tool.type} tool {why}; this node serves function tools only"
-                )
+                raise unsupported_parameter(f"tools.{index}.type", _refusal(tool))
             if tool.defer_loading:
                 raise unsupported_parameter(
                     f"tools.{index}.defer_loading", "deferred tools need tool search, which runs on OpenAI's side"

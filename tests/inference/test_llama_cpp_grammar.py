@@ -26,17 +26,17 @@ def rules(schema: dict) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def vocab() -> Iterator[Any]:
-    yield llama_cpp._llama(DEFAULT_MODEL["runner_settings"], vocab_only=True)
+    yield llama_cpp._load_model(llama_cpp.model_path(DEFAULT_MODEL["runner_settings"]), vocab_only=True)
 
 
 def accepts(vocab: Any, schema: dict[str, Any], text: str) -> bool:
     """Whether llama.cpp's grammar engine lets the model write ``text``, token by token, under ``schema``."""
     grammar = grammar_for(Constraint(kind="json_schema", schema=schema)).encode()
-    sampler = lib.llama_sampler_init_grammar(vocab._model.vocab, grammar, b"root")
+    sampler = lib.llama_sampler_init_grammar(vocab.vocab, grammar, b"root")
     one = (lib.llama_token_data * 1)()
     candidates = lib.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
     try:
-        for token in vocab.tokenize(text.encode(), add_bos=False, special=False):
+        for token in vocab.tokenize(text.encode(), False, False):
             one[0].id, one[0].logit, one[0].p = token, 1.0, 0.0
             lib.llama_sampler_apply(sampler, ctypes.byref(candidates))
             if not np.isfinite(one[0].logit):

@@ -23,6 +23,7 @@ from inference.engine import execution
 from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
 from inference.models import CatalogEntry, UsageRecord
 from inference.openai.responses import ResponseCreateRequest
+from inference.openai.shared import parse
 from inference.serving import responses
 from inference.usage.records import flush
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream
@@ -511,6 +512,7 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
         ({"text": {"verbosity": "low"}}, "unsupported_parameter", "text.verbosity"),
         ({"service_tier": "flex"}, "unsupported_parameter", "service_tier"),
         ({"frobnicate": 1}, "unknown_parameter", "frobnicate"),
+        ({"client_metadata": {"turn": 1}}, "invalid_value", "client_metadata.turn"),
         ({"max_output_tokens": 8}, "invalid_value", "max_output_tokens"),
         ({"temperature": 3}, "invalid_value", "temperature"),
         ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
@@ -744,6 +746,114 @@ async def test_reasoning_effort_none_turns_reasoning_off(api: API, toy_model: Ca
 
     assert [item["type"] for item in result["output"]] == ["message"]
     assert result["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+# --- Codex ------------------------------------------------------------------------------------------
+# A turn as Codex (0.171.0) sends it: instructions as a developer message, strict-false function tools,
+# and on every turn client_metadata, prompt_cache_key, include, reasoning.summary, store and parallel_tool_calls.
+
+EXEC_COMMAND = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Runs a command in a PTY, returning output or a session ID for ongoing interaction.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string", "description": "Shell command to execute."}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    },
+}
+CODEX_METADATA = {
+    "session_id": "01a22bd8-aa4c-78b1-b5d6-d14d3cba7de5",
+    "turn_id": "01a22bd8-aa60-7ff3-ae10-36adad339940",
+    "x-codex-installation-id": "64ca6028-bf36-4851-aaf8-7db24fa5d640",
+    "x-codex-turn-metadata": '{"request_kind":"turn","sandbox":"seccomp","turn_trigger":"exec"}',
+}
+WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+MULTI_AGENT = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [{**EXEC_COMMAND, "name": "spawn_agent", "description": "Spawns a sub-agent."}],
+}
+
+
+def codex_turn(**changes: Any) -> dict[str, Any]:
+    turn = {
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "You are a coding agent. Be brief."}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]},
+        ],
+        "tools": [EXEC_COMMAND],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "01a22bd8-aa4c-78b1-b5d6-d14d3cba7de5",
+        "client_metadata": CODEX_METADATA,
+    }
+    return ask(**{**turn, **changes})
+
+
+async def test_it_answers_a_turn_as_codex_sends_it(api: API, openai_spec: OpenAISpec) -> None:
+    _, result = await stream(api, codex_turn(), openai_spec)
+
+    assert result["status"] in ("completed", "incomplete") and result["usage"]["output_tokens"] > 0
+    assert (result["store"], result["parallel_tool_calls"], result["tools"][0]["strict"]) == (False, True, False)
+    assert result["reasoning"]["summary"] == "auto"
+    assert "client_metadata" not in result
+
+
+def test_it_accepts_client_metadata_and_ignores_it(catalog_model: CatalogEntry) -> None:
+    with_metadata = parse(ResponseCreateRequest, codex_turn())
+    without = parse(ResponseCreateRequest, {k: v for k, v in codex_turn().items() if k != "client_metadata"})
+
+    assert responses.to_generation_request(with_metadata, catalog_model) == responses.to_generation_request(
+        without, catalog_model
+    )
+    assert responses.echo(with_metadata) == responses.echo(without)
+
+
+def test_it_accepts_codexs_prompt_cache_key_and_echoes_it(catalog_model: CatalogEntry) -> None:
+    params = parse(ResponseCreateRequest, codex_turn(prompt_cache_key="thread-42"))
+
+    responses.to_generation_request(params, catalog_model)
+    assert responses.echo(params)["prompt_cache_key"] == "thread-42"
+
+
+def test_it_accepts_codexs_include_of_encrypted_reasoning(catalog_model: CatalogEntry) -> None:
+    # Reasoning, when a model has it, comes back readable: there is nothing to encrypt, and nothing lost statelessly.
+    params = parse(ResponseCreateRequest, codex_turn(include=["reasoning.encrypted_content"]))
+
+    request = responses.to_generation_request(params, catalog_model)
+    assert (request.reasoning, request.logprobs) == (False, False)
+
+
+async def test_it_refuses_codexs_web_search_tool_by_its_place_in_tools(api: API) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, codex_turn(tools=[EXEC_COMMAND, WEB_SEARCH])),
+        400,
+        "unsupported_parameter",
+        "tools.1.type",
+    )
+    assert "web_search" in error["message"] and "OpenAI's side" in error["message"]
+
+
+async def test_it_refuses_a_namespace_tool_by_its_place_in_tools_naming_the_namespace(api: API) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, codex_turn(tools=[EXEC_COMMAND, MULTI_AGENT, WEB_SEARCH])),
+        400,
+        "unsupported_parameter",
+        "tools.1.type",
+    )
+    assert "namespace" in error["message"] and '"multi_agent_v1"' in error["message"]
 
 
 # --- failures -------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""Real Responses clients against a live server: the openai SDK, the OpenAI Agents SDK, a request shaped like
-Codex's, and a WebSocket upgrade on a raw socket."""
+"""Real Responses clients against a live server: the openai SDK, the OpenAI Agents SDK, the Codex CLI with the
+README's configuration, a request shaped like Codex's, and a WebSocket upgrade on a raw socket."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from tests.conftest import MODEL_ID, LiveServer, OpenAISpec
 from tests.inference.test_responses import check_stream, parse_events
 
+ROOT = Path(__file__).resolve().parents[2]
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -143,6 +145,60 @@ def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer, tmp_path: 
     assert "raw_response_event" in result["kinds"] and "run_item_stream_event" in result["kinds"]
 
 
+# Installed by `make test` (the Makefile pins the release).
+CODEX = ROOT / "var" / "codex" / "node_modules" / ".bin" / "codex"
+README_BASE_URL = "http://127.0.0.1:8000/v1/infer"
+
+
+def readme_codex_config(base_url: str) -> str:
+    """The README's Codex configuration, pointed at ``base_url``: the test runs what users are told to write."""
+    (config,) = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert README_BASE_URL in config
+    return config.replace(README_BASE_URL, base_url)
+
+
+@pytest.mark.timeout(900)
+def test_codex_exec_answers_with_the_readmes_configuration(node_server: LiveServer, tmp_path: Path) -> None:
+    if not CODEX.exists():
+        pytest.fail(f"the Codex CLI is not installed at {CODEX}: `make test` installs it")
+    home, work, answer = tmp_path / "codex-home", tmp_path / "work", tmp_path / "answer.txt"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(readme_codex_config(node_server.base_url))
+    # Codex sends no temperature, so SmolLM2 samples at 1, and about one free answer in three runs on to the end of
+    # the context (an incomplete response, to Codex). An answer held to a short JSON object always ends.
+    schema = {
+        "type": "object",
+        "properties": {"greeting": {"type": "string", "minLength": 1, "maxLength": 80}},
+        "required": ["greeting"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(home), "B3OS_API_KEY": node_server.key}
+    # Codex resends its ~6,300-token prefix every turn, which the CPU runner reads in 1 to 3.5 minutes on a busy 2-core
+    # machine, with no event in between: Codex waits up to 13 minutes for one. No retries: a failure shows at once, not
+    # after five more prefills.
+    provider = "model_providers.b3os"
+    patience = ["-c", f"{provider}.stream_idle_timeout_ms=780000"]
+    patience += ["-c", f"{provider}.request_max_retries=0", "-c", f"{provider}.stream_max_retries=0"]
+    run = subprocess.run(
+        [
+            str(CODEX), "exec", *patience, "--skip-git-repo-check", "--output-schema", str(tmp_path / "schema.json"),
+            "--output-last-message", str(answer), "Say hello.",
+        ],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )  # fmt: skip
+
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(answer.read_text())["greeting"]
+    assert run.stdout.strip() == answer.read_text().strip()
+
+
 def test_a_request_shaped_like_codexs_streams_valid_events(node_server: LiveServer, openai_spec: OpenAISpec) -> None:
     shell = {
         "type": "function",
@@ -177,11 +233,12 @@ def test_a_request_shaped_like_codexs_streams_valid_events(node_server: LiveServ
         "tools": [shell],
         "tool_choice": "auto",
         "parallel_tool_calls": False,
-        "reasoning": None,
+        "reasoning": {"summary": "auto"},
         "store": False,
         "stream": True,
-        "include": [],
+        "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "3f1c2a4e-codex-session",
+        "client_metadata": {"session_id": "3f1c2a4e-codex-session", "x-codex-turn-metadata": '{"request_kind":"turn"}'},
         "max_output_tokens": 32,  # Codex sends none; this keeps the test short
     }
     headers = {"Authorization": f"Bearer {node_server.key}"}

@@ -1,0 +1,262 @@
+"""The CPU runner serves several sequences at once from one llama.cpp context (continuous batching):
+each keeps its own parameters, jobs join and leave between steps, and prompts reuse what a slot cached."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import jsonschema
+import pytest
+
+from inference.engine.runners import llama_cpp
+from inference.engine.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
+
+from ..conftest import DEFAULT_MODEL
+
+SETTINGS = {**DEFAULT_MODEL["runner_settings"], "parallel": 4, "queue": 2, "n_ctx": 1024}
+QUESTIONS = [
+    "Name one river in Oregon.",
+    "Write a haiku about rain.",
+    "What is the capital of France?",
+    "Tell me about the moon.",
+]
+CITY = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "state": {"type": "string"}},
+    "required": ["name", "state"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[llama_cpp.LlamaCppRunner]:
+    loaded = llama_cpp.LlamaCppRunner(SETTINGS)
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="module")
+def render() -> Callable[[str], str]:
+    renderer = llama_cpp.renderer(SETTINGS)
+    return lambda question: renderer.render([{"role": "user", "content": question}], None)
+
+
+def job(
+    prompt: str, *, max_tokens: int = 32, constraint: Constraint | None = None, **sampling: object
+) -> GenerationJob:
+    return GenerationJob(
+        job_id="batching",
+        model_id="batching/model",
+        runner="llama_cpp",
+        runner_settings=SETTINGS,
+        prompt=prompt,
+        prompt_tokens=0,
+        sampling=Sampling(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}),  # type: ignore[arg-type]
+        constraint=constraint,
+    )
+
+
+@dataclass
+class Run:
+    chunks: list[TextChunk] = field(default_factory=list)
+    finished: Finished | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(chunk.text for chunk in self.chunks)
+
+
+def run(
+    runner: llama_cpp.LlamaCppRunner, work: GenerationJob, cancelled: Callable[[Run], bool] = lambda _: False
+) -> Run:
+    result = Run()
+    for event in runner.stream(work, lambda: cancelled(result)):
+        if isinstance(event, TextChunk):
+            result.first_token_at = result.first_token_at or time.monotonic()
+            result.chunks.append(event)
+        else:
+            result.finished, result.finished_at = event, time.monotonic()
+    return result
+
+
+def together(runner: llama_cpp.LlamaCppRunner, jobs: list[GenerationJob]) -> list[Run]:
+    results: list[Run | None] = [None] * len(jobs)
+
+    def one(index: int) -> None:
+        results[index] = run(runner, jobs[index])
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(result is not None for result in results)
+    return results  # type: ignore[return-value]
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch_of_four(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    jobs = [job(render(question)) for question in QUESTIONS]
+    alone = [run(runner, each) for each in jobs]
+
+    batched = together(runner, jobs)
+
+    assert [r.text for r in batched] == [r.text for r in alone]
+    assert all(r.finished is not None and r.finished.completion_tokens > 0 for r in batched)
+
+
+def test_each_sequence_keeps_its_own_constraint_and_sampling(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    structured = job(
+        render("Describe a city."), max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9, seed=3
+    )
+    free = job(render(QUESTIONS[0]), max_tokens=24)
+    sampled = job(render(QUESTIONS[1]), max_tokens=24, temperature=1.0, seed=11)
+
+    city, text, first_draw = together(runner, [structured, free, sampled])
+    second_draw = run(runner, sampled)
+
+    jsonschema.validate(json.loads(city.text), CITY)
+    assert not text.text.lstrip().startswith("{")
+    assert first_draw.text == second_draw.text  # a seed gives the same draw, whoever else is in the batch
+
+
+def test_stop_sequences_and_logprobs_apply_per_sequence(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    free = run(runner, job(render(QUESTIONS[3]), max_tokens=24)).text
+    stop = free.split()[3]
+
+    stopped, with_logprobs = together(
+        runner,
+        [
+            job(render(QUESTIONS[3]), max_tokens=24, stop=(stop,)),
+            job(render(QUESTIONS[0]), max_tokens=8, logprobs=True, top_logprobs=3),
+        ],
+    )
+
+    assert stop not in stopped.text and free.startswith(stopped.text)
+    assert stopped.finished is not None and stopped.finished.reason == "stop"
+    assert not any(chunk.logprobs for chunk in stopped.chunks)
+    logprobs = [lp for chunk in with_logprobs.chunks for lp in chunk.logprobs]
+    assert len(logprobs) == 8 and all(len(lp.top) == 3 and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_a_cancelled_sequence_stops_and_frees_its_slot_while_the_others_finish(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    results: dict[str, Run] = {}
+
+    def keep(name: str, work: GenerationJob, cancelled: Callable[[Run], bool] = lambda _: False) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.__setitem__(name, run(runner, work, cancelled)))
+        thread.start()
+        return thread
+
+    threads = [
+        keep(
+            "cancelled",
+            job(render(QUESTIONS[3]), max_tokens=400, temperature=0.8, seed=1),
+            lambda r: len(r.chunks) >= 3,
+        ),
+        keep("first", job(render(QUESTIONS[0]), max_tokens=40)),
+        keep("second", job(render(QUESTIONS[1]), max_tokens=40)),
+    ]
+    for thread in threads:
+        thread.join(timeout=300)
+
+    cancelled = results["cancelled"].finished
+    assert cancelled is not None and cancelled.reason == "cancelled" and cancelled.completion_tokens < 40
+    assert all(results[name].finished.reason in ("stop", "length") for name in ("first", "second"))  # type: ignore[union-attr]
+    assert runner.stats().active == 0
+
+
+def test_a_new_job_gets_its_first_token_while_the_others_are_still_generating(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    long_runs: list[Run] = []
+    threads = [
+        threading.Thread(
+            target=lambda q=q: long_runs.append(run(runner, job(render(q), max_tokens=160, temperature=0.8, seed=2)))
+        )
+        for q in QUESTIONS[:3]
+    ]
+    for thread in threads:
+        thread.start()
+    while runner.stats().active < 3:
+        time.sleep(0.01)
+
+    newcomer = run(runner, job(render("Say hello."), max_tokens=4))
+    for thread in threads:
+        thread.join(timeout=300)
+
+    assert newcomer.first_token_at is not None
+    assert any(r.finished_at is not None and r.finished_at > newcomer.first_token_at for r in long_runs)
+
+
+def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    prompt = render("Give me three tips for a rainy day in Oregon.")
+    first = run(runner, job(prompt, max_tokens=24))
+    again = run(runner, job(prompt, max_tokens=24))
+    assert first.finished is not None and again.finished is not None
+
+    assert again.finished.cached_tokens == again.finished.prompt_tokens - 1
+    assert again.text == first.text
+    # The next turn of the conversation starts with the whole first one.
+    follow_up = prompt + first.text + "<|im_end|>\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n"
+    turn = run(runner, job(follow_up, max_tokens=8))
+    assert turn.finished is not None and turn.finished.cached_tokens >= first.finished.prompt_tokens
+
+
+def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_refused(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    busy_done, queued_done = threading.Event(), threading.Event()
+    starts: list[tuple[int, float]] = []
+
+    def one(index: int, done: threading.Event) -> None:
+        result = run(
+            runner,
+            job(render(QUESTIONS[index % 4]), max_tokens=300, temperature=0.8, seed=index),
+            lambda _: done.is_set(),
+        )
+        if result.first_token_at is not None:
+            starts.append((index, result.first_token_at))
+
+    busy = [threading.Thread(target=one, args=(index, busy_done)) for index in range(4)]
+    for thread in busy:
+        thread.start()
+    while runner.stats().active < 4:
+        time.sleep(0.01)
+    queued = []
+    for index in (4, 5):
+        queued.append(threading.Thread(target=one, args=(index, queued_done)))
+        queued[-1].start()
+        while runner.stats().queued < index - 3:
+            time.sleep(0.01)
+
+    with pytest.raises(RunnerError) as refused:
+        runner.stream(job(render(QUESTIONS[0])), lambda: False)
+    assert refused.value.code == "overloaded"
+
+    # Slots free up (here: the busy jobs are cancelled); the waiting ones start, first come first served.
+    busy_done.set()
+    for thread in busy:
+        thread.join(timeout=60)
+    deadline = time.monotonic() + 120
+    while len([s for s in starts if s[0] >= 4]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queued_done.set()
+    for thread in queued:
+        thread.join(timeout=60)
+    assert [index for index, _ in sorted((s for s in starts if s[0] >= 4), key=lambda s: s[1])] == [4, 5]
+    assert runner.stats().active == runner.stats().queued == 0
