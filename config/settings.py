@@ -73,6 +73,15 @@ CSRF_TRUSTED_ORIGINS = _list("CSRF_TRUSTED_ORIGINS", [])
 
 # Keyed hash for API keys; rotating it invalidates every key, so it can be pinned apart from SECRET_KEY.
 API_KEY_HASH_SECRET = os.environ.get("API_KEY_HASH_SECRET", SECRET_KEY)
+# Longest an API process trusts a key it has authenticated without reading it again (0: read it on every
+# request). Changes reach every process at once through a version in Redis; this bounds how long a
+# revocation can go unseen when that fails.
+API_KEY_CACHE_SECONDS = _int("API_KEY_CACHE_SECONDS", 30)
+if API_KEY_CACHE_SECONDS < 0:
+    CONFIG_PROBLEMS.append(
+        ("config.E005", f"API_KEY_CACHE_SECONDS={API_KEY_CACHE_SECONDS} is negative.", "Use 0 or more seconds.")
+    )
+    API_KEY_CACHE_SECONDS = 30
 
 # --- mode: distributed when REDIS_URL is set, embedded otherwise --------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()

@@ -11,9 +11,9 @@ class OrgsConfig(AppConfig):
         from .models import APIKey, Organization
 
         # A key's last use is written with a queryset update that sends no signal, so every save here is a
-        # change to who may use a key.
+        # change to who may use a key: remembered keys are forgotten once it is committed.
         def changed(sender: object, **kwargs: object) -> None:
-            keycache.bump()
+            keycache.bump_on_commit()
 
         for model in (APIKey, Organization):
             post_save.connect(changed, sender=model, weak=False, dispatch_uid=f"keycache-{model.__name__}-save")

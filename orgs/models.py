@@ -22,7 +22,7 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
 
     def update(self, **kwargs: object) -> int:
         count = super().update(**kwargs)
-        keycache.bump()
+        keycache.bump_on_commit()
         return count
 
     def update_bookkeeping(self, **kwargs: object) -> int:
@@ -31,7 +31,7 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
 
     def delete(self) -> tuple[int, dict[str, int]]:
         result = super().delete()
-        keycache.bump()
+        keycache.bump_on_commit()
         return result
 
 
@@ -128,12 +128,6 @@ class APIKey(models.Model):
         if self.revoked_at is None:
             self.revoked_at = timezone.now()
             self.save(update_fields=["revoked_at"])
-
-    def touch(self, now: datetime) -> None:
-        """Record a use, at most once per ``LAST_USED_GRANULARITY``."""
-        if self.needs_last_used_update(now):
-            APIKey.objects.filter(pk=self.pk).update_bookkeeping(last_used_at=now)
-            self.last_used_at = now
 
     def needs_last_used_update(self, now: datetime) -> bool:
         return self.last_used_at is None or now - self.last_used_at >= LAST_USED_GRANULARITY

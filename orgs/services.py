@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime
 
 from django.db import transaction
@@ -10,7 +9,7 @@ from django.utils import timezone
 
 from core.db import db_task
 
-from . import keycache
+from . import keycache, lastused
 from .exceptions import InvalidAPIKey
 from .models import APIKey, Limit, Organization, hash_key, split_key
 
@@ -18,7 +17,8 @@ from .models import APIKey, Limit, Organization, hash_key, split_key
 def authenticate_key(*, raw_key: str) -> APIKey:
     """The usable key for ``raw_key`` with its organization loaded, or ``InvalidAPIKey``.
 
-    No cache: a revocation takes effect at the next request in every process.
+    No cache: a revocation takes effect at the next request in every process. One read, no write: the
+    key's use is noted for the batched writer.
     """
     prefix = split_key(raw_key)
     if prefix is None:
@@ -26,8 +26,16 @@ def authenticate_key(*, raw_key: str) -> APIKey:
     key = APIKey.objects.usable().select_related("organization").filter(prefix=prefix).first()
     if key is None or not key.matches(raw_key):
         raise InvalidAPIKey("unknown")
-    key.touch(timezone.now())
+    note_use(key)
     return key
+
+
+def note_use(key: APIKey) -> None:
+    """Record a use of ``key``, at most once per ``LAST_USED_GRANULARITY``, off the request path."""
+    now = timezone.now()
+    if key.needs_last_used_update(now):
+        key.last_used_at = now
+        lastused.note(key.pk, now)
 
 
 async def authenticate_key_async(*, raw_key: str) -> APIKey:
@@ -41,8 +49,8 @@ async def authenticate_key_async(*, raw_key: str) -> APIKey:
     if key is None:
         key = await db_task(authenticate_key)(raw_key=raw_key)
         keycache.remember(hashed, version, key)
-    elif key.needs_last_used_update(timezone.now()):
-        asyncio.get_running_loop().create_task(db_task(key.touch)(timezone.now()))
+    else:
+        note_use(key)
     return key
 
 

@@ -26,6 +26,7 @@ from inference.engine import catalog
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.usage import records as usage
+from orgs import lastused
 from orgs.admission import clear_limits_cache, memory_store
 from orgs.models import Organization
 from orgs.services import create_api_key
@@ -162,6 +163,7 @@ def _fresh_limits_and_usage() -> Iterator[None]:
     memory_store.reset()
     yield
     usage.flush()  # records of this test land before its database is flushed
+    lastused.flush()
 
 
 # --- a live server in its own process -------------------------------------------------------------
@@ -218,7 +220,15 @@ class LiveServer:
 
 def start_server(var_dir: Path, *, extra_env: dict[str, str] | None = None, org: str = "live") -> LiveServer:
     var_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "B3OS_VAR_DIR": str(var_dir), "DATABASE_URL": "", "REDIS_URL": "", **(extra_env or {})}
+    env = {
+        **os.environ,
+        "B3OS_VAR_DIR": str(var_dir),
+        "DATABASE_URL": "",
+        "REDIS_URL": "",
+        # Every process of one deployment shares its SECRET_KEY (distributed mode refuses to start without one).
+        "SECRET_KEY": f"live-tests-{var_dir.name}",
+        **(extra_env or {}),
+    }
     manage("migrate", "--noinput", "-v0", env=env)
     manage("create_org", org, env=env)
     key = manage("create_key", org, "--name", "live-tests", env=env).strip()

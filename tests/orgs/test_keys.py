@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from orgs.models import APIKey, Organization
-from orgs.services import create_api_key
+from orgs import keycache, lastused
+from orgs.models import APIKey, Organization, hash_key
+from orgs.services import authenticate_key, create_api_key
 from tests.conftest import API, MODEL_ID
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,8 +52,19 @@ def test_keys_are_high_entropy_and_distinct(organization: Organization) -> None:
 async def test_it_accepts_an_active_key_and_records_its_last_use(api: API) -> None:
     response = await api.get("/v1/infer/models")
     assert response.status_code == 200
+    lastused.flush()
     key = await APIKey.objects.aget(prefix=api.key.split("_")[1])
     assert key.last_used_at is not None
+
+
+def test_authentication_reads_the_key_and_writes_nothing_on_the_request_path(api_key: str) -> None:
+    with CaptureQueriesContext(connection) as queries:
+        key = authenticate_key(raw_key=api_key)
+
+    assert [query["sql"].split()[0] for query in queries.captured_queries] == ["SELECT"]
+    assert APIKey.objects.get(pk=key.pk).last_used_at is None
+    lastused.flush()
+    assert APIKey.objects.get(pk=key.pk).last_used_at == key.last_used_at is not None
 
 
 async def test_it_rejects_a_revoked_key(api: API) -> None:
@@ -115,4 +131,29 @@ async def test_deactivating_the_organization_takes_effect_at_once(api: API) -> N
     org = await Organization.objects.aget(slug="acme")
     org.active = False
     await org.asave()
+    assert_invalid_key(await api.get("/v1/infer/models"), api.key)
+
+
+def test_a_key_read_while_its_revocation_is_uncommitted_is_not_trusted_once_it_commits(api_key: str) -> None:
+    hashed = hash_key(api_key)
+    as_it_was = APIKey.objects.select_related("organization").get(hashed_key=hashed)
+    with transaction.atomic():
+        APIKey.objects.get(pk=as_it_was.pk).revoke()
+        # A request elsewhere, between the save and the commit, reads the row as it was and remembers it.
+        keycache.remember(hashed, asyncio.run(keycache.current_version()), as_it_was)
+
+    assert keycache.recall(hashed, asyncio.run(keycache.current_version())) is None
+
+
+@override_settings(API_KEY_CACHE_SECONDS=1)
+async def test_a_revocation_no_process_is_told_of_takes_effect_within_the_cache_age(api: API) -> None:
+    assert (await api.get("/v1/infer/models")).status_code == 200
+    # As when the announcement of a change is lost (Redis failed after the commit, or restarted).
+    await asyncio.to_thread(
+        lambda: APIKey.objects.filter(prefix=api.key.split("_")[1]).update_bookkeeping(revoked_at=timezone.now())
+    )
+    assert (await api.get("/v1/infer/models")).status_code == 200  # still remembered
+
+    await asyncio.sleep(1.05)
+
     assert_invalid_key(await api.get("/v1/infer/models"), api.key)
