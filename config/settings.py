@@ -241,6 +241,8 @@ CELERY_BEAT_SCHEDULE = {
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # How long /health waits for Celery workers to say which queues they consume.
 HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1)
+# How long /health answers from its last check before it checks again (0: every call checks).
+HEALTH_CACHE_SECONDS = _int("HEALTH_CACHE_SECONDS", 5)
 
 # --- agent runtime ------------------------------------------------------------------------------
 # Stored conversations (store: true) are deleted this many days after their last turn (0 keeps them):

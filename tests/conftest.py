@@ -25,6 +25,7 @@ from referencing import Registry, Resource
 from inference.engine import catalog
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
+from inference.usage import health
 from inference.usage import records as usage
 from orgs import lastused
 from orgs.admission import clear_limits_cache, memory_store
@@ -159,6 +160,7 @@ def sse_data(text: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def _fresh_limits_and_usage() -> Iterator[None]:
     catalog.clear_cache()
+    health.clear_cache()
     clear_limits_cache()
     memory_store.reset()
     yield

@@ -1,4 +1,8 @@
-"""Operations endpoints: ``/metrics`` for Prometheus and ``/health`` for load balancers. Neither takes an API key."""
+"""Operations endpoints: ``/metrics`` for Prometheus and ``/health`` for load balancers. Neither takes an API key.
+
+``/health`` tells anyone whether the deployment can serve; what is wrong (error texts, worker host names,
+model paths) only those who hold ``METRICS_TOKEN``.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,18 @@ from inference.usage import health as health_checks
 from inference.usage import metrics as prometheus
 
 
+def _bears_metrics_token(request: HttpRequest) -> bool:
+    token = settings.METRICS_TOKEN
+    return bool(token) and hmac.compare_digest(
+        request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()
+    )
+
+
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus' text format; behind ``Authorization: Bearer <METRICS_TOKEN>`` when that is set."""
-    token = settings.METRICS_TOKEN
-    if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()):
+    if settings.METRICS_TOKEN and not _bears_metrics_token(request):
         response = HttpResponse(
             "Send 'Authorization: Bearer <METRICS_TOKEN>'.\n", status=401, content_type="text/plain; charset=utf-8"
         )
@@ -31,6 +41,8 @@ def metrics(request: HttpRequest) -> HttpResponse:
 @never_cache
 @require_GET
 async def health(request: HttpRequest) -> JsonResponse:
-    """200 when the deployment can serve (``ok`` or ``degraded``), 503 when it cannot (``down``)."""
-    result = await health_checks.check()
-    return JsonResponse(result.as_dict(), status=result.http_status)
+    """200 when the deployment can serve (``ok`` or ``degraded``), 503 when it cannot (``down``); with the
+    metrics token, what each check found."""
+    result = await health_checks.current()
+    body = result.as_dict() if _bears_metrics_token(request) else {"status": result.status}
+    return JsonResponse(body, status=result.http_status)

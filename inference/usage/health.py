@@ -6,6 +6,11 @@ asked with a short broadcast. Nothing here loads a model or runs a job.
 
 The overall status is ``down`` when the database or Redis fails (nothing can be served),
 ``degraded`` when only some models have no worker, and ``ok`` otherwise.
+
+Load balancers and anyone else may call ``/health`` as often as they like, without a key: a result is
+kept for ``HEALTH_CACHE_SECONDS`` and callers meanwhile share it (and share the one check under way), and
+the checks run on threads of their own, so a burst of calls neither reaches the broker nor takes the threads
+that authenticate API requests. Redis is asked over the process's own connection pool.
 """
 
 from __future__ import annotations
@@ -13,23 +18,31 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-import redis.asyncio as aioredis
-from asgiref.sync import sync_to_async
 from celery import current_app
 from django.conf import settings
-from django.db import connection
+from django.db import close_old_connections, connection
 
+from core.redis import async_client
 from inference.engine import execution
 from inference.engine.runners.base import RunnerError
 from inference.engine.runners.llama_cpp import model_path as llama_cpp_model_path
 from inference.models import CatalogEntry
 
 Status = Literal["ok", "error", "absent"]
+T = TypeVar("T")
+
+# The checks' own threads: a database that hangs or a slow broadcast holds these, never the shared pool.
+_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
+
+
+async def _on_health_thread(fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_threads, fn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,23 +88,20 @@ async def _timed(probe: Any, timeout: float) -> Check:
 
 
 def _ping_database() -> None:
+    close_old_connections()
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
         cursor.fetchone()
 
 
 async def check_database(timeout: float = 3.0) -> Check:
-    return await _timed(sync_to_async(_ping_database, thread_sensitive=False)(), timeout)
+    return await _timed(_on_health_thread(_ping_database), timeout)
 
 
 async def check_redis(timeout: float = 2.0) -> Check:
     if not settings.REDIS_URL:
         return Check("absent", detail="REDIS_URL is not set (embedded mode)")
-    client = aioredis.from_url(settings.REDIS_URL, socket_connect_timeout=timeout, socket_timeout=timeout)
-    try:
-        return await _timed(client.ping(), timeout)
-    finally:
-        await client.aclose()
+    return await _timed(async_client().ping(), timeout)
 
 
 def _runner_available(entry: CatalogEntry) -> None:
@@ -149,12 +159,12 @@ def _active_queues(timeout: float) -> Mapping[str, list[dict[str, Any]]] | None:
 async def check_models(*, broker_answers: bool) -> list[ModelHealth]:
     entries = [entry async for entry in CatalogEntry.objects.enabled()]
     if not settings.DISTRIBUTED:
-        return await asyncio.to_thread(lambda: [embedded_model(entry) for entry in entries])
+        return await _on_health_thread(lambda: [embedded_model(entry) for entry in entries])
     replies = None
     if broker_answers:
         timeout = float(settings.HEALTH_WORKER_TIMEOUT_SECONDS)
         try:
-            replies = await asyncio.wait_for(asyncio.to_thread(_active_queues, timeout), timeout + 2)
+            replies = await asyncio.wait_for(_on_health_thread(lambda: _active_queues(timeout)), timeout + 2)
         except Exception:  # noqa: BLE001  (a broker that does not answer means no worker is known)
             replies = None
     return distributed_models(entries, replies)
@@ -176,3 +186,28 @@ async def check() -> Health:
         redis=redis,
         models=models,
     )
+
+
+_cached: tuple[float, Health] | None = None
+_pending: tuple[asyncio.AbstractEventLoop, asyncio.Task[Health]] | None = None
+
+
+async def current() -> Health:
+    """The deployment's health as checked within the last ``HEALTH_CACHE_SECONDS``; one check at a time."""
+    global _cached, _pending
+    if _cached is not None and time.monotonic() - _cached[0] < settings.HEALTH_CACHE_SECONDS:
+        return _cached[1]
+    loop = asyncio.get_running_loop()
+    if _pending is None or _pending[0] is not loop or _pending[1].done():
+        _pending = (loop, loop.create_task(check()))
+    task = _pending[1]
+    # Shielded: a caller that hangs up does not cancel the check the others are waiting for.
+    health = await asyncio.shield(task)
+    if _pending is not None and _pending[1] is task:
+        _cached, _pending = (time.monotonic(), health), None
+    return health
+
+
+def clear_cache() -> None:
+    global _cached, _pending
+    _cached = _pending = None

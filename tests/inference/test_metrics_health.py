@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,12 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference.models import CatalogEntry
 from inference.usage import health, metrics
 from tests.conftest import MODEL_ID
+from tests.inference.test_distributed import start_redis
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+TOKEN = "scrape-me"
+
 
 def families() -> dict[str, Any]:
-    response = Client().get("/metrics")
+    response = Client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
     return {family.name: family for family in text_string_to_metric_families(response.content.decode())}
@@ -66,13 +73,15 @@ def test_metrics_show_requests_in_flight_and_requests_refused_by_a_limit() -> No
 
 
 def test_metrics_speak_openmetrics_to_a_scraper_that_asks_for_it() -> None:
-    response = Client().get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    response = Client().get(
+        "/metrics",
+        headers={"Accept": "application/openmetrics-text; version=1.0.0", "Authorization": f"Bearer {TOKEN}"},
+    )
 
     assert response["Content-Type"].startswith("application/openmetrics-text")
     assert response.content.rstrip().endswith(b"# EOF")
 
 
-@override_settings(METRICS_TOKEN="scrape-me")
 def test_metrics_need_the_token_when_one_is_set() -> None:
     assert Client().get("/metrics").status_code == 401
     assert Client().get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -82,8 +91,16 @@ def test_metrics_need_the_token_when_one_is_set() -> None:
 # --- /health ----------------------------------------------------------------------------------------
 
 
-async def get_health() -> tuple[int, dict[str, Any]]:
-    response = await AsyncClient().get("/health")
+@pytest.fixture(autouse=True)
+def _metrics_token() -> Iterator[None]:
+    with override_settings(METRICS_TOKEN=TOKEN):
+        yield
+
+
+async def get_health(*, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
+    """``/health`` as an operator sees it (with the metrics token), or as anyone else does."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = await AsyncClient().get("/health", headers=headers)
     return response.status_code, response.json()
 
 
@@ -113,6 +130,69 @@ async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: 
     assert missing["status"] == "error" and missing["workers"] == "unavailable"
     assert "/nowhere/model.gguf" in missing["detail"]
     assert "b3os/off" not in {m["id"] for m in body["models"]}
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_without_the_metrics_token_health_tells_only_whether_it_can_serve(
+    catalog_model: CatalogEntry, token: str | None
+) -> None:
+    await CatalogEntry.objects.acreate(public_id="b3os/missing", runner_settings={"model_path": "/nowhere/model.gguf"})
+
+    status, body = await get_health(token=token)
+
+    assert (status, body) == (200, {"status": "degraded"})
+
+
+@override_settings(METRICS_TOKEN="")
+async def test_without_a_metrics_token_set_nobody_gets_healths_details(catalog_model: CatalogEntry) -> None:
+    assert await get_health(token=None) == (200, {"status": "ok"})
+
+
+async def test_a_burst_of_health_calls_shares_one_check_for_a_few_seconds(
+    catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = 0
+    real_check = health.check
+
+    async def counted() -> health.Health:
+        nonlocal checks
+        checks += 1
+        return await real_check()
+
+    monkeypatch.setattr(health, "check", counted)
+
+    answers = await asyncio.gather(*(get_health(token=None) for _ in range(20)))
+    answers += [await get_health(token=None) for _ in range(5)]
+
+    assert answers == [(200, {"status": "ok"})] * 25
+    assert checks == 1
+
+
+@override_settings(DISTRIBUTED=True, HEALTH_WORKER_TIMEOUT_SECONDS=1, HEALTH_CACHE_SECONDS=0)
+async def test_healths_broadcast_to_the_workers_runs_on_its_own_threads_and_redis_is_asked_over_the_pool(
+    catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    redis, url = start_redis(tmp_path)
+    asked_on: list[str] = []
+
+    def broadcast(timeout: float) -> dict[str, list[dict[str, Any]]]:  # the network: Celery's broadcast
+        asked_on.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return {"celery@gpu-1": [{"name": catalog_model.queue}]}
+
+    monkeypatch.setattr(health, "_active_queues", broadcast)
+    try:
+        with override_settings(REDIS_URL=url):
+            before = await health.async_client().info("stats")
+            for _ in range(5):
+                status, body = await get_health()
+                assert (status, body["status"], body["redis"]["status"]) == (200, "ok", "ok")
+            after = await health.async_client().info("stats")
+    finally:
+        redis.terminate()
+
+    assert len(asked_on) == 5 and all(name.startswith("health") for name in asked_on)
+    assert after["total_connections_received"] == before["total_connections_received"]
 
 
 async def test_health_is_down_with_503_when_the_database_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
