@@ -44,8 +44,9 @@ from inference.engine.generation import Done, Failed, Generation, GenerationRequ
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import from_exception, generation_failed
+from inference.openai.errors import from_exception
 from inference.serving import responses
+from inference.serving.caller import generation_error
 from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
 
 from .guardrails import Guardrails
@@ -168,6 +169,7 @@ class AgentTurn:
     context: ToolContext
     keep: Callable[[dict[str, Any]], Awaitable[None]] | None
     tool_ran: Callable[[str, ToolOutcome], None]
+    request_id: str
     steps: list[StepUsage] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
     first_token_at: float | None = None
@@ -347,7 +349,7 @@ class AgentTurn:
             async with aclosing(generation.run()) as pieces:
                 async for piece in pieces:
                     if isinstance(piece, Failed):
-                        raise TurnFailed(piece.code, generation_failed(piece.code, piece.message).message)
+                        raise TurnFailed(piece.code, generation_error(piece, request_id=self.request_id).message)
                     if isinstance(piece, Done):
                         done = piece
                         break

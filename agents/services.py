@@ -263,6 +263,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         context=ToolContext(instance_pk=agent.pk, organization_id=organization_id),
         keep=keep if params.keeps else None,
         tool_ran=tool_ran,
+        request_id=caller.request_id,
     )
     first = await turn.prepare_first()
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)

@@ -7,6 +7,7 @@ tool calls) and one terminal ``Done`` or ``Failed``, cancelling the job if the c
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator
@@ -33,6 +34,8 @@ from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforcea
 from .execution import JobFailed, get_renderer
 from .prompting import Message, check_context, render_prompt
 from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
+
+logger = logging.getLogger("inference.engine.generation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,7 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     try:
         renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
     except RunnerError as exc:
+        logger.warning("the model %s cannot be served here: %s", entry.public_id, exc)
         raise ModelUnavailable(entry.public_id, str(exc)) from None
     describe_tools = bool(request.tools) and request.tool_choice != "none"
     try:

@@ -30,6 +30,7 @@ NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER = "server_error"
 PERMISSION = "permission_error"
+ERROR_TYPES = frozenset({INVALID_REQUEST, AUTHENTICATION, NOT_FOUND, RATE_LIMIT, SERVER, PERMISSION})
 
 
 class APIError(Exception):
@@ -137,10 +138,28 @@ def status_error(status: int) -> APIError:
     return APIError("The request was refused.", code="invalid_request", status=status)
 
 
-def generation_failed(code: str, message: str) -> APIError:
+# What a failed generation is called in front of the client, by the failure's code. The runner's own words
+# (file paths, a library's message, a queue's name) are for the log, never for the client.
+GENERATION_FAILURES: Mapping[str, str] = {
+    "no_worker": "no model worker took the job in time",
+    "worker_lost": "the model worker stopped responding mid-generation",
+    "runner_unavailable": "the model could not be loaded",
+    "model_not_available": "the model is not available on this node",
+    "context_length_exceeded": "the prompt and its answer do not fit the model's context",
+    "invalid_constraint": "the output's constraint could not be enforced",
+}
+
+
+def generation_failed(code: str, *, request_id: str) -> APIError:
     """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost)."""
     status = 503 if code in ("no_worker", "model_not_available") else 500
-    return APIError(f"Generation failed: {message}", code=code, status=status, type=SERVER)
+    what = GENERATION_FAILURES.get(code, "the model failed while generating the response")
+    return APIError(
+        f"Generation failed: {what}. Quote the request id {request_id} when you report it.",
+        code=code,
+        status=status,
+        type=SERVER,
+    )
 
 
 def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIError | None:
@@ -152,7 +171,13 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ModelNotServed):
         return model_not_available(exc.model_id)
     if isinstance(exc, ModelUnavailable):
-        return APIError(exc.detail, code="model_not_available", status=503, type=SERVER)
+        # Why the runner cannot load (a path, a missing package) is the operator's to read in the log.
+        return APIError(
+            f"The model {exc.model_id!r} cannot be served on this node right now.",
+            code="model_not_available",
+            status=503,
+            type=SERVER,
+        )
     if isinstance(exc, CapabilityMissing):
         return _capability_missing(exc, names)
     if isinstance(exc, ContextLengthExceeded):

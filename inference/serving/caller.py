@@ -7,19 +7,22 @@ is released.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
-from inference.engine.generation import Generation
+from inference.engine.generation import Failed, Generation
 from inference.models import CatalogEntry
-from inference.openai.errors import from_exception
+from inference.openai.errors import APIError, from_exception, generation_failed
 from inference.usage import metrics
 from inference.usage.records import Meter
 from orgs.admission import Grant, admit
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
+
+logger = logging.getLogger("inference.serving")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,13 @@ def record_error(meter: Meter, generation: Generation | None, exc: BaseException
         output_tokens=generation.completion_tokens if generation else 0,
         time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
     )
+
+
+def generation_error(failed: Failed, *, request_id: str) -> APIError:
+    """A generation's failure as the client sees it: what failed, and the request id to quote; what the runner
+    said (file paths, a library's message) is logged under that id."""
+    logger.warning("generation failed in request %s: %s: %s", request_id, failed.code, failed.message)
+    return generation_failed(failed.code, request_id=request_id)
 
 
 async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:

@@ -20,12 +20,12 @@ from inference.engine.generation import Done, Failed, Generation, GenerationRequ
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import chat as wire
-from inference.openai.errors import APIError, generation_failed, invalid_request, unsupported_parameter
+from inference.openai.errors import APIError, invalid_request, unsupported_parameter
 from inference.openai.shared import LogprobItems, completion_usage, dumps, now
 from inference.usage.records import Meter
 from orgs.admission import Grant
 
-from .caller import Caller, Result, run_admitted
+from .caller import Caller, Result, generation_error, run_admitted
 from .metered import Ending, generation_outcome, metered
 
 ENDPOINT = "chat.completions"
@@ -167,7 +167,9 @@ def _ended_without_result() -> APIError:
     return APIError("Generation ended without a result.", code="generation_failed", status=500, type="server_error")
 
 
-async def complete(*, generation: Generation, model: str, want_logprobs: bool) -> tuple[dict[str, Any], Done]:
+async def complete(
+    *, generation: Generation, model: str, want_logprobs: bool, request_id: str
+) -> tuple[dict[str, Any], Done]:
     """Run to the end and build one ``chat.completion``."""
     text: list[str] = []
     reasoning: list[str] = []
@@ -189,7 +191,7 @@ async def complete(*, generation: Generation, model: str, want_logprobs: bool) -
         elif isinstance(event, Logprobs):
             logprobs.extend(_logprob_items(event))
         elif isinstance(event, Failed):
-            raise generation_failed(event.code, event.message)
+            raise generation_error(event, request_id=request_id)
         elif isinstance(event, Done):
             message: dict[str, Any] = {
                 "role": "assistant",
@@ -216,7 +218,13 @@ async def complete(*, generation: Generation, model: str, want_logprobs: bool) -
 
 
 async def stream_chunks(
-    *, generation: Generation, model: str, include_usage: bool, want_logprobs: bool, ending: Ending
+    *,
+    generation: Generation,
+    model: str,
+    include_usage: bool,
+    want_logprobs: bool,
+    ending: Ending,
+    request_id: str,
 ) -> AsyncGenerator[str, None]:
     """Server-sent ``chat.completion.chunk`` events ending with ``data: [DONE]``, as OpenAI sends them.
 
@@ -254,7 +262,7 @@ async def stream_chunks(
                 )
             elif isinstance(event, Failed):
                 ending.event = event
-                yield f"data: {dumps(generation_failed(event.code, event.message).body())}\n\n"
+                yield f"data: {dumps(generation_error(event, request_id=request_id).body())}\n\n"
                 return
             elif isinstance(event, Done):
                 ending.event = event
@@ -282,12 +290,15 @@ async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: 
                 include_usage=bool(params.stream_options and params.stream_options.include_usage),
                 want_logprobs=want_logprobs,
                 ending=ending,
+                request_id=meter.request_id,
             )
             stream = metered(
                 chunks, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
             )
             return Result(headers=grant.headers, stream=stream)
-        body, done = await complete(generation=generation, model=params.model, want_logprobs=want_logprobs)
+        body, done = await complete(
+            generation=generation, model=params.model, want_logprobs=want_logprobs, request_id=meter.request_id
+        )
         grant.release()
         generation_outcome(generation, done).record(meter)
         return Result(headers=grant.headers, body=body)

@@ -9,6 +9,8 @@ a fraction of httpx's per request, which is most of what this hop adds.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -21,12 +23,15 @@ from multidict import CIMultiDictProxy
 
 from inference.engine.catalog import find_enabled_model
 from inference.models import CatalogEntry
-from inference.openai.errors import APIError, invalid_request
+from inference.openai.errors import ERROR_TYPES, INVALID_REQUEST, SERVER, APIError, invalid_request
 
 from .caller import Caller, Result, admit_request, meter_for, record_error
 from .metered import CLIENT_DISCONNECTED, StreamOutcome, metered
 
+logger = logging.getLogger("inference.serving.gateway")
+
 ROUTE = "gateway"
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 CONNECT_TIMEOUT = 5.0
 MAX_PENDING_EVENT = 1 << 20
@@ -125,32 +130,45 @@ class UpstreamUsage:
         )
 
 
-def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes) -> APIError:
-    """An upstream's error, in the API's shape. Its own auth failures are the node's problem, not the client's."""
+def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes, *, request_id: str) -> APIError:
+    """An upstream's error, in the API's shape: its status, and its code, parameter and type when they are plain
+    names. Its message may name the upstream's accounts, hosts or models: it is logged under the request id,
+    and the client is told what failed and the id to quote. The upstream's own auth failures are the node's
+    problem, not the client's."""
+    logger.warning("the gateway answered %d to request %s: %r", status, request_id, body[:2000])
+    quote = f"Quote the request id {request_id} when you report it."
+    if status in (401, 403):
+        return APIError(
+            f"The gateway refused the node's credentials. {quote}", code="upstream_error", status=502, type=SERVER
+        )
     try:
         detail = orjson.loads(body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         detail = None
-    if status in (401, 403):
+    if not isinstance(detail, dict) or not isinstance(detail.get("message"), str):
         return APIError(
-            "The gateway refused the node's credentials.", code="upstream_error", status=502, type="server_error"
+            f"The gateway answered {status} without an OpenAI error body. {quote}",
+            code="upstream_error",
+            status=502 if status >= 500 or status < 400 else status,
+            type=SERVER,
         )
-    if isinstance(detail, dict) and isinstance(detail.get("message"), str):
-        code = detail.get("code")
-        return APIError(
-            detail["message"],
-            code=str(code) if code else ("rate_limited" if status == 429 else "upstream_error"),
-            status=status if 400 <= status < 500 else 502,
-            param=detail.get("param") if isinstance(detail.get("param"), str) else None,
-            type=str(detail.get("type") or ("invalid_request_error" if status < 500 else "server_error")),
-            headers={"Retry-After": headers["retry-after"]} if "retry-after" in headers else None,
-        )
+    code, param, kind = (_plain_name(detail.get(field)) for field in ("code", "param", "type"))
+    refused = 400 <= status < 500
     return APIError(
-        f"The gateway answered {status} without an OpenAI error body.",
-        code="upstream_error",
-        status=502 if status >= 500 or status < 400 else status,
-        type="server_error",
+        f"The gateway {'refused the request' if refused else 'failed'} with status {status}"
+        + (f" ({code})" if code else "")
+        + f". {quote}",
+        code=code or ("rate_limited" if status == 429 else "upstream_error"),
+        status=status if refused else 502,
+        param=param,
+        type=kind if kind in ERROR_TYPES else (INVALID_REQUEST if refused else SERVER),
+        headers={"Retry-After": headers["retry-after"]} if "retry-after" in headers else None,
     )
+
+
+def _plain_name(value: Any) -> str | None:
+    """``value`` if it is a short identifier (``upstream_refused``, ``messages.0.content``), else None."""
+    return value if isinstance(value, str) and PLAIN_NAME.fullmatch(value) else None
 
 
 def unreachable(exc: BaseException) -> APIError:
@@ -171,7 +189,7 @@ async def forward_json(
     except UpstreamFailure as exc:
         raise unreachable(exc) from None
     if status >= 400:
-        raise upstream_error(status, headers, content)
+        raise upstream_error(status, headers, content, request_id=request_id)
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
@@ -206,7 +224,7 @@ async def open_stream(
             content = b""
         finally:
             response.release()
-        raise upstream_error(response.status, response.headers, content)
+        raise upstream_error(response.status, response.headers, content, request_id=request_id)
     return response
 
 

@@ -37,7 +37,7 @@ from inference.engine.generation import (
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import APIError, generation_failed, invalid_request, unsupported_parameter
+from inference.openai.errors import APIError, invalid_request, unsupported_parameter
 from inference.openai.shared import (
     LogprobItems,
     delta_logprob_objects,
@@ -49,7 +49,7 @@ from inference.openai.shared import (
 from inference.usage.records import Meter
 from orgs.admission import Grant
 
-from .caller import Caller, Result, run_admitted
+from .caller import Caller, Result, generation_error, run_admitted
 from .metered import Ending, generation_outcome, metered
 
 logger = logging.getLogger("inference.serving.responses")
@@ -545,11 +545,13 @@ def _empty(kind: Literal["message", "reasoning"]) -> dict[str, Any]:
     return wire.output_text_part("") if kind == "message" else wire.reasoning_text_part("")
 
 
-async def complete(*, generation: Generation, encoder: ResponseEncoder) -> tuple[dict[str, Any], Done]:
+async def complete(
+    *, generation: Generation, encoder: ResponseEncoder, request_id: str
+) -> tuple[dict[str, Any], Done]:
     """Run to the end and build one Response."""
     async for event in generation.run():
         if isinstance(event, Failed):
-            raise generation_failed(event.code, event.message)
+            raise generation_error(event, request_id=request_id)
         if isinstance(event, Done):
             encoder.finish(event)
             return encoder.response, event
@@ -562,7 +564,7 @@ def sse(event: dict[str, Any]) -> str:
 
 
 async def stream_events(
-    *, generation: Generation, encoder: ResponseEncoder, ending: Ending
+    *, generation: Generation, encoder: ResponseEncoder, ending: Ending, request_id: str
 ) -> AsyncGenerator[str, None]:
     """The Responses event stream, ending in ``response.completed``, ``.incomplete`` or ``.failed``.
 
@@ -575,7 +577,7 @@ async def stream_events(
             async for piece in pieces:
                 if isinstance(piece, Failed):
                     ending.event = piece
-                    events = encoder.fail(generation_failed(piece.code, piece.message).message)
+                    events = encoder.fail(generation_error(piece, request_id=request_id).message)
                 elif isinstance(piece, Done):
                     ending.event = piece
                     events = encoder.finish(piece)
@@ -602,12 +604,12 @@ async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller)
         encoder = ResponseEncoder(echo=echo(params))
         if params.stream:
             ending = Ending()
-            events = stream_events(generation=generation, encoder=encoder, ending=ending)
+            events = stream_events(generation=generation, encoder=encoder, ending=ending, request_id=meter.request_id)
             stream = metered(
                 events, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
             )
             return Result(headers=grant.headers, stream=stream)
-        body, done = await complete(generation=generation, encoder=encoder)
+        body, done = await complete(generation=generation, encoder=encoder, request_id=meter.request_id)
         grant.release()
         generation_outcome(generation, done).record(meter)
         return Result(headers=grant.headers, body=body)

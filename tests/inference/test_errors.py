@@ -8,8 +8,10 @@ import re
 import pytest
 from django.test import override_settings
 
+from inference.models import CatalogEntry
 from inference.serving import chat
-from tests.conftest import API, MODEL_ID
+from tests.conftest import API, MODEL_ID, read_stream, sse_data
+from tests.inference.test_responses import TOY_ID, toy_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -203,3 +205,53 @@ async def test_an_accept_header_for_event_streams_is_never_refused(api: API) -> 
     assert (
         await api.client.get("/v1/infer/models", headers={"Authorization": f"Bearer {api.key}", "Accept": "text/html"})
     ).status_code == 200
+
+
+# --- what a failure below the API tells the client ------------------------------------------------------
+
+SECRET_PATH = "/srv/private-models/toy"
+BROKEN = {"model": SECRET_PATH, "no_such_engine_argument": 1}  # an unknown LLM() argument fails the load
+
+
+def assert_told_without_the_runners_words(error: dict, request_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    assert SECRET_PATH not in error["message"] and "no_such_engine_argument" not in error["message"]
+    assert request_id in error["message"]
+    logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert any("no_such_engine_argument" in line for line in logged)
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/infer/responses"])
+async def test_a_runner_failure_is_told_by_its_code_and_request_id_and_its_own_words_are_only_logged(
+    api: API, toy_model: CatalogEntry, caplog: pytest.LogCaptureFixture, path: str  # noqa: F811
+) -> None:
+    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(runner_settings=BROKEN)
+    body = {"model": TOY_ID, "max_tokens" if path == CHAT else "max_output_tokens": 16}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"input": "Hi"})
+
+    response = await api.post(path, body)
+    error = assert_error(response, 500, "runner_unavailable")
+    assert_told_without_the_runners_words(error, response["x-request-id"], caplog)
+
+    streamed = await read_stream(await api.post(path, {**body, "stream": True}))
+    [failure] = [stream_failure(json.loads(data)) for data in sse_data(streamed) if stream_failure(json.loads(data))]
+    [request_id] = re.findall(r"req_[0-9a-z]{26}", failure["message"])
+    assert_told_without_the_runners_words(failure, request_id, caplog)
+
+
+def stream_failure(event: dict) -> dict | None:
+    """The error a stream ends with: chat's error chunk, or the failed Response's error."""
+    if event.get("type") == "response.failed":
+        return event["response"]["error"]
+    return event.get("error") if "type" not in event else None
+
+
+async def test_a_model_that_cannot_load_here_is_a_503_that_names_no_path(
+    api: API, catalog_model: CatalogEntry, caplog: pytest.LogCaptureFixture
+) -> None:
+    await CatalogEntry.objects.acreate(public_id="b3os/elsewhere", runner_settings={"model_path": SECRET_PATH})
+
+    response = await api.post(CHAT, {"model": "b3os/elsewhere", "messages": [{"role": "user", "content": "Hi"}]})
+
+    error = assert_error(response, 503, "model_not_available")
+    assert SECRET_PATH not in error["message"]
+    assert any(SECRET_PATH in r.getMessage() for r in caplog.records)

@@ -27,6 +27,9 @@ class Setup:
             self.server.url + path, json=body, headers={"Authorization": f"Bearer {key or self.server.key}"}, timeout=30
         )
 
+    def log(self) -> str:
+        return (self.server.db_path.parent / "server.log").read_text()
+
     def last(self) -> dict:
         return httpx.get(self.upstream_url + "/last", timeout=5).json()
 
@@ -144,16 +147,20 @@ def test_limits_apply_to_gateway_traffic(setup: Setup) -> None:
     assert statuses == [200, 200, 429]
 
 
-def test_an_upstream_error_body_comes_back_in_the_api_shape(setup: Setup) -> None:
+def test_an_upstream_error_keeps_its_status_code_and_param_and_its_words_go_to_the_log_only(setup: Setup) -> None:
     response = setup.post(chat(model="error-400"))
+    request_id = response.headers["x-request-id"]
     assert response.status_code == 400
     assert response.json()["error"] == {
-        "message": "Upstream says no.",
+        "message": f"The gateway refused the request with status 400 (upstream_refused). Quote the request id "
+        f"{request_id} when you report it.",
         "type": "invalid_request_error",
         "param": "messages",
         "code": "upstream_refused",
     }
-    assert setup.usage(response.headers["x-request-id"])[1:3] == (400, "upstream_refused")
+    assert setup.usage(request_id)[1:3] == (400, "upstream_refused")
+    logged = [line for line in setup.log().splitlines() if request_id in line]
+    assert any("Upstream says no." in line for line in logged)
 
 
 def test_an_upstream_failure_without_a_body_is_a_502(setup: Setup) -> None:
