@@ -16,6 +16,10 @@ from .forms import UsageReportForm
 
 BLUE, AMBER, RED = "#417690", "#e09b26", "#ba2121"
 
+# A cell a spreadsheet would read as a formula starts with one of these; model names and error codes come
+# from clients and upstreams, so any of them may.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\n")
+
 CSV_COLUMNS = [
     "section", "name", "requests", "errors", "input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens",
     "total_tokens", "ttft_p50_ms", "ttft_p95_ms", "latency_p50_ms", "latency_p95_ms",
@@ -93,15 +97,18 @@ def _csv_response(report: Report) -> HttpResponse:
     name = f"usage-{usage.start.isoformat()}-{usage.days[-1].isoformat()}.csv"
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{name}"'
-    writer = csv.writer(response)
-    writer.writerow(CSV_COLUMNS)
-    writer.writerow(_csv_line("total", "all", report.total))
-    for day, tally in report.days:
-        writer.writerow(_csv_line("day", day.isoformat(), tally))
-    for slug, tally in report.organizations:
-        writer.writerow(_csv_line("organization", slug, tally))
-    for model, tally in report.models:
-        writer.writerow(_csv_line("model", model, tally))
-    for code, count in report.error_codes:
-        writer.writerow(["error_code", code, "", count, *[""] * (len(CSV_COLUMNS) - 4)])
+    rows: list[list[Any]] = [CSV_COLUMNS, _csv_line("total", "all", report.total)]
+    rows += [_csv_line("day", day.isoformat(), tally) for day, tally in report.days]
+    rows += [_csv_line("organization", slug, tally) for slug, tally in report.organizations]
+    rows += [_csv_line("model", model, tally) for model, tally in report.models]
+    rows += [["error_code", code, "", count, *[""] * (len(CSV_COLUMNS) - 4)] for code, count in report.error_codes]
+    csv.writer(response).writerows([csv_cell(value) for value in row] for row in rows)
     return response
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` as a spreadsheet shows it and never runs it: text that would start a formula gets a leading
+    apostrophe, which spreadsheets take as "this is text"."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value

@@ -286,6 +286,25 @@ def test_the_admin_report_exports_what_it_shows_as_csv(record: Record) -> None:
     assert [(r["name"], r["errors"]) for r in rows if r["section"] == "error_code"] == [("rate_limited", "1")]
 
 
+def test_the_csv_export_keeps_a_spreadsheet_from_running_names_as_formulas(
+    record: Record, other_org: Organization
+) -> None:
+    formulas = ["=HYPERLINK(\"https://evil.example\",\"click\")", "+1+1", "-2+3", "@SUM(A1)", "\tcmd", "\r=1"]
+    for name in formulas:
+        record(model=name, status=502, error_code=name)
+    record(organization=Organization.objects.create(slug="-cmd", name="Dash"), model="plain/model")
+
+    download = staff_client().get("/admin/usage/report/", {"format": "csv"})
+
+    rows = list(csv.DictReader(io.StringIO(download.content.decode())))
+    names = {(r["section"], r["name"]) for r in rows}
+    assert {("model", "'" + name) for name in formulas} <= names
+    assert {("error_code", "'" + name) for name in formulas} <= names
+    assert ("organization", "'-cmd") in names and ("model", "plain/model") in names
+    assert all(not r[column].startswith(("=", "+", "-", "@", "\t", "\r")) for r in rows for column in r)
+    assert next(r for r in rows if r["section"] == "total")["requests"] == str(len(formulas) + 1)
+
+
 def test_the_admin_report_says_what_is_wrong_with_its_filters(record: Record) -> None:
     client = staff_client()
 
