@@ -113,6 +113,7 @@ def platform_env(var_dir: Path, upstream: str, redis_url: str = "") -> dict[str,
         "B3OS_VAR_DIR": str(var_dir),
         "DATABASE_URL": "",
         "REDIS_URL": redis_url,
+        "SECRET_KEY": "bench-gateway-overhead",  # shared by every process, as distributed mode requires
         "GATEWAY_BASE_URL": upstream + "/v1",
         "GATEWAY_API_KEY": "upstream-key",
         "LOG_LEVEL": "WARNING",

@@ -104,6 +104,7 @@ def platform(work: Path, *, slots: int, distributed: bool) -> Server:
     var = work / ("distributed" if distributed else "embedded")
     var.mkdir()
     env = {**os.environ, "B3OS_VAR_DIR": str(var), "DATABASE_URL": "", "REDIS_URL": "", "LOG_LEVEL": "WARNING"}
+    env["SECRET_KEY"] = "bench-runner-throughput"  # shared by every process, as distributed mode requires
     processes: list[subprocess.Popen[bytes]] = []
     if distributed:
         port = free_port()

@@ -22,14 +22,15 @@ def check_environment(app_configs: Any = None, **kwargs: Any) -> list[Error | Wa
                 id="config.W001",
             )
         )
-    if not settings.DEBUG and not settings.SECRET_KEY_FROM_ENV and settings.DISTRIBUTED:
+    if not settings.SECRET_KEY_FROM_ENV and settings.DISTRIBUTED:
         messages.append(
-            Warning(
+            Error(
                 "SECRET_KEY is generated locally while running distributed.",
                 hint=(
-                    "Every API process must share one SECRET_KEY (and API_KEY_HASH_SECRET): set it in the environment."
+                    "Every API process must share one SECRET_KEY (and API_KEY_HASH_SECRET), or keys and sessions "
+                    "made by one are refused by the others: set it in the environment."
                 ),
-                id="config.W002",
+                id="config.E012",
             )
         )
     if settings.GATEWAY_API_KEY and not settings.GATEWAY_BASE_URL:

@@ -179,6 +179,29 @@ SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
 X_FRAME_OPTIONS = "DENY"
 
+# --- behind a TLS proxy -------------------------------------------------------------------------
+# The header the proxy sets on requests it received over HTTPS, as "X-Forwarded-Proto" (the value https)
+# or "Name: value". Only set it when the proxy strips that header from what clients send.
+_proxy_header = os.environ.get("SECURE_PROXY_SSL_HEADER", "").strip()
+if _proxy_header:
+    _name, _, _value = (part.strip() for part in _proxy_header.partition(":"))
+    if _name and all(c.isalnum() or c == "-" for c in _name) and " " not in _value:
+        SECURE_PROXY_SSL_HEADER = ("HTTP_" + _name.upper().replace("-", "_"), _value or "https")
+    else:
+        CONFIG_PROBLEMS.append(
+            (
+                "config.E006",
+                f"SECURE_PROXY_SSL_HEADER={_proxy_header!r} is not a header name, or 'Name: value'.",
+                "For example SECURE_PROXY_SSL_HEADER=X-Forwarded-Proto.",
+            )
+        )
+# The session and CSRF cookies go over HTTPS only and browsers are told to use HTTPS (sent only on requests
+# that came over it), unless DEBUG is on; set these to false to use the admin over plain HTTP off this host.
+SESSION_COOKIE_SECURE = _bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = _bool("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_HSTS_SECONDS = _int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["orgs.authentication.APIKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],

@@ -4,9 +4,11 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
 from .models import APIKey, Limit, Organization
@@ -101,14 +103,21 @@ class APIKeyAdmin(admin.ModelAdmin):
             return
         key, raw = APIKey.generate(organization=obj.organization, name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.prefix, obj.hashed_key, obj.created = key.pk, key.prefix, key.hashed_key, key.created
-        messages.warning(
-            request,
-            format_html(
-                'New API key for {}: <code id="new-api-key">{}</code> — copy it now; it is not shown again.',
-                obj.organization.slug,
-                raw,
-            ),
-        )
+        obj.raw_key = raw  # type: ignore[attr-defined]  # for response_add, this request only
+
+    def response_add(self, request: HttpRequest, obj: APIKey, post_url_continue: str | None = None) -> HttpResponse:
+        """The new key's secret, shown in this response and nowhere else: not through the messages framework,
+        whose cookie or session would carry it to the browser's storage or the database."""
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "API key created",
+            "key": obj,
+            "raw_key": obj.raw_key,  # type: ignore[attr-defined]
+        }
+        response = TemplateResponse(request, "admin/orgs/apikey/created.html", context)
+        add_never_cache_headers(response)
+        return response
 
     def has_delete_permission(self, request: HttpRequest, obj: APIKey | None = None) -> bool:
         return False

@@ -162,6 +162,7 @@ def test_an_admin_creates_an_organization_and_a_key_that_works_until_revoked(pag
     SCREENSHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "key-created.png"), full_page=True)
 
+    page.click("#keys-link")
     page.locator("#result_list tr", has_text=slug).locator("th a").click()
     expect(page.locator("h1")).to_contain_text("Change API key")
     assert page.locator("#new-api-key").count() == 0

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -157,3 +159,24 @@ async def test_a_revocation_no_process_is_told_of_takes_effect_within_the_cache_
     await asyncio.sleep(1.05)
 
     assert_invalid_key(await api.get("/v1/infer/models"), api.key)
+
+
+def test_the_admin_shows_a_new_key_once_in_its_own_response_and_no_cookie_or_session_carries_it(
+    organization: Organization,
+) -> None:
+    admin = Client()
+    admin.force_login(User.objects.create(username="root", is_staff=True, is_superuser=True))
+
+    response = admin.post(
+        "/admin/orgs/apikey/add/",
+        {"organization": organization.pk, "name": "ci", "expires_at_0": "", "expires_at_1": ""},
+    )
+
+    assert response.status_code == 200
+    raw = re.search(r'<code id="new-api-key">([^<]+)</code>', response.content.decode()).group(1)
+    assert APIKey.objects.get(organization=organization, name="ci").matches(raw)
+    assert "no-store" in response["Cache-Control"]
+    assert set(response.cookies) <= {"csrftoken"} and raw not in str(response.cookies)
+    assert raw not in str(dict(admin.session.items()))
+    listing = admin.get("/admin/orgs/apikey/").content.decode()
+    assert "ci" in listing and raw not in listing

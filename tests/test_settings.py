@@ -1,0 +1,82 @@
+"""Settings read from the environment, and the system checks that refuse what cannot work: each case in a fresh
+process, as a deployment would start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import ROOT
+
+SHOW = (
+    "import json, django; django.setup(); from django.conf import settings as s; print(json.dumps({name: "
+    "getattr(s, name, None) for name in ('SECURE_PROXY_SSL_HEADER', 'CSRF_TRUSTED_ORIGINS', 'SESSION_COOKIE_SECURE', "
+    "'CSRF_COOKIE_SECURE', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS')}))"
+)
+
+
+def run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DEBUG", "REDIS_URL")}
+    environment.update(B3OS_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL="", **env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
+def settings_with(tmp_path: Path, **env: str) -> dict[str, Any]:
+    result = run(["-c", SHOW], tmp_path, **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_behind_a_tls_proxy_the_forwarded_scheme_and_the_trusted_origins_come_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    found = settings_with(
+        tmp_path,
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        CSRF_TRUSTED_ORIGINS="https://infer.example.com,https://admin.example.com",
+        SECURE_HSTS_INCLUDE_SUBDOMAINS="true",
+    )
+
+    assert found["SECURE_PROXY_SSL_HEADER"] == ["HTTP_X_FORWARDED_PROTO", "https"]
+    assert found["CSRF_TRUSTED_ORIGINS"] == ["https://infer.example.com", "https://admin.example.com"]
+    assert found["SECURE_HSTS_INCLUDE_SUBDOMAINS"] is True
+    assert settings_with(tmp_path, SECURE_PROXY_SSL_HEADER="X-Scheme: secure")["SECURE_PROXY_SSL_HEADER"] == [
+        "HTTP_X_SCHEME",
+        "secure",
+    ]
+
+
+def test_cookies_are_secure_and_hsts_is_on_unless_debug_is(tmp_path: Path) -> None:
+    production = settings_with(tmp_path)
+    debugging = settings_with(tmp_path, DEBUG="true")
+    plain_http = settings_with(tmp_path, SESSION_COOKIE_SECURE="false", CSRF_COOKIE_SECURE="false")
+
+    assert (production["SESSION_COOKIE_SECURE"], production["CSRF_COOKIE_SECURE"]) == (True, True)
+    assert production["SECURE_HSTS_SECONDS"] == 365 * 24 * 3600
+    assert (debugging["SESSION_COOKIE_SECURE"], debugging["CSRF_COOKIE_SECURE"], debugging["SECURE_HSTS_SECONDS"]) == (
+        False,
+        False,
+        0,
+    )
+    assert (plain_http["SESSION_COOKIE_SECURE"], plain_http["CSRF_COOKIE_SECURE"]) == (False, False)
+
+
+def test_a_proxy_header_that_is_not_a_header_name_is_refused_by_the_checks(tmp_path: Path) -> None:
+    result = run(["manage.py", "check"], tmp_path, SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto=https")
+
+    assert result.returncode != 0
+    assert "config.E006" in result.stderr and "SECURE_PROXY_SSL_HEADER" in result.stderr
+
+
+def test_running_distributed_without_a_shared_secret_key_is_an_error(tmp_path: Path) -> None:
+    unshared = run(["manage.py", "check"], tmp_path, REDIS_URL="redis://127.0.0.1:1/0")
+    shared = run(["manage.py", "check"], tmp_path, REDIS_URL="redis://127.0.0.1:1/0", SECRET_KEY="one-for-all")
+
+    assert unshared.returncode != 0 and "config.E012" in unshared.stderr
+    assert shared.returncode == 0, shared.stderr
