@@ -1,18 +1,35 @@
-"""An instance's guardrails, loaded once per request: which text they block, and what the user is told."""
+"""An instance's guardrails, loaded once per request: which text they block, and what the user is told.
+
+Patterns are admins' regular expressions, and some of them backtrack for ever on the wrong text. Matching
+runs with the ``regex`` module's timeout, on threads of its own with the GIL released, so a slow pattern
+neither blocks the event loop nor holds the threads that authenticate requests; a check that runs out of
+time (``AGENT_GUARDRAIL_TIMEOUT_MS`` for all the rules and texts of one check) counts as a match, because a
+guardrail that cannot say no must not say yes.
+"""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
 
 from agents.models import Guardrail
+
+logger = logging.getLogger("agents.guardrails")
+
+_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guardrails")
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
     name: str
-    pattern: re.Pattern[str]
+    pattern: Any  # a compiled ``regex`` pattern
     refusal: str
 
 
@@ -29,16 +46,29 @@ class Guardrails:
             on_output=tuple(rule for g, rule in rules if g.checks("output")),
         )
 
-    def check_input(self, text: str) -> Rule | None:
-        return _first_match(self.on_input, text)
+    async def check_input(self, texts: Sequence[str]) -> Rule | None:
+        return await _first_match(self.on_input, texts)
 
-    def check_output(self, text: str) -> Rule | None:
-        return _first_match(self.on_output, text)
+    async def check_output(self, text: str) -> Rule | None:
+        return await _first_match(self.on_output, [text])
 
 
-def _first_match(rules: tuple[Rule, ...], text: str) -> Rule | None:
-    if text:
-        for rule in rules:
-            if rule.pattern.search(text):
+async def _first_match(rules: tuple[Rule, ...], texts: Sequence[str]) -> Rule | None:
+    texts = [text for text in texts if text]
+    if not rules or not texts:
+        return None
+    return await asyncio.get_running_loop().run_in_executor(_threads, _search, rules, texts)
+
+
+def _search(rules: tuple[Rule, ...], texts: list[str]) -> Rule | None:
+    deadline = time.monotonic() + settings.AGENT_GUARDRAIL_TIMEOUT_MS / 1000
+    for rule in rules:
+        for text in texts:
+            try:
+                found = rule.pattern.search(text, timeout=max(deadline - time.monotonic(), 0.001), concurrent=True)
+            except TimeoutError:
+                logger.warning("guardrail %r ran out of time on a text of %d characters: refused", rule.name, len(text))
+                return rule
+            if found is not None:
                 return rule
     return None

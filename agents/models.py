@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import re
-from typing import Literal
+from typing import Any, Literal
 
+import regex
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
@@ -137,12 +137,13 @@ class Guardrail(models.Model):
     def lines(self) -> list[str]:
         return [line.strip() for line in self.patterns.splitlines() if line.strip()]
 
-    def pattern(self) -> re.Pattern[str]:
+    def pattern(self) -> Any:
+        """The lines as one ``regex`` pattern (the module whose matching can be given a time limit)."""
         if self.kind == MatchKind.REGEX:
             alternatives = [f"(?:{line})" for line in self.lines()]
         else:
-            alternatives = [rf"(?<!\w){re.escape(line)}(?!\w)" for line in self.lines()]
-        return re.compile("|".join(alternatives), re.IGNORECASE)
+            alternatives = [rf"(?<!\w){regex.escape(line)}(?!\w)" for line in self.lines()]
+        return regex.compile("|".join(alternatives), regex.IGNORECASE)
 
     def checks(self, stage: Literal["input", "output"]) -> bool:
         return self.enabled and self.applies_to in (stage, Stage.BOTH)
@@ -153,8 +154,8 @@ class Guardrail(models.Model):
         if self.kind == MatchKind.REGEX:
             for line in self.lines():
                 try:
-                    re.compile(line)
-                except re.error as exc:
+                    regex.compile(line)
+                except regex.error as exc:
                     raise ValidationError({"patterns": f"{line!r} is not a regular expression: {exc}."}) from None
 
 

@@ -121,17 +121,32 @@ class Transcript:
         return responses.conversation(self.items, instructions=system or None)
 
 
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return " ".join(part.get("text", "") for part in content or () if isinstance(part, dict))
+
+
+GUARDED_ROLES = frozenset({"user", "system", "developer"})
+
+
+def client_texts(items: list[dict[str, Any]], *, instructions: str | None) -> list[str]:
+    """What the client wrote for the model in this request, for the input guardrails: its instructions and the
+    text of every user, system and developer message in its input (not only the last), wherever it stands."""
+    texts = [instructions or ""]
+    for item in items:
+        if item.get("type", "message") == "message" and item.get("role") in GUARDED_ROLES:
+            texts.append(_text(item.get("content")))
+    return [text for text in texts if text.strip()]
+
+
 def new_user_text(items: list[dict[str, Any]]) -> str:
     """The text of the user's new messages: those at the end of the input, after the last other item."""
     texts: list[str] = []
     for item in reversed(items):
         if item.get("type", "message") != "message" or item.get("role") != "user":
             break
-        content = item.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        else:
-            texts.append(" ".join(part.get("text", "") for part in content or () if isinstance(part, dict)))
+        texts.append(_text(item.get("content")))
     return "\n".join(reversed(texts)).strip()
 
 
@@ -307,7 +322,8 @@ class AgentTurn:
 
     async def _turn(self) -> AsyncGenerator[list[dict[str, Any]], None]:
         user_text = new_user_text(self.input_items)
-        if (rule := self.agent.guardrails.check_input(user_text)) is not None:
+        checked = client_texts(self.input_items, instructions=self.params.instructions)
+        if (rule := await self.agent.guardrails.check_input(checked)) is not None:
             yield self.encoder.refuse(rule.refusal)
             yield await self._finish("stop")
             return
@@ -353,17 +369,23 @@ class AgentTurn:
                     if isinstance(piece, Done):
                         done = piece
                         break
+                    # Checked before it is sent: blocked words never reach the client, in the answer, the
+                    # reasoning, or the arguments of a call (the client's to run, or shown as the server's).
+                    if isinstance(piece, ToolCallPiece):
+                        shown = piece.arguments
+                    elif isinstance(piece, TextPiece):
+                        shown = self.encoder.open_text + piece.text
+                    elif isinstance(piece, ReasoningPiece):
+                        shown = self.encoder.open_reasoning + piece.text
+                    else:
+                        shown = ""
+                    if (rule := await self.agent.guardrails.check_output(shown)) is not None:
+                        outcome.refused = True
+                        yield self.encoder.refuse(rule.refusal)
+                        break
                     if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
                         outcome.server_calls.append(piece)
                         continue
-                    if isinstance(piece, TextPiece | ReasoningPiece):
-                        # Checked before it is sent: blocked words never reach the client, in the answer
-                        # or the reasoning.
-                        so_far = self.encoder.open_text if isinstance(piece, TextPiece) else self.encoder.open_reasoning
-                        if (rule := self.agent.guardrails.check_output(so_far + piece.text)) is not None:
-                            outcome.refused = True
-                            yield self.encoder.refuse(rule.refusal)
-                            break
                     outcome.external_call |= isinstance(piece, ToolCallPiece)
                     yield self.encoder.feed(piece)
         finally:

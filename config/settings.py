@@ -286,6 +286,15 @@ if AGENT_MAX_STEPS < 1:
     CONFIG_PROBLEMS.append(("config.E031", f"AGENT_MAX_STEPS={AGENT_MAX_STEPS} is below 1.", "Use 1 or more."))
     AGENT_MAX_STEPS = 4
 
+# Longest one guardrail check may match for (all its rules over all the texts it reads); past it, the
+# guardrail refuses, as if it had matched.
+AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100)
+if AGENT_GUARDRAIL_TIMEOUT_MS < 1:
+    CONFIG_PROBLEMS.append(
+        ("config.E032", f"AGENT_GUARDRAIL_TIMEOUT_MS={AGENT_GUARDRAIL_TIMEOUT_MS} is below 1.", "Use 1 or more.")
+    )
+    AGENT_GUARDRAIL_TIMEOUT_MS = 100
+
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
 # Longest wait for the upstream's next bytes; connections pooled per API process.
