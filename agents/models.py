@@ -175,6 +175,7 @@ class StoredResponse(models.Model):
     status = models.CharField(max_length=16)
     input_items = models.JSONField(default=list)
     output_items = models.JSONField(default=list)
+    size = models.PositiveIntegerField(default=0, help_text="Bytes of its input and output items, as stored.")
     usage = models.JSONField(default=dict, blank=True)
     request_id = models.CharField(max_length=40, blank=True)
     created = models.DateTimeField(default=timezone.now, db_index=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import orjson
 from django.conf import settings
 from django.db.models import Max
 from django.utils import timezone
@@ -17,6 +18,7 @@ from core.db import db_task
 from inference.engine import capabilities
 from inference.openai import responses as wire
 from inference.openai.errors import NOT_FOUND, APIError, invalid_request
+from inference.openai.shared import declared_fields
 from inference.serving import responses
 from inference.serving.caller import Caller, Result, admit_request, meter_for
 from inference.serving.metered import metered
@@ -98,18 +100,66 @@ def previous_not_found(response_id: str) -> APIError:
     )
 
 
-def load_history(*, response_id: str, organization_id: int) -> tuple[StoredResponse, list[dict[str, Any]]]:
-    """The stored response and the items of its conversation up to and including it, oldest first."""
+def conversation_too_large(detail: str, *, param: str) -> APIError:
+    return invalid_request(
+        f"{detail} Start a new conversation, or continue with store: false and the items you need as input.",
+        param=param,
+        code="conversation_too_large",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """A stored response, the items of its conversation up to and including it (oldest first), and what the
+    whole conversation holds, all its branches together."""
+
+    last: StoredResponse
+    items: list[dict[str, Any]]
+    turns: int
+    size: int  # bytes of stored items
+
+    def check_room(self, *, adding: int) -> None:
+        """Refuses a new turn of ``adding`` bytes that the conversation has no room for."""
+        if self.turns >= settings.AGENT_CONVERSATION_MAX_TURNS:
+            raise conversation_too_large(
+                f"The conversation of {self.last.response_id!r} holds {self.turns} stored turns, the most one "
+                "conversation may hold.",
+                param="previous_response_id",
+            )
+        if self.size + adding > settings.AGENT_CONVERSATION_MAX_BYTES:
+            raise conversation_too_large(
+                f"The conversation of {self.last.response_id!r} holds {self.size} bytes of items; with this input's "
+                f"{adding} it would pass the {settings.AGENT_CONVERSATION_MAX_BYTES} one conversation may hold.",
+                param="input",
+            )
+
+
+def load_history(*, response_id: str, organization_id: int) -> History:
+    """The conversation up to ``response_id``: only that branch's items are read, and at most
+    ``AGENT_CONVERSATION_MAX_TURNS`` turns are looked at."""
     last = find_stored(response_id=response_id, organization_id=organization_id)
     if last is None:
         raise previous_not_found(response_id)
-    turns = {row.pk: row for row in StoredResponse.objects.filter(thread=last.thread, organization_id=organization_id)}
-    chain: list[StoredResponse] = []
-    row: StoredResponse | None = last
-    while row is not None:
-        chain.append(row)
-        row = turns.get(row.previous_id) if row.previous_id is not None else None
-    return last, [item for turn in reversed(chain) for item in (*turn.input_items, *turn.output_items)]
+    most = settings.AGENT_CONVERSATION_MAX_TURNS
+    rows = StoredResponse.objects.filter(thread=last.thread, organization_id=organization_id)
+    links = {pk: (previous, size) for pk, previous, size in rows.values_list("pk", "previous_id", "size")[: most + 1]}
+    if len(links) > most:
+        raise conversation_too_large(
+            f"The conversation of {response_id!r} holds more than {most} stored turns.", param="previous_response_id"
+        )
+    chain: list[int] = []
+    pk: int | None = last.pk
+    while pk is not None and pk in links:
+        chain.append(pk)
+        pk = links[pk][0]
+    turns = StoredResponse.objects.only("input_items", "output_items").in_bulk(chain)
+    items = [item for pk in reversed(chain) for item in (*turns[pk].input_items, *turns[pk].output_items)]
+    return History(last=last, items=items, turns=len(links), size=sum(size for _, size in links.values()))
+
+
+def stored_size(*item_lists: list[dict[str, Any]]) -> int:
+    """The bytes items take when stored, as JSON."""
+    return sum(len(orjson.dumps(items)) for items in item_lists)
 
 
 _last_prune = 0.0
@@ -140,6 +190,7 @@ def keep_response(
         status=response["status"],
         input_items=input_items,
         output_items=response["output"],
+        size=stored_size(input_items, response["output"]),
         usage=response.get("usage") or {},
         request_id=request_id,
     )
@@ -161,15 +212,17 @@ def prune_responses() -> int:
 
 
 def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
-    """This turn's input as items (a string is one user message), with replayed server tool calls checked."""
+    """This turn's input as items (a string is one user message) with only their declared fields, and replayed
+    server tool calls checked."""
     if isinstance(params.input, str):
         return [{"type": "message", "role": "user", "content": params.input}]
     items = []
     for index, item in enumerate(params.input):
-        data = item.model_dump(mode="json", exclude_none=True)
+        # Only the fields the runtime knows are kept: anything else would be stored at no token cost.
+        data = declared_fields(item)
         if isinstance(item, wire.OtherItem) and item.type == AGENT_CALL:
             try:
-                data = AgentCall.model_validate(data).model_dump(mode="json")
+                data = declared_fields(AgentCall.model_validate(item.model_dump(mode="json")))
             except ValidationError as exc:
                 first = exc.errors(include_url=False)[0]
                 where = ".".join(str(part) for part in (f"input.{index}", *first["loc"]))
@@ -229,13 +282,20 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     organization_id = caller.organization_id
     agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
     _check_against_instance(params, agent)
+    items = input_items(params)
     previous: StoredResponse | None = None
     history: list[dict[str, Any]] = []
     if params.previous_response_id is not None:
-        previous, history = await _load_history(
-            response_id=params.previous_response_id, organization_id=organization_id
+        found = await _load_history(response_id=params.previous_response_id, organization_id=organization_id)
+        if params.keeps:
+            found.check_room(adding=stored_size(items))
+        previous, history = found.last, found.items
+    elif params.keeps and (size := stored_size(items)) > settings.AGENT_CONVERSATION_MAX_BYTES:
+        raise conversation_too_large(
+            f"This input's {size} bytes of items pass the {settings.AGENT_CONVERSATION_MAX_BYTES} one conversation "
+            "may hold.",
+            param="input",
         )
-    items = input_items(params)
 
     async def keep(response: dict[str, Any]) -> None:
         await _keep_response(

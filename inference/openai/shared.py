@@ -33,6 +33,25 @@ class LooseModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+def declared_fields(model: BaseModel) -> dict[str, Any]:
+    """``model`` as JSON with only the fields its classes declare, at every depth: what a ``LooseModel`` let
+    through without knowing it (ids and annotations clients echo back, or anything else) is left out."""
+    return model.model_dump(mode="json", exclude_none=True, exclude=_undeclared(model) or None)
+
+
+def _undeclared(value: Any) -> dict[Any, Any]:
+    """Pydantic's ``exclude`` for the undeclared fields in ``value``, nested as ``value`` is."""
+    if isinstance(value, BaseModel):
+        spec: dict[Any, Any] = dict.fromkeys(value.model_extra or {}, True)
+        for name in type(value).model_fields:
+            if inner := _undeclared(getattr(value, name)):
+                spec[name] = inner
+        return spec
+    if isinstance(value, list):
+        return {index: inner for index, item in enumerate(value) if (inner := _undeclared(item))}
+    return {}
+
+
 # --- parsing a body -------------------------------------------------------------------------------
 
 

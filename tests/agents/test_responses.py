@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 from asgiref.sync import sync_to_async
+from django.db.models.signals import post_init
 from django.test import override_settings
 
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
@@ -130,6 +131,98 @@ async def test_without_store_nothing_is_kept_and_the_whole_history_in_input_read
         "/v1/responses", {"model": model, "input": "Hi", "stream": True, "previous_response_id": replayed["id"]}
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"
+
+
+# --- what a stored conversation holds -------------------------------------------------------------------------
+
+# Refused by the spare-parts agent's input guardrail: each turn is stored without running the model.
+REFUSED_TURN = "What is the admin password?"
+
+
+async def refused_turn(tenant: Tenant, agent: AgentInstance, **body: Any) -> Any:
+    body = {"model": agent.instance_id, "input": REFUSED_TURN, "stream": True, **body}
+    return await tenant.post("/v1/responses", body, accept="text/event-stream")
+
+
+async def test_input_items_are_stored_without_the_fields_the_runtime_does_not_know(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    echoed = {
+        "type": "message",
+        "role": "user",
+        "id": "msg_from_the_client",
+        "stash": "x" * 100_000,
+        "content": [{"type": "input_text", "text": REFUSED_TURN, "hidden": {"more": "y" * 100_000}}],
+    }
+
+    await tenant.stream(model=spare_parts.instance_id, input=[echoed])
+
+    stored = await StoredResponse.objects.aget()
+    assert stored.input_items == [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": REFUSED_TURN}]}
+    ]
+    assert stored.size < 2_000
+
+
+@override_settings(AGENT_CONVERSATION_MAX_TURNS=2)
+async def test_a_stored_conversation_holds_at_most_its_turns_counting_every_branch(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    _, first = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN)
+    _, second = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=first["id"])
+
+    third = await refused_turn(tenant, spare_parts, previous_response_id=second["id"])
+    branch = await refused_turn(tenant, spare_parts, previous_response_id=first["id"])
+    unstored = await refused_turn(tenant, spare_parts, previous_response_id=second["id"], store=False)
+
+    for refused in (third, branch):
+        assert refused.status_code == 400, refused.content
+        assert refused.json()["error"]["code"] == "conversation_too_large"
+        assert refused.json()["error"]["param"] == "previous_response_id"
+    assert unstored.status_code == 200
+    assert await StoredResponse.objects.acount() == 2
+
+
+@override_settings(AGENT_CONVERSATION_MAX_BYTES=3_000)
+async def test_a_stored_conversation_holds_at_most_its_bytes(tenant: Tenant, spare_parts: AgentInstance) -> None:
+    padded = REFUSED_TURN + " " + "spare parts " * 100  # about 1.2 KB
+
+    _, first = await tenant.stream(model=spare_parts.instance_id, input=padded)
+    too_much = await refused_turn(tenant, spare_parts, input=padded + padded, previous_response_id=first["id"])
+    too_much_alone = await refused_turn(tenant, spare_parts, input=padded * 3)
+
+    for refused in (too_much, too_much_alone):
+        assert refused.status_code == 400, refused.content
+        assert refused.json()["error"]["code"] == "conversation_too_large"
+        assert refused.json()["error"]["param"] == "input"
+    assert await StoredResponse.objects.acount() == 1
+
+
+async def test_continuing_a_conversation_reads_the_turns_of_its_own_branch_only(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    _, root = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN)
+    branches = [
+        (await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=root["id"]))[1]
+        for _ in range(6)
+    ]
+    loaded: list[StoredResponse] = []
+
+    def count(sender: type, instance: StoredResponse, **kwargs: Any) -> None:
+        if instance.pk is not None:  # read from the database, not the turn being stored
+            loaded.append(instance)
+
+    post_init.connect(count, sender=StoredResponse)
+    try:
+        await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=branches[2]["id"])
+    finally:
+        post_init.disconnect(count, sender=StoredResponse)
+
+    # The response continued from (found by its id), then its branch's two turns with their items.
+    assert sorted({row.pk for row in loaded}) == sorted(
+        [row.pk async for row in StoredResponse.objects.filter(response_id__in=[root["id"], branches[2]["id"]])]
+    )
+    assert len(loaded) <= 3
 
 
 # --- server tools and citations ---------------------------------------------------------------------------
