@@ -82,7 +82,13 @@ class JobFailed:
     message: str
 
 
-JobEvent = RawEvent | JobFailed
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """First event of every job the runner took: it is generating or waiting in the runner's queue. A runner
+    refuses a job it cannot hold (its queue is full) before this, with ``JobFailed`` code ``overloaded``."""
+
+
+JobEvent = RawEvent | JobFailed | Accepted
 _DONE = object()
 
 
@@ -92,12 +98,17 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def put(item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is gone: nobody will read the rest
+            cancelled.set()
 
     def work() -> None:
         try:
             runner = get_runner(job.runner, job.runner_settings)
-            for event in runner.stream(job, cancelled.is_set):
+            events = runner.stream(job, cancelled.is_set)
+            put(Accepted())
+            for event in events:
                 put(event)
         except RunnerError as exc:
             put(JobFailed(exc.code, str(exc)))
@@ -134,6 +145,8 @@ def encode(events: list[JobEvent]) -> list[list[Any]]:
             out.append(["t", event.text, event.tokens, logprobs])
         elif isinstance(event, Finished):
             out.append(["f", event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens])
+        elif isinstance(event, Accepted):
+            out.append(["a"])
         else:
             out.append(["e", event.code, event.message])
     return out
@@ -148,6 +161,8 @@ def decode(wire: list[list[Any]]) -> list[JobEvent]:
             out.append(TextChunk(item[1], item[2], logprobs))
         elif kind == "f":
             out.append(Finished(item[1], item[2], item[3], item[4]))
+        elif kind == "a":
+            out.append(Accepted())
         else:
             out.append(JobFailed(item[1], item[2]))
     return out
