@@ -64,6 +64,22 @@ def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
         return _runners[key]
 
 
+_capacities: dict[str, Any] = {}
+
+
+def get_capacity(runner: str, settings: dict[str, Any]) -> Any | None:
+    """What a model's settings let one loaded copy hold (sequences, queue, KV cache), for runners that say;
+    None for the others, and for settings that do not load."""
+    key = _cache_key(runner, settings)
+    if key not in _capacities:
+        try:
+            estimate = getattr(_module(runner), "capacity", None)
+            _capacities[key] = estimate(settings) if estimate is not None else None
+        except RunnerError:
+            return None
+    return _capacities[key]
+
+
 def get_renderer(runner: str, settings: dict[str, Any]) -> PromptRenderer:
     key = _cache_key(runner, settings)
     if (loaded := _renderers.get(key)) is not None:
