@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 
 from inference.engine.generation import GenerationRequest, prepare
 from inference.models import CatalogEntry
-from tests.conftest import MODEL_ID, manage
+from tests.conftest import API, MODEL_ID, manage
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -61,3 +61,14 @@ def test_a_fresh_install_samples_the_embedded_model_as_its_model_card_says(tmp_p
     )
 
     assert shown.strip().splitlines()[-1] == "{'temperature': 0.2, 'top_p': 0.9}"
+
+
+async def test_a_response_echoes_the_sampling_it_applied(api: API, catalog_model: CatalogEntry) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(sampling_defaults={"temperature": 0.2, "top_p": 0.9})
+    body = {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 16}
+
+    unset = (await api.post("/v1/infer/responses", body)).json()
+    asked = (await api.post("/v1/infer/responses", {**body, "temperature": 0.7})).json()
+
+    assert (unset["temperature"], unset["top_p"]) == (0.2, 0.9)
+    assert (asked["temperature"], asked["top_p"]) == (0.7, 0.9)
