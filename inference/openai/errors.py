@@ -19,6 +19,7 @@ from inference.engine.exceptions import (
     ContextLengthExceeded,
     ModelNotServed,
     ModelUnavailable,
+    Overloaded,
     SchemaNotEnforceable,
     TooManyTopLogprobs,
 )
@@ -142,6 +143,7 @@ def status_error(status: int) -> APIError:
 # (file paths, a library's message, a queue's name) are for the log, never for the client.
 GENERATION_FAILURES: Mapping[str, str] = {
     "no_worker": "no model worker took the job in time",
+    "overloaded": "the model is serving as many requests as it can hold",
     "worker_lost": "the model worker stopped responding mid-generation",
     "runner_unavailable": "the model could not be loaded",
     "model_not_available": "the model is not available on this node",
@@ -152,7 +154,7 @@ GENERATION_FAILURES: Mapping[str, str] = {
 
 def generation_failed(code: str, *, request_id: str) -> APIError:
     """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost)."""
-    status = 503 if code in ("no_worker", "model_not_available") else 500
+    status = 503 if code in ("no_worker", "model_not_available", "overloaded") else 500
     what = GENERATION_FAILURES.get(code, "the model failed while generating the response")
     return APIError(
         f"Generation failed: {what}. Quote the request id {request_id} when you report it.",
@@ -198,6 +200,15 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ChatTemplateRefused):
         return invalid_request(
             f"The model's chat template cannot render these messages: {exc.detail}", param=names.prompt
+        )
+    if isinstance(exc, Overloaded):
+        # 429 is the caller's own limits; a server without room for more work answers 503, as OpenAI's does.
+        return APIError(
+            f"The model {exc.model_id!r} is serving as many requests as it can hold; try again shortly.",
+            code="overloaded",
+            status=503,
+            type=SERVER,
+            headers={"Retry-After": str(exc.retry_after)},
         )
     if isinstance(exc, InvalidAPIKey):
         return invalid_api_key()
