@@ -15,7 +15,6 @@ version some process remembered keys under.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -28,8 +27,6 @@ from core.redis import async_client, sync_client
 
 if TYPE_CHECKING:
     from .models import APIKey
-
-logger = logging.getLogger("orgs.keycache")
 
 VERSION_KEY = "b3os:auth:version"
 MAX_ENTRIES = 100_000
