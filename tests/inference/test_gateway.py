@@ -182,8 +182,8 @@ def test_an_upstream_that_is_down_is_a_502(setup: Setup) -> None:
     setup.server.query(
         "insert into inference_catalogentry (public_id, runner, runner_settings, context_length, max_output_tokens, "
         "json_schema, image_input, tools, reasoning, enabled, owned_by, created, upstream_base_url, upstream_api_key, "
-        "upstream_model) values ('proxied/down', 'llama_cpp', '{}', 8192, 1024, 1, 0, 1, 0, 1, 'b3os', "
-        "'2026-01-01 00:00:00', ?, 'k', 'x')",
+        "upstream_model, sampling_defaults) values ('proxied/down', 'llama_cpp', '{}', 8192, 1024, 1, 0, 1, 0, 1, "
+        "'b3os', '2026-01-01 00:00:00', ?, 'k', 'x', '{}')",
         f"http://127.0.0.1:{dead}/v1",
     )
     response = setup.post(chat(model="proxied/down"))
