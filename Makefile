@@ -44,10 +44,12 @@ run: install
 	@echo "Admin:    http://$(HOST):$(PORT)/admin/"
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
-# Servers and the browser the tests drive, from Debian's packages (PostgreSQL only for its server programs).
+# Servers and the browser the tests drive, from Debian's packages (PostgreSQL only for its server programs;
+# HAProxy is deploy/Procfile's load balancer).
 system-test-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v haproxy >/dev/null || missing="$$missing haproxy"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
