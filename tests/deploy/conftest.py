@@ -1,0 +1,64 @@
+"""One topology for the deployment tests, started from deploy/: PostgreSQL, Redis, a fake upstream for the gateway
+route, and the Procfile's processes (two API processes behind HAProxy, two workers on the model's queue, beat and
+the housekeeping worker). A test that takes a part away puts it back before it ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.topology import ROOT, Topology
+from tests.services import MissingProgram, Postgres, Redis, free_port
+
+pytestmark = pytest.mark.distributed
+
+MODEL = "b3os/smollm2-135m-instruct"
+GATEWAY_MODEL = "upstream/gpt-x"
+
+
+def start_upstream(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(port)],
+        cwd=ROOT,
+        stdout=open(directory / "upstream.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/last", timeout=1)
+            return process, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("the fake upstream did not start")
+
+
+@pytest.fixture(scope="package")
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    directory = tmp_path_factory.mktemp("topology")
+    try:
+        postgres = Postgres().start()
+        redis = Redis(directory).start()
+    except MissingProgram as exc:
+        pytest.fail(str(exc))
+    upstream, upstream_url = start_upstream(directory)
+    topology = Topology(directory, postgres=postgres, redis=redis, overrides={"GATEWAY_BASE_URL": upstream_url})
+    try:
+        topology.migrate()
+        for name in ("api1", "api2", "lb", "beat", "housekeeping"):
+            topology.start(name)
+        topology.start("smollm2", copy=1)
+        topology.start("smollm2", copy=2)
+        yield topology
+    finally:
+        topology.close()
+        upstream.terminate()
+        redis.stop()
+        postgres.destroy()
