@@ -4,40 +4,12 @@ the housekeeping worker). A test that takes a part away puts it back before it e
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.deploy.topology import ROOT, Topology
-from tests.services import MissingProgram, Postgres, Redis, free_port
-
-pytestmark = pytest.mark.distributed
-
-MODEL = "b3os/smollm2-135m-instruct"
-GATEWAY_MODEL = "upstream/gpt-x"
-
-
-def start_upstream(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(port)],
-        cwd=ROOT,
-        stdout=open(directory / "upstream.log", "wb"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/last", timeout=1)
-            return process, f"http://127.0.0.1:{port}/v1"
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("the fake upstream did not start")
+from tests.deploy.topology import Topology, start_upstream
+from tests.services import MissingProgram, Postgres, Redis
 
 
 @pytest.fixture(scope="package")
@@ -64,5 +36,6 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     finally:
         topology.close()
         upstream.terminate()
+        upstream.wait(timeout=10)
         redis.stop()
         postgres.destroy()

@@ -26,6 +26,8 @@ LONG_STORY = {
     "stream": True,
 }
 
+pytestmark = pytest.mark.distributed
+
 
 def jobs_received(topology: Topology, worker: str) -> int:
     return len(re.findall(r"Task inference\.generate\[[^]]+\] received", topology.running[worker].output()))

@@ -14,14 +14,16 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.conftest import MODEL
 from tests.deploy.topology import DEPLOY, Topology, env_example_names, procfile_names
+from tests.deploy.traffic import MODEL
 
 # Set by honcho for each process, not by the operator.
 HONCHO_SETS = {"PORT"}
 # Added by Prometheus to every series it scrapes.
 PROMETHEUS_LABELS = {"job", "instance"}
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
+
+pytestmark = pytest.mark.distributed
 
 
 def variables(text: str) -> set[str]:

@@ -7,9 +7,12 @@ import re
 import time
 
 import httpx
+import pytest
 
 from tests.deploy.topology import Topology, sum_samples
 from tests.deploy.traffic import Outcome, chat, send
+
+pytestmark = pytest.mark.distributed
 
 
 async def burst(topology: Topology, key: str, count: int, **request: object) -> list[Outcome]:

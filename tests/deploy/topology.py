@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,25 @@ DEPLOY = ROOT / "deploy"
 PROCFILE = DEPLOY / "Procfile"
 HONCHO = str(Path(sys.executable).parent / "honcho")
 MODEL_QUEUE = "model.b3os.smollm2-135m-instruct"
+
+
+def start_upstream(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The fake OpenAI-compatible upstream (tests/fakes/openai_upstream.py) for the gateway route, and its base URL."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(port)],
+        cwd=ROOT,
+        stdout=open(directory / "upstream.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/last", timeout=1)
+            return process, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError("the fake upstream did not start")
 
 
 def procfile_names() -> list[str]:
@@ -210,16 +229,19 @@ class Topology:
             return False
 
     def stop(self, key: str) -> None:
+        """Stops a process as an operator's Ctrl-C does (honcho passes SIGTERM on), and kills whatever outlived it:
+        a Celery worker's warm shutdown waits for its running jobs."""
         running = self.running.pop(key)
+        # honcho starts each program in a session of its own, so they are found now, while honcho still parents them.
+        programs = descendants(running.honcho.pid)
         if running.alive():
-            os.killpg(running.honcho.pid, signal.SIGTERM)
+            running.honcho.send_signal(signal.SIGTERM)
             try:
-                running.honcho.wait(timeout=20)
+                running.honcho.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.killpg(running.honcho.pid, signal.SIGKILL)
+                running.honcho.kill()
                 running.honcho.wait(timeout=10)
-        # honcho starts each program in a session of its own: end any that outlived it.
-        for pid in descendants(running.honcho.pid):
+        for pid in programs:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -264,11 +286,3 @@ def sum_samples(samples: Mapping[str, float], name: str, **labels: str) -> float
         for key, value in samples.items()
         if key.split("{", 1)[0] == name and all(part in key for part in wanted)
     )
-
-
-def process_tree(pids: Iterator[int] | list[int]) -> list[int]:
-    out: list[int] = []
-    for pid in pids:
-        out.append(pid)
-        out.extend(descendants(pid))
-    return out
