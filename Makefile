@@ -9,7 +9,7 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' p
 CODEX_VERSION := 0.171.0
 CODEX_DIR := var/codex
 
-.PHONY: run test install install-test rebuild-runner system-test-deps codex-cli bench clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,7 +67,12 @@ $(CODEX_DIR)/.installed-$(CODEX_VERSION):
 
 codex-cli: $(CODEX_DIR)/.installed-$(CODEX_VERSION)
 
-test: install-test system-test-deps codex-cli
+# Lint (with import order) and type checks come first: they take seconds, the suite minutes.
+lint: install-test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: lint system-test-deps codex-cli
 	$(PY) -m pytest
 
 bench: install-test system-test-deps

@@ -10,9 +10,9 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from .models import AgentInstance, Document, Feedback, Guardrail, StoredResponse
-from .protocol import AGENT_CALL
-from .tools import REGISTRY
+from agents.models import AgentInstance, Document, Feedback, Guardrail, StoredResponse
+from agents.protocol import AGENT_CALL
+from agents.tools.registry import REGISTRY
 
 
 class AgentInstanceForm(forms.ModelForm):
@@ -26,7 +26,9 @@ class AgentInstanceForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["tools"].choices = [(name, f"{name}: {tool.description}") for name, tool in sorted(REGISTRY.items())]
+        self.fields["tools"].choices = [
+            (name, f"{name}: {tool.description}") for name, tool in sorted(REGISTRY.items())
+        ]
 
 
 class DocumentForm(forms.ModelForm):

@@ -8,12 +8,10 @@ from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inference.api import render_result
-from inference.apiview import AsyncAPIView
-from inference.errors import PERMISSION, APIError
-from inference.protocol import parse
-from inference.services import Caller
-from orgs.db import db_task
+from core.db import db_task
+from inference.api.base import AsyncAPIView
+from inference.openai.errors import PERMISSION, APIError
+from inference.openai.shared import parse
 from orgs.models import Organization
 
 from . import protocol, services
@@ -41,18 +39,15 @@ def tenant(request: Request) -> Organization:
     return organization
 
 
-def _caller(request: Request) -> Caller:
-    request._request.infer_route = "agent"
-    return Caller(api_key=request.auth, request_id=request._request.request_id)
-
-
 class ResponsesView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> HttpResponseBase:
         tenant(request)
         params = parse(protocol.AgentResponseRequest, request.data)
-        return render_result(request, await services.create_response(params=params, caller=_caller(request)))
+        self.names(request, params.param_names())
+        caller = self.caller(request, route=services.ROUTE)
+        return self.render_result(request, await services.create_response(params=params, caller=caller))
 
 
 class InstancesView(AsyncAPIView):

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .models import Guardrail, Stage
+from agents.models import Guardrail
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +25,8 @@ class Guardrails:
     def of(cls, guardrails: Iterable[Guardrail]) -> Guardrails:
         rules = [(g, Rule(g.name, g.pattern(), g.refusal)) for g in guardrails if g.enabled and g.lines()]
         return cls(
-            on_input=tuple(rule for g, rule in rules if g.checks(Stage.INPUT)),
-            on_output=tuple(rule for g, rule in rules if g.checks(Stage.OUTPUT)),
+            on_input=tuple(rule for g, rule in rules if g.checks("input")),
+            on_output=tuple(rule for g, rule in rules if g.checks("output")),
         )
 
     def check_input(self, text: str) -> Rule | None:

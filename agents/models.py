@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from typing import Literal
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from agents.tools.registry import REGISTRY
 from inference.models import HTTPSURLField
 
 INSTANCE_ID = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
@@ -53,7 +54,9 @@ class AgentInstance(models.Model):
         help_text="For requests that set none (blank: 1.0). Small models answer best at 0.",
     )
     max_output_tokens = models.PositiveIntegerField(
-        null=True, blank=True, help_text="Per response, for requests that set none (blank: the catalog model's maximum)."
+        null=True,
+        blank=True,
+        help_text="Per response, for requests that set none (blank: the catalog model's maximum).",
     )
     organizations = models.ManyToManyField(
         "orgs.Organization", related_name="agent_instances", blank=True, help_text="The tenants that may use it."
@@ -72,8 +75,6 @@ class AgentInstance(models.Model):
         return self.instance_id
 
     def clean(self) -> None:
-        from .tools import REGISTRY
-
         if not isinstance(self.tools, list) or not all(isinstance(name, str) for name in self.tools):
             raise ValidationError({"tools": "A list of tool names."})
         if unknown := sorted(set(self.tools) - set(REGISTRY)):
@@ -143,7 +144,7 @@ class Guardrail(models.Model):
             alternatives = [rf"(?<!\w){re.escape(line)}(?!\w)" for line in self.lines()]
         return re.compile("|".join(alternatives), re.IGNORECASE)
 
-    def checks(self, stage: Stage) -> bool:
+    def checks(self, stage: Literal["input", "output"]) -> bool:
         return self.enabled and self.applies_to in (stage, Stage.BOTH)
 
     def clean(self) -> None:
@@ -168,9 +169,7 @@ class StoredResponse(models.Model):
     organization = models.ForeignKey("orgs.Organization", on_delete=models.CASCADE, related_name="agent_responses")
     instance = models.ForeignKey(AgentInstance, on_delete=models.CASCADE, related_name="responses")
     api_key = models.ForeignKey("orgs.APIKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
-    previous = models.ForeignKey(
-        "self", on_delete=models.CASCADE, null=True, blank=True, related_name="continuations"
-    )
+    previous = models.ForeignKey("self", on_delete=models.CASCADE, null=True, blank=True, related_name="continuations")
     thread = models.CharField(max_length=64, db_index=True)
     status = models.CharField(max_length=16)
     input_items = models.JSONField(default=list)
@@ -186,9 +185,6 @@ class StoredResponse(models.Model):
 
     def __str__(self) -> str:
         return self.response_id
-
-    def expired(self, *, retention_days: int) -> bool:
-        return bool(retention_days) and self.created < timezone.now() - timedelta(days=retention_days)
 
 
 class Rating(models.TextChoices):

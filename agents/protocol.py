@@ -1,19 +1,20 @@
 """The agent runtime's wire format: what its contract (``seeds/004``) adds to OpenAI's Responses API.
 
-OpenAI's own shapes (input items, output items, stream events) are ``inference.protocol.responses``;
+OpenAI's own shapes (input items, output items, stream events) are ``inference.openai.responses``;
 here are the request as the runtime takes it, the ``agent_runtime:function_call`` item of a tool the
 service runs itself, instances, and feedback.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from inference.errors import invalid_request, unsupported_parameter
-from inference.protocol import LooseModel, WireModel
-from inference.protocol import responses as wire
+from inference.openai import responses as wire
+from inference.openai.errors import invalid_request, unsupported_parameter
+from inference.openai.shared import LooseModel, WireModel
 
 AGENT_CALL = "agent_runtime:function_call"
 
@@ -23,40 +24,33 @@ AgentCallStatus = Literal["in_progress", "completed", "failed"]
 class AgentResponseRequest(wire.ResponseCreateRequest):
     """``POST /v1/responses``: ``model`` names an instance; streaming only; the service may keep the conversation."""
 
+    # The runtime keeps conversations, so previous_response_id is taken; the rest is refused for its own reasons.
+    REFUSED: ClassVar[Mapping[str, str]] = {
+        "conversation": "conversation objects are not supported: continue with previous_response_id",
+        "prompt": "stored prompts are not supported: the instance's instructions apply",
+        "context_management": "server-side context management is not supported",
+        "moderation": "moderation is configured per instance, as its guardrails",
+        "background": "background mode is not supported: responses stream",
+    }
+
+    # An instance's server tools can meet ``required`` (see ``AgentTurn._step_tools``); the service checks it has some.
+    REQUIRED_NEEDS_TOOLS: ClassVar[bool] = False
+
     def refuse_unsupported(self) -> None:
+        """The stateless API's refusals, less what the runtime keeps, plus what only an agent refuses."""
         if self.stream is not True:
             raise invalid_request(
                 'The agent runtime answers with an event stream only: send "stream": true.',
                 param="stream",
                 code="unsupported_value",
             )
-        refused = {
-            "conversation": "conversation objects are not supported: continue with previous_response_id",
-            "prompt": "stored prompts are not supported: the instance's instructions apply",
-            "context_management": "server-side context management is not supported",
-            "moderation": "moderation is configured per instance, as its guardrails",
-        }
-        for name, message in refused.items():
-            if getattr(self, name) is not None:
-                raise unsupported_parameter(name, message)
-        if self.background:
-            raise unsupported_parameter("background", "background mode is not supported: responses stream")
-        if self.truncation == "auto":
-            raise unsupported_parameter("truncation", "truncation: auto is not supported; use disabled")
-        if self.service_tier not in (None, "auto", "default"):
-            raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
             raise unsupported_parameter("text.format", "agents answer in text, with citations")
-        if self.text is not None and self.text.verbosity not in (None, "medium"):
-            raise unsupported_parameter("text.verbosity", "verbosity is not supported on this model")
-        for index, value in enumerate(self.include or ()):
-            if value not in wire.INCLUDABLE:
-                raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available here")
         if isinstance(self.tool_choice, wire.ToolChoiceAllowed):
             raise unsupported_parameter(
                 "tool_choice", "allowed_tools is not supported by the agent runtime: send only the tools it may call"
             )
-        self._check_tools()
+        super().refuse_unsupported()
 
     @property
     def keeps(self) -> bool:

@@ -23,29 +23,39 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 
-from inference import responses
-from inference.chat import generation_failed
-from inference.decoding import FunctionTool, ReasoningPiece, TextPiece, ToolCallPiece, ToolChoice, new_call_id
-from inference.errors import APIError
-from inference.generation import Done, Failed, Generation, GenerationRequest, prepare
+from inference.engine import capabilities
+from inference.engine.decoding import (
+    ForcedFunction,
+    FunctionTool,
+    ReasoningPiece,
+    TextPiece,
+    ToolCallPiece,
+    ToolChoice,
+    new_call_id,
+)
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, prepare
+from inference.engine.prompting import Message
 from inference.models import CatalogEntry
-from inference.prompting import Message
-from inference.protocol import parse
-from inference.protocol import responses as wire
+from inference.openai import responses as wire
+from inference.openai.errors import from_exception, generation_failed
+from inference.serving import responses
+from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
 
 from .guardrails import Guardrails
 from .models import FirstStep
 from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
-from .tools import KNOWLEDGE_SEARCH, ServerTool, Source, ToolContext, ToolOutcome, run_tool
+from .tools.knowledge import KNOWLEDGE_SEARCH
+from .tools.registry import ServerTool, Source, ToolContext, ToolOutcome, run_tool
 
 logger = logging.getLogger("agents.runtime")
+
 
 @dataclass(frozen=True, slots=True)
 class Agent:
@@ -89,31 +99,25 @@ def tool_context(calls: list[dict[str, Any]]) -> str:
     return "Results of the tools run for this conversation:\n" + "\n\n".join(runs)
 
 
-def conversation(*, instructions: str, items: list[tuple[str, dict[str, Any]]], entry: CatalogEntry) -> list[Message]:
-    """The chat-template messages of a conversation, checked as the stateless API checks its input.
+@dataclass
+class Transcript:
+    """A turn's conversation so far: the items the client knows, each typed once with where the client sent it
+    (``input.3``; ``previous_response_id`` for stored history; ``output`` for this turn's), and the server
+    tools' runs, which reach the model as context instead."""
 
-    ``items`` pairs each item with where it came from (``input.3``, or ``previous_response_id`` for the
-    stored history), so that an error names what the client sent rather than a position it never saw.
-    """
-    calls = [item for _, item in items if item.get("type") == AGENT_CALL]
-    transcript = [(where, item) for where, item in items if item.get("type") != AGENT_CALL]
-    system = "\n\n".join(filter(None, [instructions, tool_context(calls)]))
-    body = {"model": entry.public_id, "instructions": system or None, "input": [item for _, item in transcript]}
-    try:
-        return responses.conversation(parse(wire.ResponseCreateRequest, body), entry)
-    except APIError as exc:
-        exc.param = _source_param(exc.param, [where for where, _ in transcript])
-        raise
+    items: list[responses.LocatedItem] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
 
+    def add(self, where: str, item: dict[str, Any]) -> None:
+        if item.get("type") == AGENT_CALL:
+            self.calls.append(item)
+        else:
+            self.items.append((where, wire.input_item(item)))
 
-def _source_param(param: str | None, sources: list[str]) -> str | None:
-    if not param or not param.startswith("input."):
-        return param
-    index, _, rest = param[len("input.") :].partition(".")
-    if not index.isdigit() or int(index) >= len(sources):
-        return param
-    where = sources[int(index)]
-    return where if where == "previous_response_id" or not rest else f"{where}.{rest}"
+    def messages(self, *, instructions: str) -> list[Message]:
+        """The chat-template messages, checked as the stateless API checks its input."""
+        system = "\n\n".join(filter(None, [instructions, tool_context(self.calls)]))
+        return responses.conversation(self.items, instructions=system or None)
 
 
 def new_user_text(items: list[dict[str, Any]]) -> str:
@@ -175,9 +179,15 @@ class AgentTurn:
     # The first step's prompt tokens, which admission charged before that step ran.
     _precharged: int = 0
     _server_calls: int = 0
+    _transcript: Transcript = field(default_factory=Transcript)
+    _output_seen: int = 0  # how many of the encoder's output items the transcript holds
 
     def __post_init__(self) -> None:
         self.encoder.annotate = self._citations
+        for item in self.history:
+            self._transcript.add("previous_response_id", item)
+        for index, item in enumerate(self.input_items):
+            self._transcript.add(f"input.{index}", item)
 
     # --- the request as generations
 
@@ -186,23 +196,17 @@ class AgentTurn:
         return tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in self.params.function_tools)
 
     @property
-    def _client_tool_params(self) -> tuple[str, ...]:
-        tools = self.params.tools or ()
-        return tuple(f"tools.{index}.parameters" for index, tool in enumerate(tools) if isinstance(tool, wire.FunctionTool))
-
-    @property
     def reasoning(self) -> bool:
-        asked = self.params.reasoning
-        return self.agent.reasons and self.agent.entry.reasoning and not (
-            asked is not None and asked.effort in ("none", "minimal")
+        return capabilities.reasoning_on(
+            model_reasons=self.agent.reasons and self.agent.entry.reasoning, effort=self.params.reasoning_effort
         )
 
     @property
     def budget(self) -> int:
         return output_limit(self.params, self.agent) - sum(step.completion_tokens for step in self.steps)
 
-    def _step_tools(self, step: int) -> tuple[tuple[FunctionTool, ...], tuple[str, ...], ToolChoice]:
-        """The tools offered on ``step`` (with where each is named in errors) and how the model must use them.
+    def _step_tools(self, step: int) -> tuple[tuple[FunctionTool, ...], ToolChoice]:
+        """The tools offered on ``step`` and how the model must use them.
 
         An instance that must call a server tool first does so on the first step, whatever the client asked.
         Then a named function is forced on the step where the model speaks. ``required`` with client tools
@@ -211,33 +215,33 @@ class AgentTurn:
         answers. Server tools are not offered on the last step, nor once ``max_tool_calls`` are spent.
         """
         asked = self.params.tool_choice
-        client, client_params = self.client_tools, self._client_tool_params
+        client = self.client_tools
         last = step == settings.AGENT_MAX_STEPS - 1
         spent = self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls
-        server = () if last or spent else tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
-        server_params = ("tools",) * len(server)
+        server = (
+            () if last or spent else tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
+        )
         if asked == "none":
-            return server + client, server_params + client_params, "none"
-        if step == 0 and server and (
-            self.agent.first_step == FirstStep.TOOL or (asked == "required" and not client)
-        ):
-            return server, server_params, "required"
+            return server + client, "none"
+        if step == 0 and server and (self.agent.first_step == FirstStep.TOOL or (asked == "required" and not client)):
+            return server, "required"
         if isinstance(asked, wire.ToolChoiceFunction):
-            return server + client, server_params + client_params, asked.name
+            return server + client, ForcedFunction(asked.name)
         if asked == "required" and client:
-            return server + client, server_params + client_params, "required"
+            return server + client, "required"
         choice: ToolChoice = "auto" if (server or client) and not last and not spent else "none"
-        return server + client, server_params + client_params, choice
+        return server + client, choice
 
     async def prepare_step(self, step: int) -> Generation:
-        """The model's next step; raises ``APIError`` (``context_length_exceeded``) if it cannot fit."""
-        tools, tool_params, choice = self._step_tools(step)
+        """The model's next step; raises ``ContextLengthExceeded`` if it cannot fit."""
+        tools, choice = self._step_tools(step)
+        # Between steps no output item is open: the new ones are final.
+        for item in self.encoder.output[self._output_seen :]:
+            self._transcript.add("output", item)
+        self._output_seen = len(self.encoder.output)
         instructions = "\n\n".join(filter(None, [self.agent.instructions, self.params.instructions]))
-        items = [("previous_response_id", item) for item in self.history]
-        items += [(f"input.{index}", item) for index, item in enumerate(self.input_items)]
-        items += [("output", item) for item in self.encoder.output]
         request = GenerationRequest(
-            messages=conversation(instructions=instructions, items=items, entry=self.agent.entry),
+            messages=self._transcript.messages(instructions=instructions),
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=self.params.parallel_tool_calls is not False,
@@ -247,8 +251,6 @@ class AgentTurn:
             top_p=self.params.top_p,
             logprobs=self.params.wants_logprobs,
             top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
-            max_tokens_param="max_output_tokens",
-            tool_schema_params=tool_params,
         )
         return await prepare(entry=self.agent.entry, request=request)
 
@@ -271,7 +273,7 @@ class AgentTurn:
 
     # --- the stream
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncGenerator[str, None]:
         for event in self.encoder.start():
             yield responses.sse(event)
         try:
@@ -286,11 +288,11 @@ class AgentTurn:
                 _detached.add(task := asyncio.get_running_loop().create_task(self._keep_quietly()))
                 task.add_done_callback(_detached.discard)
             raise
-        except Exception as exc:  # noqa: BLE001  (once streaming, a fault can only be told by the stream's end)
+        except Exception as exc:
             if isinstance(exc, TurnFailed):
                 failure = exc
-            elif isinstance(exc, APIError):
-                failure = TurnFailed(exc.code, exc.message)
+            elif (error := from_exception(exc, self.params.param_names())) is not None:
+                failure = TurnFailed(error.code, error.message)
             else:
                 logger.exception("agent response %s failed", self.encoder.response_id)
                 failure = TurnFailed("internal_error", "The server had an error while generating the response.")
@@ -301,7 +303,7 @@ class AgentTurn:
             for event in events:
                 yield responses.sse(event)
 
-    async def _turn(self) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _turn(self) -> AsyncGenerator[list[dict[str, Any]], None]:
         user_text = new_user_text(self.input_items)
         if (rule := self.agent.guardrails.check_input(user_text)) is not None:
             yield self.encoder.refuse(rule.refusal)
@@ -339,13 +341,13 @@ class AgentTurn:
                 break
         yield await self._finish(finish_reason)
 
-    async def _step(self, generation: Generation, outcome: _StepOutcome) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _step(self, generation: Generation, outcome: _StepOutcome) -> AsyncGenerator[list[dict[str, Any]], None]:
         done: Done | None = None
         try:
             async with aclosing(generation.run()) as pieces:
                 async for piece in pieces:
                     if isinstance(piece, Failed):
-                        raise TurnFailed(piece.code, generation_failed(piece).message)
+                        raise TurnFailed(piece.code, generation_failed(piece.code, piece.message).message)
                     if isinstance(piece, Done):
                         done = piece
                         break
@@ -353,7 +355,8 @@ class AgentTurn:
                         outcome.server_calls.append(piece)
                         continue
                     if isinstance(piece, TextPiece | ReasoningPiece):
-                        # Checked before it is sent: blocked words never reach the client, in the answer or the reasoning.
+                        # Checked before it is sent: blocked words never reach the client, in the answer
+                        # or the reasoning.
                         so_far = self.encoder.open_text if isinstance(piece, TextPiece) else self.encoder.open_reasoning
                         if (rule := self.agent.guardrails.check_output(so_far + piece.text)) is not None:
                             outcome.refused = True
@@ -376,8 +379,15 @@ class AgentTurn:
                 StepUsage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.reasoning_tokens)
             )
 
-    async def _run_server_call(self, tool: ServerTool, arguments: str, call_id: str) -> AsyncIterator[list[dict[str, Any]]]:
-        call = {"item_id": f"atc_{secrets.token_hex(24)}", "call_id": call_id, "name": tool.name, "arguments": arguments}
+    async def _run_server_call(
+        self, tool: ServerTool, arguments: str, call_id: str
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        call = {
+            "item_id": f"atc_{secrets.token_hex(24)}",
+            "call_id": call_id,
+            "name": tool.name,
+            "arguments": arguments,
+        }
         index, events = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
         yield events
         try:
@@ -416,7 +426,7 @@ class AgentTurn:
         if self.keep is not None:
             try:
                 await self.keep(self.encoder.response)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("storing agent response %s failed", self.encoder.response_id)
                 self.failure = TurnFailed("store_failed", "The response could not be stored: it cannot be continued.")
                 # The completed event is withheld: the turn ends failed (its sequence number stays unused).
@@ -428,7 +438,7 @@ class AgentTurn:
         if self.keep is not None:
             try:
                 await self.keep(self.encoder.response)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("storing failed agent response %s failed", self.encoder.response_id)
 
     @property
@@ -443,6 +453,23 @@ class AgentTurn:
     def time_to_first_token_ms(self, started: float) -> int | None:
         return None if self.first_token_at is None else max(0, int((self.first_token_at - started) * 1000))
 
+    def outcome(self, *, started: float) -> StreamOutcome:
+        """The turn's one usage record: all its steps' tokens; a turn the client hung up on is a 499."""
+        usage = self.usage
+        if not self.finished:
+            status, error_code = CLIENT_DISCONNECTED, "client_disconnected"
+        else:
+            status, error_code = 200, self.failure.code if self.failure is not None else ""
+        return StreamOutcome(
+            status=status,
+            error_code=error_code,
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
+            cached_tokens=usage.cached_tokens,
+            time_to_first_token_ms=self.time_to_first_token_ms(started),
+        )
+
 
 # Stores of cancelled turns still running: the event loop keeps only weak references to tasks.
 _detached: set[asyncio.Task[None]] = set()
@@ -454,4 +481,3 @@ class _StepOutcome:
     external_call: bool = False
     refused: bool = False
     finish_reason: str = "stop"
-

@@ -4,8 +4,6 @@ storage), the instances a tenant may use, feedback, and pruning stored conversat
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -15,20 +13,20 @@ from django.db.models import Max
 from django.utils import timezone
 from pydantic import ValidationError
 
-from inference import responses
-from inference.errors import NOT_FOUND, APIError, invalid_request
-from inference.protocol import responses as wire
-from inference.services import Caller, Result, admit_request, meter_for
-from inference.usage import Meter
-from orgs.admission import Grant
-from orgs.db import db_task
+from core.db import db_task
+from inference.engine import capabilities
+from inference.openai import responses as wire
+from inference.openai.errors import NOT_FOUND, APIError, invalid_request
+from inference.serving import responses
+from inference.serving.caller import Caller, Result, admit_request, meter_for
+from inference.serving.metered import metered
 
+from . import runtime
 from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse
 from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
-from . import runtime
 from .runtime import Agent, AgentTurn
-from .tools import REGISTRY, ToolContext, ToolOutcome
+from .tools.registry import REGISTRY, ToolContext, ToolOutcome
 
 ENDPOINT = "agents.responses"
 TOOLS_ENDPOINT = "agents.tools"
@@ -54,7 +52,9 @@ def model_not_found(instance_id: str) -> APIError:
 
 
 def load_agent(*, instance_id: str, organization_id: int) -> Agent:
-    instance = AgentInstance.objects.usable_by(organization_id).select_related("model").filter(instance_id=instance_id).first()
+    instance = (
+        AgentInstance.objects.usable_by(organization_id).select_related("model").filter(instance_id=instance_id).first()
+    )
     if instance is None:
         raise model_not_found(instance_id)
     return Agent(
@@ -188,19 +188,21 @@ def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
                 param=f"tools.{index}.name",
                 code="invalid_value",
             )
-    if params.function_tools and not agent.entry.tools:
-        raise APIError(
-            f"The instance {agent.instance_id!r} runs on a model that cannot call tools.",
-            code="unsupported_parameter",
-            param="tools",
+    if params.tool_choice == "required" and not params.function_tools and not agent.tools:
+        raise invalid_request(
+            "tool_choice 'required' needs at least one tool: the instance runs none, and the request sends none.",
+            param="tool_choice",
+            code="invalid_value",
         )
-    asked = params.reasoning
-    if asked is not None and asked.wants_reasoning and not (agent.reasons and agent.entry.reasoning):
-        raise APIError(
-            f"The instance {agent.instance_id!r} does not reason: leave reasoning.effort unset, or send none.",
-            code="unsupported_parameter",
-            param="reasoning.effort",
-        )
+    # The agent's capabilities are its model's, with reasoning only when the instance reasons too.
+    entry = agent.entry
+    capabilities.check(
+        model_id=agent.instance_id,
+        offers={**entry.capabilities(), "reasoning": agent.reasons and entry.reasoning},
+        tools=bool(params.function_tools),
+        reasoning_effort=params.reasoning_effort,
+        images=params.param_names().image is not None,
+    )
 
 
 def _echo(params: AgentResponseRequest, agent: Agent) -> dict[str, Any]:
@@ -227,7 +229,8 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     organization_id = caller.organization_id
     agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
     _check_against_instance(params, agent)
-    previous, history = None, []
+    previous: StoredResponse | None = None
+    history: list[dict[str, Any]] = []
     if params.previous_response_id is not None:
         previous, history = await _load_history(
             response_id=params.previous_response_id, organization_id=organization_id
@@ -265,34 +268,12 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
     # Admitted as any request, on the first step's prompt and the whole output budget; later steps' prompts,
     # which hold tool results, are charged as they are built.
-    grant = await admit_request(caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens)
+    grant = await admit_request(
+        caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
+    )
     turn.charge = grant.charge
-    return Result(headers=grant.headers, stream=_metered(turn, grant=grant, meter=meter), route=ROUTE)
-
-
-async def _metered(turn: AgentTurn, *, grant: Grant, meter: Meter) -> AsyncIterator[str]:
-    """The turn's stream; however it ends, the slot is released and one usage record written."""
-    try:
-        # Closed at once when the client goes away: the model's job is cancelled, not left to the collector.
-        async with aclosing(turn.events()) as chunks:
-            async for chunk in chunks:
-                yield chunk
-    finally:
-        grant.release()
-        usage = turn.usage
-        if not turn.finished:
-            status, error_code = 499, "client_disconnected"
-        else:
-            status, error_code = 200, turn.failure.code if turn.failure is not None else ""
-        meter.record(
-            status=status,
-            error_code=error_code,
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            reasoning_tokens=usage.reasoning_tokens,
-            cached_tokens=usage.cached_tokens,
-            time_to_first_token_ms=turn.time_to_first_token_ms(meter.started),
-        )
+    stream = metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
+    return Result(headers=grant.headers, stream=stream, route=ROUTE)
 
 
 # --- feedback ---------------------------------------------------------------------------------------
@@ -318,6 +299,12 @@ def rate_response(
         )
     feedback, _ = Feedback.objects.update_or_create(
         response=response,
-        defaults={"rating": rating, "comment": comment, "meta": meta, "api_key_id": api_key_id, "created": timezone.now()},
+        defaults={
+            "rating": rating,
+            "comment": comment,
+            "meta": meta,
+            "api_key_id": api_key_id,
+            "created": timezone.now(),
+        },
     )
     return Rated(message_id=message_id, feedback=feedback)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from . import services
+
 
 @shared_task(name="agents.prune_responses", ignore_result=True)
 def prune_responses() -> None:
     """Delete stored conversations past their retention (scheduled by Celery beat)."""
-    from .services import prune_responses as prune
-
-    prune()
+    services.prune_responses()

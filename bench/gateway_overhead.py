@@ -119,7 +119,9 @@ def platform_env(var_dir: Path, upstream: str, redis_url: str = "") -> dict[str,
     }
 
 
-def start_platform(name: str, work: Path, upstream: str, redis_url: str = "") -> tuple[Target, list[subprocess.Popen[bytes]]]:
+def start_platform(
+    name: str, work: Path, upstream: str, redis_url: str = ""
+) -> tuple[Target, list[subprocess.Popen[bytes]]]:
     var_dir = work / name
     var_dir.mkdir()
     env = platform_env(var_dir, upstream, redis_url)
@@ -130,10 +132,20 @@ def start_platform(name: str, work: Path, upstream: str, redis_url: str = "") ->
     manage("set_limit", "bench", "--tpm", "1000000000", "--rpm", "10000000", "--in-flight", "100000", env=env)
     port = free_port()
     process = start(
-        [sys.executable, "manage.py", "serve", "--port", str(port), "--no-warm-up"], env=env, log=var_dir / "serve.log", core=GATEWAY_CORE
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--no-warm-up"],
+        env=env,
+        log=var_dir / "serve.log",
+        core=GATEWAY_CORE,
     )
     wait_http(port, process)
-    target = Target(name, port, "/v1/infer/chat/completions", {"Authorization": f"Bearer {key}"}, {"route": "gateway"}, [process.pid])
+    target = Target(
+        name,
+        port,
+        "/v1/infer/chat/completions",
+        {"Authorization": f"Bearer {key}"},
+        {"route": "gateway"},
+        [process.pid],
+    )
     return target, [process]
 
 
@@ -146,7 +158,11 @@ def start_litellm(work: Path, upstream: str) -> tuple[Target, list[subprocess.Po
                 "model_list": [
                     {
                         "model_name": MODEL,
-                        "litellm_params": {"model": "openai/gpt-x", "api_base": upstream + "/v1", "api_key": "upstream-key"},
+                        "litellm_params": {
+                            "model": "openai/gpt-x",
+                            "api_base": upstream + "/v1",
+                            "api_key": "upstream-key",
+                        },
                     }
                 ],
                 "general_settings": {"master_key": LITELLM_KEY},
@@ -157,10 +173,15 @@ def start_litellm(work: Path, upstream: str) -> tuple[Target, list[subprocess.Po
     port = free_port()
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True"}
     process = start(
-        [str(binary), "--config", str(config), "--port", str(port), "--num_workers", "1"], env=env, log=work / "litellm.log", core=GATEWAY_CORE
+        [str(binary), "--config", str(config), "--port", str(port), "--num_workers", "1"],
+        env=env,
+        log=work / "litellm.log",
+        core=GATEWAY_CORE,
     )
     wait_http(port, process, timeout=180)
-    target = Target("litellm", port, "/v1/chat/completions", {"Authorization": f"Bearer {LITELLM_KEY}"}, {}, [process.pid])
+    target = Target(
+        "litellm", port, "/v1/chat/completions", {"Authorization": f"Bearer {LITELLM_KEY}"}, {}, [process.pid]
+    )
     return target, [process]
 
 
@@ -201,7 +222,10 @@ def main() -> None:
     try:
         up_port = free_port()
         upstream_proc = start(
-            [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(up_port)], env=dict(os.environ), log=work / "upstream.log", core="0"
+            [sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(up_port)],
+            env=dict(os.environ),
+            log=work / "upstream.log",
+            core="0",
         )
         processes.append(upstream_proc)
         wait_http(up_port, upstream_proc)
@@ -213,7 +237,12 @@ def main() -> None:
         processes += procs
 
         redis_port = free_port()
-        redis = start(["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"], env=dict(os.environ), log=work / "redis.log", core=GATEWAY_CORE)
+        redis = start(
+            ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+            env=dict(os.environ),
+            log=work / "redis.log",
+            core=GATEWAY_CORE,
+        )
         processes.append(redis)
         wait_http(redis_port, redis)
         distributed, procs = start_platform("platform-redis", work, upstream, f"redis://127.0.0.1:{redis_port}/0")
@@ -230,9 +259,15 @@ def main() -> None:
         for stream in (False, True):
             for clients in concurrencies:
                 for target in targets:
-                    rows[(target.name, clients, stream)] = measure(target, clients=clients, stream=stream, duration=args.duration)
+                    rows[(target.name, clients, stream)] = measure(
+                        target, clients=clients, stream=stream, duration=args.duration
+                    )
                     r, cpu = rows[(target.name, clients, stream)]
-                    print(f"  measured {target.name:18} c={clients:<3} stream={stream!s:5} rps={r.rps:8.1f} statuses={r.statuses} errors={r.errors}", flush=True)
+                    print(
+                        f"  measured {target.name:18} c={clients:<3} stream={stream!s:5} rps={r.rps:8.1f} "
+                        f"statuses={r.statuses} errors={r.errors}",
+                        flush=True,
+                    )
         report(rows, targets, concurrencies)
     finally:
         for process in processes:
@@ -245,10 +280,14 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def report(rows: dict[tuple[str, int, bool], tuple[Results, float]], targets: list[Target], concurrencies: list[int]) -> None:
+def report(
+    rows: dict[tuple[str, int, bool], tuple[Results, float]], targets: list[Target], concurrencies: list[int]
+) -> None:
     ms = lambda v: f"{v * 1000:.2f}"  # noqa: E731
     print()
-    print("| mode | clients | target | req/s | p50 ms | p99 ms | first byte p50 ms | added p50 ms | CPU ms/req | errors |")
+    print(
+        "| mode | clients | target | req/s | p50 ms | p99 ms | first byte p50 ms | added p50 ms | CPU ms/req | errors |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for stream in (False, True):
         for clients in concurrencies:
@@ -261,7 +300,8 @@ def report(rows: dict[tuple[str, int, bool], tuple[Results, float]], targets: li
                 cpu_text = "—" if target.name == "direct" else f"{cpu:.2f}"
                 print(
                     f"| {'stream' if stream else 'json'} | {clients} | {target.name} | {r.rps:.0f} | {ms(p50)} | "
-                    f"{ms(r.percentile(r.latencies, 99))} | {ms(r.percentile(r.first_bytes, 50))} | {added} | {cpu_text} | {r.errors} |"
+                    f"{ms(r.percentile(r.latencies, 99))} | {ms(r.percentile(r.first_bytes, 50))} | {added} | "
+                    f"{cpu_text} | {r.errors} |"
                 )
     names = {t.name for t in targets}
     if "litellm" not in names:

@@ -34,7 +34,12 @@ class Results:
 
 
 def build_request(host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+    ]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
@@ -68,7 +73,15 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, float | Non
 
 
 async def run(
-    *, host: str, port: int, path: str, body: bytes, headers: dict[str, str], clients: int, duration: float, warmup: float
+    *,
+    host: str,
+    port: int,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    clients: int,
+    duration: float,
+    warmup: float,
 ) -> Results:
     request = build_request(host, port, path, body, headers)
     results = Results()

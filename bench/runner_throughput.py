@@ -39,8 +39,8 @@ def direct(concurrency: int, tokens: int) -> tuple[float, list[float]]:
     import django
 
     django.setup()
-    from inference.execution import get_renderer, get_runner
-    from inference.runners.base import Finished, GenerationJob, Sampling, TextChunk
+    from inference.engine.execution import get_renderer, get_runner
+    from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 
     renderer = get_renderer("llama_cpp", SETTINGS)
     runner = get_runner("llama_cpp", SETTINGS)
@@ -49,8 +49,15 @@ def direct(concurrency: int, tokens: int) -> tuple[float, list[float]]:
     firsts: list[float] = []
 
     def one() -> None:
-        job = GenerationJob("bench", MODEL, "llama_cpp", SETTINGS, prompt, renderer.count_tokens(prompt),
-                            Sampling(max_tokens=tokens, temperature=0.7, seed=1))
+        job = GenerationJob(
+            "bench",
+            MODEL,
+            "llama_cpp",
+            SETTINGS,
+            prompt,
+            renderer.count_tokens(prompt),
+            Sampling(max_tokens=tokens, temperature=0.7, seed=1),
+        )
         started = time.perf_counter()
         first = None
         for event in runner.stream(job, lambda: False):
@@ -70,8 +77,15 @@ def direct(concurrency: int, tokens: int) -> tuple[float, list[float]]:
 
 
 async def through_server(url: str, key: str, concurrency: int, tokens: int) -> tuple[float, list[float]]:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.7, "seed": 1,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": tokens,
+        "temperature": 0.7,
+        "seed": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     produced: list[int] = []
     firsts: list[float] = []
     async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -103,8 +117,9 @@ def start_stack(work: Path, *, distributed: bool) -> tuple[str, str, list[subpro
     env = {**os.environ, "B3OS_VAR_DIR": str(var), "DATABASE_URL": "", "REDIS_URL": "", "LOG_LEVEL": "WARNING"}
     if distributed:
         port = free_port()
-        redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                                 stdout=subprocess.DEVNULL)
+        redis = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
+        )
         procs.append(redis)
         wait_http(port, redis)
         env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
@@ -113,13 +128,38 @@ def start_stack(work: Path, *, distributed: bool) -> tuple[str, str, list[subpro
     key = manage("create_key", "bench", env=env).strip()
     if distributed:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "model." + MODEL.replace("/", "."),
-             "--pool", "threads", "--concurrency", "4", "--without-gossip", "--without-mingle", "-l", "warning"],
-            cwd=ROOT, env=env, stdout=open(var / "worker.log", "wb"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "config",
+                "worker",
+                "-Q",
+                "model." + MODEL.replace("/", "."),
+                "--pool",
+                "threads",
+                "--concurrency",
+                "4",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=open(var / "worker.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         procs.append(worker)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=open(var / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=open(var / "serve.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     procs.append(server)
     wait_http(port, server)
     url = f"http://127.0.0.1:{port}"
@@ -148,7 +188,9 @@ def main() -> None:
             for concurrency in (1, 4):
                 rows.setdefault(("runner, direct", concurrency), []).append(direct(concurrency, args.tokens))
                 for name, (url, key) in stacks.items():
-                    rows.setdefault((name, concurrency), []).append(asyncio.run(through_server(url, key, concurrency, args.tokens)))
+                    rows.setdefault((name, concurrency), []).append(
+                        asyncio.run(through_server(url, key, concurrency, args.tokens))
+                    )
         print()
         print("| path | streams | tokens/s (all streams) | time to first token p50 ms | vs direct |")
         print("|---|---|---|---|---|")

@@ -4,7 +4,7 @@ API requests take a shorter way through Django's ASGI handler. Django sends ``re
 closes each response through a thread of the request's own, so that sync signal receivers (closing
 stale database connections) run where the request's database connection lives. The API never
 touches the database from a request thread (its queries run on the shared pool, whose threads
-check their own connections, see ``inference.db``), so those two thread hops are pure cost there.
+check their own connections, see ``core.db``), so those two thread hops are pure cost there.
 """
 
 import asyncio
@@ -21,8 +21,8 @@ from django.core.exceptions import RequestAborted  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E402
 from django.urls import set_script_prefix  # noqa: E402
 
-from inference.errors import is_api_path  # noqa: E402
-from inference.websocket import refuse_websocket  # noqa: E402
+from inference.api.errors import is_api_path  # noqa: E402
+from inference.api.websocket import refuse_websocket  # noqa: E402
 
 
 class Handler(ASGIHandler):

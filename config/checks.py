@@ -26,7 +26,9 @@ def check_environment(app_configs: Any = None, **kwargs: Any) -> list[Error | Wa
         messages.append(
             Warning(
                 "SECRET_KEY is generated locally while running distributed.",
-                hint="Every API process must share one SECRET_KEY (and API_KEY_HASH_SECRET): set it in the environment.",
+                hint=(
+                    "Every API process must share one SECRET_KEY (and API_KEY_HASH_SECRET): set it in the environment."
+                ),
                 id="config.W002",
             )
         )
@@ -40,6 +42,10 @@ def check_environment(app_configs: Any = None, **kwargs: Any) -> list[Error | Wa
         )
     if settings.MAX_REQUEST_BODY_BYTES < 1024:
         messages.append(
-            Error("MAX_REQUEST_BODY_BYTES is below 1024 bytes.", hint="Requests could not carry a prompt.", id="config.E011")
+            Error(
+                "MAX_REQUEST_BODY_BYTES is below 1024 bytes.",
+                hint="Requests could not carry a prompt.",
+                id="config.E011",
+            )
         )
     return messages

@@ -29,7 +29,9 @@ def _bool(name: str, default: bool) -> bool:
         return True
     if value in {"0", "false", "no", "off"}:
         return False
-    CONFIG_PROBLEMS.append(("config.E001", f"{name}={raw!r} is not a boolean.", "Use 1/0, true/false, yes/no or on/off."))
+    CONFIG_PROBLEMS.append(
+        ("config.E001", f"{name}={raw!r} is not a boolean.", "Use 1/0, true/false, yes/no or on/off.")
+    )
     return default
 
 
@@ -119,7 +121,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "inference.middleware.api_envelope",
+    "inference.api.middleware.api_envelope",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -171,9 +173,9 @@ X_FRAME_OPTIONS = "DENY"
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["orgs.authentication.APIKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONBodyParser"],
+    "DEFAULT_PARSER_CLASSES": ["inference.api.parsers.JSONBodyParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "inference.errors.drf_exception_handler",
+    "EXCEPTION_HANDLER": "inference.api.errors.drf_exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 
@@ -205,8 +207,6 @@ STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
 JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
-# In-process generation slots per model in embedded mode (each holds one loaded model).
-EMBEDDED_WORKERS_PER_MODEL = _int("EMBEDDED_WORKERS_PER_MODEL", 1)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups
@@ -263,7 +263,7 @@ GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "inference.middleware.RequestIdLogFilter"}},
+    "filters": {"request_id": {"()": "inference.api.middleware.RequestIdLogFilter"}},
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},

@@ -1,11 +1,12 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from inference import operations
+from inference.api import operations
+from inference.reporting import views as reporting
 
 urlpatterns = [
     # Before the admin's own URLs, which would otherwise answer 404 for this path.
-    path("admin/usage/report/", admin.site.admin_view(operations.usage_report), name="usage-report"),
+    path("admin/usage/report/", admin.site.admin_view(reporting.usage_report), name="usage-report"),
     path("admin/", admin.site.urls),
     path("v1/infer/", include("inference.urls")),
     path("v1/", include("agents.urls")),
@@ -13,6 +14,6 @@ urlpatterns = [
     path("health", operations.health, name="health"),
 ]
 
-handler400 = "inference.errors.handler400"
-handler404 = "inference.errors.handler404"
-handler500 = "inference.errors.handler500"
+handler400 = "inference.api.errors.handler400"
+handler404 = "inference.api.errors.handler404"
+handler500 = "inference.api.errors.handler500"

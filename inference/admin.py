@@ -5,7 +5,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
-from .models import CatalogEntry, UsageRecord
+from inference.models import CatalogEntry, UsageRecord
 
 
 class CatalogEntryForm(forms.ModelForm):
@@ -56,7 +56,10 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
         (
             "Gateway upstream",
-            {"fields": ["upstream_base_url", "upstream_api_key", "clear_upstream_api_key", "upstream_model"], "classes": ["collapse"]},
+            {
+                "fields": ["upstream_base_url", "upstream_api_key", "clear_upstream_api_key", "upstream_model"],
+                "classes": ["collapse"],
+            },
         ),
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]

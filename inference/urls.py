@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import api
+from inference.api import views as api
 
 urlpatterns = [
     path("models", api.ModelListView.as_view()),

@@ -81,7 +81,16 @@ class APIKeyAdmin(admin.ModelAdmin):
     def get_fields(self, request: HttpRequest, obj: APIKey | None = None) -> list[str]:
         if obj is None:
             return ["organization", "name", "expires_at"]
-        return ["organization", "name", "display_prefix", "state", "created", "last_used_at", "expires_at", "revoked_at"]
+        return [
+            "organization",
+            "name",
+            "display_prefix",
+            "state",
+            "created",
+            "last_used_at",
+            "expires_at",
+            "revoked_at",
+        ]
 
     def get_readonly_fields(self, request: HttpRequest, obj: APIKey | None = None) -> list[str]:
         return [*self.readonly_fields, "organization"] if obj else []
@@ -112,7 +121,14 @@ class APIKeyAdmin(admin.ModelAdmin):
 
 @admin.register(Limit)
 class LimitAdmin(admin.ModelAdmin):
-    list_display = ["organization", "scope", "tokens_per_minute", "requests_per_minute", "requests_in_flight", "updated"]
+    list_display = [
+        "organization",
+        "scope",
+        "tokens_per_minute",
+        "requests_per_minute",
+        "requests_in_flight",
+        "updated",
+    ]
     list_filter = ["organization", "model"]
     search_fields = ["organization__slug", "model__public_id"]
     autocomplete_fields = ["organization", "model"]

@@ -20,10 +20,11 @@ from typing import Any
 
 from django.conf import settings
 
-from .db import db_task
+from core.db import db_task
+from core.redis import async_client
+
 from .exceptions import LimitExceeded
 from .models import Limit
-from .redis import async_client
 
 WINDOW = 60.0
 SLOT_TTL = 15.0

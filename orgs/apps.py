@@ -10,9 +10,9 @@ class OrgsConfig(AppConfig):
         from . import keycache
         from .models import APIKey, Organization
 
+        # A key's last use is written with a queryset update that sends no signal, so every save here is a
+        # change to who may use a key.
         def changed(sender: object, **kwargs: object) -> None:
-            if kwargs.get("update_fields") == frozenset({"last_used_at"}):
-                return  # bookkeeping, not a change to who may use the key
             keycache.bump()
 
         for model in (APIKey, Organization):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.utils import timezone
 
-from .redis import async_client, sync_client
+from core.redis import async_client, sync_client
 
 if TYPE_CHECKING:
     from .models import APIKey

@@ -9,6 +9,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from . import keycache
+
 KEY_PREFIX = "b3os"
 PREFIX_LENGTH = 10  # random, URL-safe characters used to find the row
 SECRET_BYTES = 32
@@ -19,8 +21,6 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
     """Bulk updates and deletes invalidate remembered keys too (the admin's revoke action is one)."""
 
     def update(self, **kwargs: object) -> int:
-        from . import keycache
-
         count = super().update(**kwargs)
         keycache.bump()
         return count
@@ -30,8 +30,6 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
         return super().update(**kwargs)
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        from . import keycache
-
         result = super().delete()
         keycache.bump()
         return result
@@ -101,7 +99,9 @@ class APIKey(models.Model):
         return f"{KEY_PREFIX}_{self.prefix}_…" if self.prefix else "—"
 
     @classmethod
-    def generate(cls, *, organization: Organization, name: str = "", expires_at: datetime | None = None) -> tuple[APIKey, str]:
+    def generate(
+        cls, *, organization: Organization, name: str = "", expires_at: datetime | None = None
+    ) -> tuple[APIKey, str]:
         """Create a key; the raw secret is returned here once and never stored."""
         while True:
             prefix = secrets.token_urlsafe(PREFIX_LENGTH)[:PREFIX_LENGTH].replace("_", "x")

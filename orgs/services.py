@@ -8,8 +8,9 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
+from core.db import db_task
+
 from . import keycache
-from .db import db_task
 from .exceptions import InvalidAPIKey
 from .models import APIKey, Limit, Organization, hash_key, split_key
 
@@ -30,7 +31,8 @@ def authenticate_key(*, raw_key: str) -> APIKey:
 
 
 async def authenticate_key_async(*, raw_key: str) -> APIKey:
-    """``authenticate_key`` for the API's hot path: a key seen before, with nothing changed since, skips the database."""
+    """``authenticate_key`` for the API's hot path: a key seen before, with nothing changed since, skips the
+    database."""
     if split_key(raw_key) is None:
         raise InvalidAPIKey("malformed")
     hashed = hash_key(raw_key)

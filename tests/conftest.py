@@ -22,8 +22,11 @@ from django.test import AsyncClient
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
+from inference.engine import catalog
+from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
-from inference.preflight import check_runner
+from inference.usage import records as usage
+from orgs.admission import clear_limits_cache, memory_store
 from orgs.models import Organization
 from orgs.services import create_api_key
 
@@ -44,7 +47,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 class OpenAISpec:
     def __init__(self, document: dict[str, Any]) -> None:
-        self._registry = Registry().with_resource("openai", Resource.from_contents(document, default_specification=_dialect()))
+        self._registry = Registry().with_resource(
+            "openai", Resource.from_contents(document, default_specification=_dialect())
+        )
         self._validators: dict[str, Draft202012Validator] = {}
 
     def validator(self, name: str) -> Draft202012Validator:
@@ -152,9 +157,6 @@ def sse_data(text: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _fresh_limits_and_usage() -> Iterator[None]:
-    from inference import catalog, usage
-    from orgs.admission import clear_limits_cache, memory_store
-
     catalog.clear_cache()
     clear_limits_cache()
     memory_store.reset()
@@ -223,7 +225,11 @@ def start_server(var_dir: Path, *, extra_env: dict[str, str] | None = None, org:
     port = free_port()
     log = open(var_dir / "server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "manage.py", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     wait_for_http(url + "/v1/infer/models", process=process)

@@ -10,8 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 from django.contrib.auth.hashers import make_password
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from inference.operations import CSV_COLUMNS
+from inference.reporting.views import CSV_COLUMNS
 from tests.conftest import MODEL_ID, LiveServer, manage, start_server, stop_server
 
 pytestmark = pytest.mark.browser
@@ -53,7 +52,7 @@ def add_user(live: LiveServer, username: str, password: str) -> None:
     live.query(
         "INSERT INTO auth_user (password, is_superuser, username, first_name, last_name, email, is_staff, is_active, "
         "date_joined) VALUES (?, 0, ?, '', '', '', 0, 1, ?)",
-        make_password(password), username, datetime.now(dt_timezone.utc).isoformat(sep=" "),
+        make_password(password), username, datetime.now(UTC).isoformat(sep=" "),
     )  # fmt: skip
 
 
@@ -62,7 +61,7 @@ def add_usage(live: LiveServer, pool: ThreadPoolExecutor) -> None:
     rollup_usage``; today's from a real request."""
     [(org_id,)] = live.query("SELECT id FROM orgs_organization WHERE slug = ?", live.org)
     [(key_id,)] = live.query("SELECT id FROM orgs_apikey WHERE organization_id = ?", org_id)
-    now = datetime.now(dt_timezone.utc)
+    now = datetime.now(UTC)
     insert = (
         "INSERT INTO inference_usagerecord (organization_id, api_key_id, model, endpoint, route, status, error_code, "
         "input_tokens, output_tokens, reasoning_tokens, cached_tokens, time_to_first_token_ms, total_ms, request_id, "
@@ -215,7 +214,7 @@ def test_the_usage_report_shows_charts_and_exports_what_it_shows_as_csv(page: Pa
     assert download.suggested_filename.startswith("usage-") and download.suggested_filename.endswith(".csv")
     rows = list(csv.reader(io.StringIO(Path(download.path()).read_text())))
     assert rows[0] == CSV_COLUMNS
-    table = [dict(zip(CSV_COLUMNS, row)) for row in rows[1:]]
+    table = [dict(zip(CSV_COLUMNS, row, strict=True)) for row in rows[1:]]
     assert [(r["name"], int(r["requests"])) for r in table if r["section"] == "total"] == [("all", total_requests)]
     per_day = {r["name"]: int(r["requests"]) for r in table if r["section"] == "day"}
     charted: dict[str, float] = {}

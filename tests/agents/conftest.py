@@ -89,7 +89,9 @@ class Tenant:
     spec: OpenAISpec
     client: AsyncClient = field(default_factory=AsyncClient)
 
-    def headers(self, *, key: str | None = None, tenant: str | None = None, accept: str = "application/json") -> dict[str, str]:
+    def headers(
+        self, *, key: str | None = None, tenant: str | None = None, accept: str = "application/json"
+    ) -> dict[str, str]:
         headers = {"Authorization": f"Bearer {key or self.key}", "Accept": accept}
         tenant = self.slug if tenant is None else tenant
         if tenant:
@@ -97,7 +99,9 @@ class Tenant:
         return headers
 
     async def post(self, path: str, body: Any, **who: str | None) -> Any:
-        return await self.client.post(path, data=json.dumps(body), content_type="application/json", headers=self.headers(**who))
+        return await self.client.post(
+            path, data=json.dumps(body), content_type="application/json", headers=self.headers(**who)
+        )
 
     async def get(self, path: str, **who: str | None) -> Any:
         return await self.client.get(path, headers=self.headers(**who))
@@ -145,7 +149,11 @@ def check_agent_call(added: dict[str, Any], done: dict[str, Any], events: list[d
     """The seed's ``agent_runtime:function_call``: its arguments when it starts; its output, or its error."""
     keys = {"id", "type", "status", "call_id", "name", "arguments", "output", "error"}
     assert set(added) == set(done) == keys
-    assert added["id"].startswith("atc_") and added["status"] == "in_progress" and json.loads(added["arguments"]) is not None
+    assert (
+        added["id"].startswith("atc_")
+        and added["status"] == "in_progress"
+        and json.loads(added["arguments"]) is not None
+    )
     assert (added["id"], added["call_id"], added["name"], added["arguments"]) == (
         done["id"],
         done["call_id"],
@@ -155,7 +163,9 @@ def check_agent_call(added: dict[str, Any], done: dict[str, Any], events: list[d
     if done["status"] == "completed":
         assert isinstance(done["output"], str) and done["error"] is None
     else:
-        assert done["status"] == "failed" and done["output"] is None and isinstance(done["error"], str) and done["error"]
+        assert (
+            done["status"] == "failed" and done["output"] is None and isinstance(done["error"], str) and done["error"]
+        )
     assert [e["type"] for e in events] == ["response.output_item.added", "response.output_item.done"]
 
 

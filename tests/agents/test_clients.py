@@ -20,7 +20,9 @@ def demo_instance(node_server: LiveServer) -> str:
     return node_server.manage("create_demo_instance", node_server.org).strip()
 
 
-def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(node_server: LiveServer, demo_instance: str) -> None:
+def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(
+    node_server: LiveServer, demo_instance: str
+) -> None:
     client = OpenAI(
         api_key=node_server.key,
         base_url=f"{node_server.url}/v1",
@@ -30,7 +32,9 @@ def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(node_s
     )
     question = "Which spare parts are compatible with machine 4711?"
 
-    events = list(client.responses.create(model=demo_instance, input=question, stream=True, max_output_tokens=48, temperature=0))
+    events = list(
+        client.responses.create(model=demo_instance, input=question, stream=True, max_output_tokens=48, temperature=0)
+    )
 
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -39,8 +43,12 @@ def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(node_s
     assert first.output_text and first.output[1].content[0].annotations[0].url.startswith("https://docs.example.com/")
 
     follow = client.responses.create(
-        model=demo_instance, input="How often is its filter changed?", previous_response_id=first.id, stream=True,
-        max_output_tokens=24, temperature=0,
+        model=demo_instance,
+        input="How often is its filter changed?",
+        previous_response_id=first.id,
+        stream=True,
+        max_output_tokens=24,
+        temperature=0,
     )
     second = [event for event in follow if event.type == "response.completed"][0].response
     assert second.previous_response_id == first.id and second.output_text
@@ -50,7 +58,9 @@ def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(node_s
     assert getattr(refused.value, "status_code", None) == 400
 
 
-def test_curl_reads_the_stream_and_rates_the_answer(node_server: LiveServer, demo_instance: str, openai_spec: OpenAISpec) -> None:
+def test_curl_reads_the_stream_and_rates_the_answer(
+    node_server: LiveServer, demo_instance: str, openai_spec: OpenAISpec
+) -> None:
     headers = {
         "Authorization": f"Bearer {node_server.key}",
         "X-Tenant-ID": node_server.org,
@@ -75,7 +85,9 @@ def test_curl_reads_the_stream_and_rates_the_answer(node_server: LiveServer, dem
     )
     assert rated.status_code == 200 and rated.json()["message_id"] == final["id"]
     assert node_server.query("SELECT rating, comment FROM agents_feedback") == [("positive", "Clear.")]
-    assert json.loads(node_server.query("SELECT output_items FROM agents_storedresponse WHERE response_id = ?", final["id"])[0][0])
+    assert json.loads(
+        node_server.query("SELECT output_items FROM agents_storedresponse WHERE response_id = ?", final["id"])[0][0]
+    )
 
 
 def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorded_and_kept(
@@ -102,7 +114,10 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
                     break
         # The model is free again at once: the abandoned turn does not run on to 2000 tokens.
         started = time.monotonic()
-        quick = http.post("/v1/infer/chat/completions", json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        quick = http.post(
+            "/v1/infer/chat/completions",
+            json={"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
         assert quick.status_code == 200
         assert time.monotonic() - started < 10
 
@@ -121,11 +136,17 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
     assert 3 <= output_tokens < 2000
 
     # What was produced is kept, cancelled, and the conversation goes on from it.
-    (status, output), = node_server.query(
+    ((status, output),) = node_server.query(
         "select status, output_items from agents_storedresponse where response_id = ?", response_id
     )
     assert status == "cancelled" and json.loads(output)[-1]["type"] == "message"
-    follow = {"model": demo_instance, "input": "Thanks.", "stream": True, "previous_response_id": response_id, "max_output_tokens": 16}
+    follow = {
+        "model": demo_instance,
+        "input": "Thanks.",
+        "stream": True,
+        "previous_response_id": response_id,
+        "max_output_tokens": 16,
+    }
     with httpx.stream("POST", f"{node_server.url}/v1/responses", json=follow, headers=headers, timeout=120) as response:
         assert response.status_code == 200, response.read()
         assert '"response.completed"' in response.read().decode()

@@ -43,7 +43,11 @@ def test_create_demo_instance_prints_the_id_alone_and_updates_rather_than_duplic
 
     instance = AgentInstance.objects.get()
     assert sorted(instance.organizations.values_list("slug", flat=True)) == ["acme", "globex"]
-    assert (instance.tools, instance.first_step, instance.model) == (["knowledge_search"], FirstStep.SEARCH, catalog_model)
+    assert (instance.tools, instance.first_step, instance.model) == (
+        ["knowledge_search"],
+        FirstStep.SEARCH,
+        catalog_model,
+    )
     assert instance.documents.count() == 3 and instance.guardrails.count() == 1
 
 
@@ -142,7 +146,7 @@ def test_a_guardrails_terms_match_whole_words_in_any_case(make_instance: Callabl
 
 
 def test_a_document_can_be_uploaded_as_a_text_file() -> None:
-    upload = SimpleUploadedFile("belt.md", "# Belt\nReplace it every 2000 hours.".encode())
+    upload = SimpleUploadedFile("belt.md", b"# Belt\nReplace it every 2000 hours.")
     form = DocumentForm(data={"title": "Belt", "url": "https://docs.example.com/belt"}, files={"upload": upload})
 
     assert form.is_valid(), form.errors

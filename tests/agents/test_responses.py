@@ -18,9 +18,9 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
-from agents.tools import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
+from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.models import CatalogEntry, UsageRecord
-from inference.usage import flush
+from inference.usage.records import flush
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
@@ -135,7 +135,9 @@ async def test_without_store_nothing_is_kept_and_the_whole_history_in_input_read
 async def test_a_server_tool_the_model_calls_is_shown_with_its_arguments_and_result_and_what_it_found_is_cited(
     tenant: Tenant, searching_agent: AgentInstance
 ) -> None:
-    events, response = await tenant.stream(model=searching_agent.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=48)
+    events, response = await tenant.stream(
+        model=searching_agent.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=48
+    )
 
     call, *rest = response["output"]
     assert call["type"] == AGENT_CALL and call["name"] == "knowledge_search" and call["status"] == "completed"
@@ -156,29 +158,43 @@ async def test_a_server_tool_the_model_calls_is_shown_with_its_arguments_and_res
     (turn,) = await records(endpoint="agents.responses")
     (tool,) = await records(endpoint="agents.tools")
     assert (turn.status, turn.error_code, turn.model) == (200, "", searching_agent.model.public_id)
-    assert (turn.input_tokens, turn.output_tokens) == (response["usage"]["input_tokens"], response["usage"]["output_tokens"])
+    assert (turn.input_tokens, turn.output_tokens) == (
+        response["usage"]["input_tokens"],
+        response["usage"]["output_tokens"],
+    )
     assert (tool.model, tool.status, tool.error_code, tool.request_id) == ("knowledge_search", 200, "", turn.request_id)
 
 
 async def test_an_instance_that_searches_first_answers_from_its_documents_and_cites_them(
     tenant: Tenant, spare_parts: AgentInstance
 ) -> None:
-    events, response = await tenant.stream(model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=40)
+    events, response = await tenant.stream(
+        model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=40
+    )
 
     (call,) = agent_calls(response)
     assert json.loads(call["arguments"]) == {"query": SPARE_PARTS_QUESTION}
-    assert call["output"].startswith("[1] Machine 4711: compatible spare parts (https://docs.example.com/machines/4711/")
+    assert call["output"].startswith(
+        "[1] Machine 4711: compatible spare parts (https://docs.example.com/machines/4711/"
+    )
     citations = SeedClient().read(events).citations
-    assert citations[0] == ("https://docs.example.com/machines/4711/spare-parts", "Machine 4711: compatible spare parts")
+    assert citations[0] == (
+        "https://docs.example.com/machines/4711/spare-parts",
+        "Machine 4711: compatible spare parts",
+    )
     assert "A-104" in message_text(response) or "B-220" in message_text(response) or "C-31" in message_text(response)
 
 
 async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the_agent_goes_on(
     tenant: Tenant, make_instance: Callable[..., AgentInstance], broken_stock_tool: ServerTool
 ) -> None:
-    instance = await sync_to_async(make_instance)("support.agent.stock", tools=["check_stock"], first_step=FirstStep.TOOL)
+    instance = await sync_to_async(make_instance)(
+        "support.agent.stock", tools=["check_stock"], first_step=FirstStep.TOOL
+    )
 
-    events, response = await tenant.stream(model=instance.instance_id, input="Is the A-104 bracket in stock?", max_output_tokens=48)
+    events, response = await tenant.stream(
+        model=instance.instance_id, input="Is the A-104 bracket in stock?", max_output_tokens=48
+    )
 
     assert events[-1]["type"] == "response.completed"
     call, *rest = response["output"]
@@ -210,11 +226,15 @@ async def test_an_input_guardrail_refuses_the_turn_without_running_the_model_and
     assert stored.output_items == response["output"]
 
 
-async def test_an_instances_defaults_apply_to_requests_that_set_none(tenant: Tenant, spare_parts: AgentInstance) -> None:
+async def test_an_instances_defaults_apply_to_requests_that_set_none(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
     await AgentInstance.objects.filter(pk=spare_parts.pk).aupdate(temperature=0.2, max_output_tokens=40)
 
     _, defaults = await tenant.stream(model=spare_parts.instance_id, input="My password?", temperature=None)
-    _, chosen = await tenant.stream(model=spare_parts.instance_id, input="My password?", temperature=0.7, max_output_tokens=20)
+    _, chosen = await tenant.stream(
+        model=spare_parts.instance_id, input="My password?", temperature=0.7, max_output_tokens=20
+    )
 
     assert (defaults["temperature"], defaults["max_output_tokens"]) == (0.2, 40)
     assert (chosen["temperature"], chosen["max_output_tokens"]) == (0.7, 20)
@@ -245,11 +265,19 @@ async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal
 
 
 async def test_an_output_guardrail_also_reads_the_reasoning(
-    tenant: Tenant, make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry  # noqa: F811
+    tenant: Tenant,
+    make_instance: Callable[..., AgentInstance],
+    toy_model: CatalogEntry,  # noqa: F811
 ) -> None:
-    instance = await sync_to_async(make_instance)("support.agent.thinking", model=toy_model, reasons=True, instructions="")
+    instance = await sync_to_async(make_instance)(
+        "support.agent.thinking", model=toy_model, reasons=True, instructions=""
+    )
     await Guardrail.objects.acreate(
-        instance=instance, name="no rivers", applies_to=Stage.OUTPUT, kind=MatchKind.TERMS, patterns="river",
+        instance=instance,
+        name="no rivers",
+        applies_to=Stage.OUTPUT,
+        kind=MatchKind.TERMS,
+        patterns="river",
         refusal="That was withheld.",
     )
 
@@ -270,7 +298,9 @@ async def test_an_external_function_call_ends_the_response_and_its_output_contin
 ) -> None:
     model = plain_agent.instance_id
     question = "What is the weather in Eugene, Oregon? Use the tool."
-    events, first = await tenant.stream(model=model, input=question, tools=[WEATHER], tool_choice="required", max_output_tokens=48)
+    events, first = await tenant.stream(
+        model=model, input=question, tools=[WEATHER], tool_choice="required", max_output_tokens=48
+    )
 
     (call,) = first["output"]
     assert call["type"] == "function_call" and call["name"] == "get_weather" and json.loads(call["arguments"])["city"]
@@ -283,7 +313,9 @@ async def test_an_external_function_call_ends_the_response_and_its_output_contin
     assert unanswered.status_code == 400 and unanswered.json()["error"]["param"] == "previous_response_id"
 
     output = {"type": "function_call_output", "call_id": call["call_id"], "output": "52F and raining"}
-    _, answer = await tenant.stream(model=model, input=[output], previous_response_id=first["id"], tools=[WEATHER], **SHORT)
+    _, answer = await tenant.stream(
+        model=model, input=[output], previous_response_id=first["id"], tools=[WEATHER], **SHORT
+    )
     assert [item["type"] for item in answer["output"]] == ["message"]
     stored = await StoredResponse.objects.aget(response_id=answer["id"])
     assert stored.input_items[0]["type"] == "function_call_output"
@@ -316,7 +348,11 @@ async def test_a_named_client_tool_is_called_after_the_server_tool_the_instance_
 ) -> None:
     choice = {"type": "function", "name": ASK["name"]}
     _, response = await tenant.stream(
-        model=searching_agent.instance_id, input=COLOURS, tools=[ASK], tool_choice=choice, temperature=0.6 + attempt / 5,
+        model=searching_agent.instance_id,
+        input=COLOURS,
+        tools=[ASK],
+        tool_choice=choice,
+        temperature=0.6 + attempt / 5,
         max_output_tokens=96,
     )
 
@@ -329,8 +365,12 @@ async def test_a_named_client_tool_is_called_after_the_search_the_instance_runs_
     tenant: Tenant, spare_parts: AgentInstance, attempt: int
 ) -> None:
     _, response = await tenant.stream(
-        model=spare_parts.instance_id, input=COLOURS, tools=[ASK], tool_choice={"type": "function", "name": ASK["name"]},
-        temperature=0.6 + attempt / 5, max_output_tokens=96,
+        model=spare_parts.instance_id,
+        input=COLOURS,
+        tools=[ASK],
+        tool_choice={"type": "function", "name": ASK["name"]},
+        temperature=0.6 + attempt / 5,
+        max_output_tokens=96,
     )
 
     assert ends_with_a_valid_call(response, ASK) == [AGENT_CALL]
@@ -349,7 +389,9 @@ async def test_required_with_client_tools_ends_with_a_client_call_whatever_serve
 async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_model_then_answers(
     tenant: Tenant, make_instance: Callable[..., AgentInstance]
 ) -> None:
-    instance = await sync_to_async(make_instance)("support.agent.model-first", documents=True, tools=["knowledge_search"])
+    instance = await sync_to_async(make_instance)(
+        "support.agent.model-first", documents=True, tools=["knowledge_search"]
+    )
 
     _, response = await tenant.stream(
         model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=64
@@ -372,7 +414,9 @@ def cramped_agent(make_instance: Callable[..., AgentInstance], catalog_model: Ca
         context_length=120,
         max_output_tokens=16,
     )
-    return make_instance("support.agent.cramped", model=cramped, documents=True, tools=["knowledge_search"], first_step=FirstStep.SEARCH)
+    return make_instance(
+        "support.agent.cramped", model=cramped, documents=True, tools=["knowledge_search"], first_step=FirstStep.SEARCH
+    )
 
 
 async def test_a_response_that_cannot_go_on_sends_an_error_then_fails_keeping_what_it_produced(
@@ -397,9 +441,13 @@ async def test_a_response_that_cannot_go_on_sends_an_error_then_fails_keeping_wh
 
 
 async def test_an_instance_that_reasons_streams_reasoning_items(
-    tenant: Tenant, make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry  # noqa: F811
+    tenant: Tenant,
+    make_instance: Callable[..., AgentInstance],
+    toy_model: CatalogEntry,  # noqa: F811
 ) -> None:
-    instance = await sync_to_async(make_instance)("support.agent.thinking", model=toy_model, reasons=True, instructions="")
+    instance = await sync_to_async(make_instance)(
+        "support.agent.thinking", model=toy_model, reasons=True, instructions=""
+    )
 
     events, response = await tenant.stream(model=instance.instance_id, input=THOUGHTFUL)
 
@@ -432,7 +480,10 @@ async def test_a_client_tool_the_model_cannot_be_held_to_is_refused_by_its_place
     )
 
     assert response.status_code == 400
-    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("tools.0.parameters", "invalid_value")
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
+        "tools.0.parameters",
+        "invalid_value",
+    )
 
 
 async def test_allowed_tools_is_refused_by_name(tenant: Tenant, plain_agent: AgentInstance) -> None:
@@ -442,14 +493,21 @@ async def test_allowed_tools_is_refused_by_name(tenant: Tenant, plain_agent: Age
     response = await tenant.post("/v1/responses", body)
 
     assert response.status_code == 400
-    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("tool_choice", "unsupported_parameter")
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
+        "tool_choice",
+        "unsupported_parameter",
+    )
 
 
 async def test_admission_limits_apply_to_agent_requests(
     tenant: Tenant, plain_agent: AgentInstance, organization: Organization
 ) -> None:
     await sync_to_async(set_limit)(
-        organization=organization, model_id=None, tokens_per_minute=10, requests_per_minute=None, requests_in_flight=None
+        organization=organization,
+        model_id=None,
+        tokens_per_minute=10,
+        requests_per_minute=None,
+        requests_in_flight=None,
     )
 
     response = await tenant.post("/v1/responses", {"model": plain_agent.instance_id, "input": "Hi", "stream": True})
@@ -464,9 +522,18 @@ async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
     tenant: Tenant, searching_agent: AgentInstance, organization: Organization
 ) -> None:
     await sync_to_async(set_limit)(
-        organization=organization, model_id=None, tokens_per_minute=100_000, requests_per_minute=None, requests_in_flight=None
+        organization=organization,
+        model_id=None,
+        tokens_per_minute=100_000,
+        requests_per_minute=None,
+        requests_in_flight=None,
     )
-    body = {"model": searching_agent.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True, "max_output_tokens": 48}
+    body = {
+        "model": searching_agent.instance_id,
+        "input": SPARE_PARTS_QUESTION,
+        "stream": True,
+        "max_output_tokens": 48,
+    }
 
     async def remaining_tokens_at_admission() -> int:
         response = await tenant.post("/v1/responses", body, accept="text/event-stream")

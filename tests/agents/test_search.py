@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from agents import search
 from agents.models import AgentInstance, Document
-from agents.tools import KNOWLEDGE_SEARCH, ToolContext, ToolError
+from agents.tools import search
+from agents.tools.knowledge import KNOWLEDGE_SEARCH
+from agents.tools.registry import ToolContext, ToolError
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -41,7 +42,9 @@ def test_it_searches_only_the_instances_own_documents(
     parts: AgentInstance, make_instance: Callable[..., AgentInstance]
 ) -> None:
     other = make_instance("other.agent")
-    Document.objects.create(instance=other, title="Drive belt catalogue", url="https://other.example/belts", text="Belts.")
+    Document.objects.create(
+        instance=other, title="Drive belt catalogue", url="https://other.example/belts", text="Belts."
+    )
 
     assert "Drive belt catalogue" not in titles(parts, "drive belt")
     assert titles(other, "drive belt") == ["Drive belt catalogue"]
@@ -88,6 +91,8 @@ def test_the_knowledge_search_tool_lists_titles_urls_and_excerpts_and_names_its_
 
 
 @pytest.mark.parametrize(("query", "message"), [("", "needs a query"), ("?!", "has no words to search for")])
-def test_the_knowledge_search_tool_fails_on_a_query_without_words(parts: AgentInstance, query: str, message: str) -> None:
+def test_the_knowledge_search_tool_fails_on_a_query_without_words(
+    parts: AgentInstance, query: str, message: str
+) -> None:
     with pytest.raises(ToolError, match=message):
         KNOWLEDGE_SEARCH.run(ToolContext(instance_pk=parts.pk, organization_id=0), {"query": query})

@@ -18,7 +18,6 @@ import pytest
 from tests.conftest import free_port, manage
 
 
-
 def program(name: str) -> str:
     """A PostgreSQL server program: on PATH, or where Debian's postgresql package puts it."""
     found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
@@ -26,13 +25,15 @@ def program(name: str) -> str:
         pytest.fail(f"PostgreSQL's {name} is not installed: `make test` installs Debian's postgresql package")
     return found
 
+
 SEARCH = """
 import json
 from agents.models import AgentInstance
-from agents.search import search_documents
+from agents.tools.search import search_documents
 instance = AgentInstance.objects.get()
 questions = {questions!r}
-print(json.dumps({{q: [h.title for h in search_documents(instance_id=instance.pk, query=q, limit=3)] for q in questions}}))
+hits = {{q: search_documents(instance_id=instance.pk, query=q, limit=3) for q in questions}}
+print(json.dumps({{q: [h.title for h in found] for q, found in hits.items()}}))
 """
 
 
@@ -49,7 +50,17 @@ def postgres_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         shutil.chown(root, "nobody")
     port = free_port()
     run(program("initdb"), "-D", str(root / "data"), "-A", "trust", "-U", "postgres", "--no-sync")
-    run(program("pg_ctl"), "-D", str(root / "data"), "-o", f"-p {port} -k {root} -c listen_addresses=''", "-l", str(root / "log"), "-w", "start")
+    run(
+        program("pg_ctl"),
+        "-D",
+        str(root / "data"),
+        "-o",
+        f"-p {port} -k {root} -c listen_addresses=''",
+        "-l",
+        str(root / "log"),
+        "-w",
+        "start",
+    )
     env = {
         **os.environ,
         "DATABASE_URL": f"postgres://postgres@/postgres?host={root}&port={port}",
@@ -69,7 +80,9 @@ def postgres_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 def test_postgres_full_text_search_ranks_the_documents_as_sqlite_does(postgres_env: dict[str, str]) -> None:
     questions = ["How do I replace the drive belts?", "filter service intervals", "What is it?", 'belt" OR title:* :)']
 
-    found = json.loads(manage("shell", "-c", SEARCH.format(questions=questions), env=postgres_env).strip().splitlines()[-1])
+    found = json.loads(
+        manage("shell", "-c", SEARCH.format(questions=questions), env=postgres_env).strip().splitlines()[-1]
+    )
 
     assert found[questions[0]][0] == "Replacing the B-220 drive belt"
     assert found[questions[1]] == ["C-31 filter cartridge: service intervals", "Machine 4711: compatible spare parts"]

@@ -33,7 +33,9 @@ class Upstream:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
+                headers = {
+                    k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)
+                }
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
                 keep_alive = await self.respond(method, path, headers, body, reader, writer)
                 if not keep_alive:
@@ -44,7 +46,13 @@ class Upstream:
             writer.close()
 
     async def respond(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> bool:
         self.requests += 1
         if method == "GET" and path == "/last":
@@ -56,13 +64,37 @@ class Upstream:
             data = {}
         self.last = {"path": path, "authorization": headers.get("authorization"), "body": data}
         if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
-            self.write_json(writer, 401, {"error": {"message": "bad upstream key", "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
+            self.write_json(
+                writer,
+                401,
+                {
+                    "error": {
+                        "message": "bad upstream key",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                },
+            )
             return True
         model = str(data.get("model", ""))
         if model == "slow":
-            await asyncio.sleep(float(data.get("metadata", {}).get("delay", 30)) if isinstance(data.get("metadata"), dict) else 30)
+            await asyncio.sleep(
+                float(data.get("metadata", {}).get("delay", 30)) if isinstance(data.get("metadata"), dict) else 30
+            )
         if model == "error-400":
-            self.write_json(writer, 400, {"error": {"message": "Upstream says no.", "type": "invalid_request_error", "param": "messages", "code": "upstream_refused"}})
+            self.write_json(
+                writer,
+                400,
+                {
+                    "error": {
+                        "message": "Upstream says no.",
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": "upstream_refused",
+                    }
+                },
+            )
             return True
         if model == "error-500-text":
             self.write(writer, 500, b"text/plain", b"internal failure")
@@ -76,7 +108,11 @@ class Upstream:
         if path.endswith("/responses"):
             self.write_json(writer, 200, self.response(model))
             return True
-        self.write_json(writer, 404, {"error": {"message": "no such path", "type": "invalid_request_error", "param": None, "code": "not_found"}})
+        self.write_json(
+            writer,
+            404,
+            {"error": {"message": "no such path", "type": "invalid_request_error", "param": None, "code": "not_found"}},
+        )
         return True
 
     def chat(self, model: str) -> dict[str, Any]:
@@ -85,7 +121,14 @@ class Upstream:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(CHUNK_WORDS)}, "finish_reason": "stop", "logprobs": None}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(CHUNK_WORDS)},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
             "usage": {"prompt_tokens": 11, "completion_tokens": 8, "total_tokens": 19},
         }
 
@@ -96,8 +139,15 @@ class Upstream:
             "created_at": int(time.time()),
             "model": model,
             "status": "completed",
-            "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": "".join(CHUNK_WORDS), "annotations": []}]}],
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "".join(CHUNK_WORDS), "annotations": []}],
+                }
+            ],
             "usage": {"input_tokens": 11, "output_tokens": 8, "total_tokens": 19},
         }
 
@@ -114,16 +164,34 @@ class Upstream:
         metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
         chunks = int(metadata.get("chunks", self.chunks)) if trickle else self.chunks
         interval = float(metadata.get("interval", 1)) if trickle else 0.0
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-        )
-        base = {"id": "chatcmpl-upstream", "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-        events = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        base = {
+            "id": "chatcmpl-upstream",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        events = [
+            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        ]
         for i in range(chunks):
-            events.append({**base, "choices": [{"index": 0, "delta": {"content": CHUNK_WORDS[i % len(CHUNK_WORDS)]}, "finish_reason": None}]})
+            events.append(
+                {
+                    **base,
+                    "choices": [
+                        {"index": 0, "delta": {"content": CHUNK_WORDS[i % len(CHUNK_WORDS)]}, "finish_reason": None}
+                    ],
+                }
+            )
         events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if (data.get("stream_options") or {}).get("include_usage"):
-            events.append({**base, "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": chunks, "total_tokens": 11 + chunks}})
+            events.append(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 11, "completion_tokens": chunks, "total_tokens": 11 + chunks},
+                }
+            )
         for index, event in enumerate(events):
             self.chunk(writer, b"data: " + json.dumps(event).encode() + b"\n\n")
             if interval and 1 <= index <= chunks:
@@ -144,9 +212,16 @@ class Upstream:
 
     @staticmethod
     def write(writer: asyncio.StreamWriter, status: int, content_type: bytes, payload: bytes) -> None:
-        reason = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 500: b"Internal Server Error"}[status]
+        reason = {
+            200: b"OK",
+            400: b"Bad Request",
+            401: b"Unauthorized",
+            404: b"Not Found",
+            500: b"Internal Server Error",
+        }[status]
         writer.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (status, reason, content_type, len(payload))
+            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+            % (status, reason, content_type, len(payload))
             + payload
         )
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from tests.conftest import MODEL_ID, LiveServer
 from tests.inference.test_chat_completions import WEATHER_TOOL
 
+
 @pytest.fixture
 def client(node_server: LiveServer) -> OpenAI:
     return OpenAI(api_key=node_server.key, base_url=node_server.base_url, max_retries=0, timeout=120)
@@ -27,7 +28,10 @@ def test_the_sdk_lists_and_retrieves_models(client: OpenAI) -> None:
 
 def test_the_sdk_creates_a_completion(client: OpenAI) -> None:
     completion = client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": "Name one river in Oregon."}], max_tokens=16, temperature=0
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Name one river in Oregon."}],
+        max_tokens=16,
+        temperature=0,
     )
     assert completion.choices[0].message.content
     assert completion.usage.completion_tokens > 0
@@ -76,7 +80,9 @@ def test_the_sdk_runs_a_tool_round_trip(client: OpenAI) -> None:
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "52F and raining"},
     ]
-    answer = client.chat.completions.create(model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    answer = client.chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=[WEATHER_TOOL], max_tokens=40, temperature=0
+    )
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
 
 

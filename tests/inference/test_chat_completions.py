@@ -8,8 +8,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from inference import usage
 from inference.models import CatalogEntry, UsageRecord
+from inference.usage import records as usage
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream, sse_data
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -128,9 +128,13 @@ async def test_logprobs_come_with_the_top_alternatives(api: API, openai_spec: Op
 
 async def test_json_schema_output_always_matches_the_schema(api: API, openai_spec: OpenAISpec) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
-    data = await complete(api, openai_spec, response_format=fmt, max_tokens=60, messages=[
-        {"role": "user", "content": "Name a city in Oregon and its population as JSON."}
-    ])
+    data = await complete(
+        api,
+        openai_spec,
+        response_format=fmt,
+        max_tokens=60,
+        messages=[{"role": "user", "content": "Name a city in Oregon and its population as JSON."}],
+    )
     assert data["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), CITY_SCHEMA)
 
@@ -168,9 +172,17 @@ async def test_text_parts_and_every_role_are_accepted(api: API, openai_spec: Ope
         {"role": "system", "content": "You are terse."},
         {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
         {"role": "user", "content": [{"type": "text", "text": "Weather in Eugene?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'}}
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Eugene"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "52F and raining"},
         {"role": "assistant", "content": [{"type": "text", "text": "Rainy."}]},
         {"role": "user", "content": "Thanks. And tomorrow?"},
@@ -202,7 +214,9 @@ async def test_a_forced_tool_call_always_parses_and_matches_its_schema(
 
 async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: OpenAISpec) -> None:
     messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
-    chunks = await stream(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60)
+    chunks = await stream(
+        api, openai_spec, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60
+    )
     deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
     assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
     arguments = "".join(d["function"]["arguments"] for d in deltas)
@@ -213,8 +227,11 @@ async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: Open
 async def test_a_strict_tool_in_auto_mode_is_either_text_or_a_valid_call(api: API, openai_spec: OpenAISpec) -> None:
     strict_tool = {
         "type": "function",
-        "function": {**WEATHER_TOOL["function"], "strict": True, "parameters": {
-            **WEATHER_TOOL["function"]["parameters"], "additionalProperties": False}},
+        "function": {
+            **WEATHER_TOOL["function"],
+            "strict": True,
+            "parameters": {**WEATHER_TOOL["function"]["parameters"], "additionalProperties": False},
+        },
     }
     messages = [{"role": "user", "content": "Use the tool: what is the weather in Eugene, Oregon?"}]
     data = await complete(api, openai_spec, messages=messages, tools=[strict_tool], max_tokens=60)
@@ -254,13 +271,32 @@ async def test_a_recursive_schema_as_pydantic_writes_it_is_enforced(api: API, op
             "not a valid JSON schema",
         ),
         (
-            {"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
-                "type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x$"}}}}}]},
+            {
+                "tools": [
+                    WEATHER_TOOL,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "string", "pattern": "^(?=x)x$"}},
+                            },
+                        },
+                    },
+                ]
+            },
             "tools.1.function.parameters",
             "cannot enforce",
         ),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}},
+                }
+            },
             "response_format.json_schema.schema",
             "cannot enforce",
         ),
@@ -314,7 +350,9 @@ async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, pa
     }
 
 
-async def test_a_prompt_longer_than_the_context_is_refused_before_generation(api: API, catalog_model: CatalogEntry) -> None:
+async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
+    api: API, catalog_model: CatalogEntry
+) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=16)
     response = await api.post(CHAT, body(messages=[{"role": "user", "content": "river " * 100}]))
     assert response.status_code == 400
@@ -329,6 +367,28 @@ async def test_asking_for_more_output_than_the_context_allows_is_refused(api: AP
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert response.json()["error"]["param"] == "max_tokens"
+
+
+async def test_a_prompt_longer_than_the_context_is_named_as_the_messages_with_max_completion_tokens_too(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=16)
+    response = await api.post(
+        CHAT, body(messages=[{"role": "user", "content": "river " * 100}], max_completion_tokens=8)
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["param"] == "messages"
+
+
+async def test_asking_for_more_completion_tokens_than_the_context_allows_names_max_completion_tokens(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
+    response = await api.post(CHAT, body(max_completion_tokens=120))
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert response.json()["error"]["param"] == "max_completion_tokens"
 
 
 async def test_each_completion_leaves_one_usage_record(api: API, openai_spec: OpenAISpec) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from inference.decoding import FunctionTool, StreamDecoder, TextPiece, ToolCallPiece, plan_decoding
+from inference.engine.decoding import FunctionTool, StreamDecoder, TextPiece, ToolCallPiece, plan_decoding
 
 WEATHER = FunctionTool("get_weather", "Current weather for a city.", {"type": "object"}, None)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Eugene"}}\n</tool_call>'

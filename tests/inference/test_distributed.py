@@ -42,7 +42,19 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
         pytest.fail("redis-server is not installed: `make test` installs it")
     port = free_port()
     process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)],
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -59,8 +71,22 @@ def start_worker(env: dict[str, str], log: Path) -> Worker:
     handle = open(log, "wb")
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", QUEUE,
-            "--pool", "threads", "--concurrency", "1", "--without-gossip", "--without-mingle", "-l", "info",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "worker",
+            "-Q",
+            QUEUE,
+            "--pool",
+            "threads",
+            "--concurrency",
+            "1",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "info",
         ],
         cwd=ROOT,
         env=env,
@@ -146,16 +172,34 @@ def test_a_streamed_request_runs_on_the_worker_and_matches_the_whole_answer(clus
 
 
 def test_a_forced_tool_call_works_across_the_wire(cluster: Cluster) -> None:
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    response = post(cluster, {**QUESTION, "max_tokens": 60, "tools": [tool], "tool_choice": "required",
-                              "messages": [{"role": "user", "content": "Weather in Eugene?"}]})
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    response = post(
+        cluster,
+        {
+            **QUESTION,
+            "max_tokens": 60,
+            "tools": [tool],
+            "tool_choice": "required",
+            "messages": [{"role": "user", "content": "Weather in Eugene?"}],
+        },
+    )
     call = response.json()["choices"][0]["message"]["tool_calls"][0]
     assert "city" in json.loads(call["function"]["arguments"])
 
 
 def test_a_client_that_hangs_up_cancels_the_job_on_the_worker(cluster: Cluster) -> None:
-    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    body = {
+        **QUESTION,
+        "max_tokens": 2000,
+        "temperature": 0.9,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+    }
     seen = 0
     for line in stream_lines(cluster, body):
         seen += line.startswith("data: ")
@@ -169,7 +213,12 @@ def test_a_client_that_hangs_up_cancels_the_job_on_the_worker(cluster: Cluster) 
 
 
 def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cluster) -> None:
-    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "Tell a long story."}]}
+    body = {
+        **QUESTION,
+        "max_tokens": 2000,
+        "temperature": 0.9,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+    }
     events: list[str] = []
     killed_at = None
     try:
@@ -193,7 +242,10 @@ def test_no_worker_for_the_model_is_a_clear_error(cluster: Cluster) -> None:
     try:
         env_timeout = int(cluster.env["JOB_START_TIMEOUT_SECONDS"])
         started = time.monotonic()
-        response = post(cluster, {**QUESTION, "max_tokens": 4}, )
+        response = post(
+            cluster,
+            {**QUESTION, "max_tokens": 4},
+        )
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_worker"
         assert time.monotonic() - started < env_timeout + 10

@@ -8,6 +8,7 @@ import re
 import pytest
 from django.test import override_settings
 
+from inference.serving import chat
 from tests.conftest import API, MODEL_ID
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -60,7 +61,10 @@ async def test_a_body_that_is_not_an_object_is_a_400(api: API) -> None:
 
 async def test_a_body_that_is_not_declared_json_is_a_415(api: API) -> None:
     response = await api.client.post(
-        CHAT, data="model=x", content_type="application/x-www-form-urlencoded", headers={"Authorization": f"Bearer {api.key}"}
+        CHAT,
+        data="model=x",
+        content_type="application/x-www-form-urlencoded",
+        headers={"Authorization": f"Bearer {api.key}"},
     )
     assert_error(response, 415, "unsupported_media_type")
 
@@ -77,7 +81,9 @@ async def test_a_missing_field_is_named(api: API) -> None:
 
 async def test_a_wrong_type_is_named(api: API) -> None:
     error = assert_error(
-        await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+        await api.post(
+            CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}
+        ),
         400,
         "invalid_value",
         "temperature",
@@ -110,7 +116,9 @@ async def test_an_out_of_range_value_is_named(api: API) -> None:
         ("/v1/infer/responses", "top_logprobs", 21),
     ],
 )
-async def test_a_sampling_parameter_outside_openais_range_is_named(api: API, path: str, param: str, value: float) -> None:
+async def test_a_sampling_parameter_outside_openais_range_is_named(
+    api: API, path: str, param: str, value: float
+) -> None:
     prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
     body = {"model": MODEL_ID, **prompt, param: value}
 
@@ -174,12 +182,10 @@ async def test_an_unknown_model_is_not_available_and_mentions_the_gateway(api: A
 
 
 async def test_an_unhandled_exception_is_a_500_in_the_error_shape(api: API, monkeypatch, caplog) -> None:
-    from inference import services
-
     async def explode(**kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(services, "create_chat_completion", explode)
+    monkeypatch.setattr(chat, "create_chat_completion", explode)
     response = await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
     error = assert_error(response, 500, "internal_error")
     assert "boom" not in json.dumps(error)
@@ -194,4 +200,6 @@ async def test_an_accept_header_for_event_streams_is_never_refused(api: API) -> 
         headers={"Authorization": f"Bearer {api.key}", "Accept": "text/event-stream"},
     )
     assert response.status_code == 200
-    assert (await api.client.get("/v1/infer/models", headers={"Authorization": f"Bearer {api.key}", "Accept": "text/html"})).status_code == 200
+    assert (
+        await api.client.get("/v1/infer/models", headers={"Authorization": f"Bearer {api.key}", "Accept": "text/html"})
+    ).status_code == 200

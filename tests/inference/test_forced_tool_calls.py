@@ -24,8 +24,13 @@ CHOICES = {
 }
 
 
-def chat_body(seed: int, *, stream: bool, choice: Any, schema: dict[str, Any] = WEATHER, **extra: Any) -> dict[str, Any]:
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.", "parameters": schema}}
+def chat_body(
+    seed: int, *, stream: bool, choice: Any, schema: dict[str, Any] = WEATHER, **extra: Any
+) -> dict[str, Any]:
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather for a city.", "parameters": schema},
+    }
     return {
         "model": MODEL_ID,
         "messages": [{"role": "user", "content": QUESTION}],
@@ -53,13 +58,21 @@ async def chat_call(api: API, spec: OpenAISpec, body: dict[str, Any]) -> tuple[d
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
     (call,) = [call for delta in deltas for call in delta.get("tool_calls") or ()]
     text = "".join(delta.get("content") or "" for delta in deltas)
-    return call["function"], text or None, next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"])
+    return (
+        call["function"],
+        text or None,
+        next(c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]),
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_a_forced_chat_tool_call_is_a_valid_call(api: API, openai_spec: OpenAISpec, seed: int, stream: bool, choice: Any) -> None:
+async def test_a_forced_chat_tool_call_is_a_valid_call(
+    api: API, openai_spec: OpenAISpec, seed: int, stream: bool, choice: Any
+) -> None:
     function, text, finish_reason = await chat_call(api, openai_spec, chat_body(seed, stream=stream, choice=choice))
 
     assert function["name"] == "get_weather"
@@ -83,9 +96,21 @@ async def test_a_forced_call_that_outgrows_its_budget_is_closed_in_time(
 
 
 def responses_body(seed: int, *, stream: bool, choice: Any) -> dict[str, Any]:
-    tool = {"type": "function", "name": "get_weather", "description": "Current weather for a city.", "parameters": WEATHER}
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": WEATHER,
+    }
     # Responses takes no seed: temperature and the sampler's own draws differ from run to run instead.
-    return {"model": MODEL_ID, "input": QUESTION, "tools": [tool], "tool_choice": choice, "stream": stream, "temperature": 0.7 + seed / 10}
+    return {
+        "model": MODEL_ID,
+        "input": QUESTION,
+        "tools": [tool],
+        "tool_choice": choice,
+        "stream": stream,
+        "temperature": 0.7 + seed / 10,
+    }
 
 
 async def responses_output(api: API, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,7 +125,9 @@ async def responses_output(api: API, body: dict[str, Any]) -> list[dict[str, Any
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"])
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_a_forced_responses_tool_call_is_a_valid_function_call_item(api: API, seed: int, stream: bool, choice: Any) -> None:
+async def test_a_forced_responses_tool_call_is_a_valid_function_call_item(
+    api: API, seed: int, stream: bool, choice: Any
+) -> None:
     output = await responses_output(api, responses_body(seed, stream=stream, choice=choice))
 
     assert [item["type"] for item in output] == ["function_call"]

@@ -54,7 +54,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     wait_for_http(upstream_url + "/last", process=upstream)
     server = start_server(
         tmp_path_factory.mktemp("gateway"),
-        extra_env={"GATEWAY_BASE_URL": upstream_url + "/v1", "GATEWAY_API_KEY": UPSTREAM_KEY, "GATEWAY_TIMEOUT_SECONDS": "2"},
+        extra_env={
+            "GATEWAY_BASE_URL": upstream_url + "/v1",
+            "GATEWAY_API_KEY": UPSTREAM_KEY,
+            "GATEWAY_TIMEOUT_SECONDS": "2",
+        },
         org="gw",
     )
     yield Setup(server=server, upstream_url=upstream_url)
@@ -63,7 +67,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 
 def chat(model: str = "upstream/gpt-x", **extra: object) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "Name one river in Oregon."}], "route": "gateway", **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name one river in Oregon."}],
+        "route": "gateway",
+        **extra,
+    }
 
 
 def assert_no_upstream_secret(response: httpx.Response) -> None:

@@ -12,13 +12,18 @@ from dataclasses import dataclass, field
 import jsonschema
 import pytest
 
-from inference.runners import llama_cpp
-from inference.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
+from inference.engine.runners import llama_cpp
+from inference.engine.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
 
 from ..conftest import DEFAULT_MODEL
 
 SETTINGS = {**DEFAULT_MODEL["runner_settings"], "parallel": 4, "queue": 2, "n_ctx": 1024}
-QUESTIONS = ["Name one river in Oregon.", "Write a haiku about rain.", "What is the capital of France?", "Tell me about the moon."]
+QUESTIONS = [
+    "Name one river in Oregon.",
+    "Write a haiku about rain.",
+    "What is the capital of France?",
+    "Tell me about the moon.",
+]
 CITY = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "state": {"type": "string"}},
@@ -40,7 +45,9 @@ def render() -> Callable[[str], str]:
     return lambda question: renderer.render([{"role": "user", "content": question}], None)
 
 
-def job(prompt: str, *, max_tokens: int = 32, constraint: Constraint | None = None, **sampling: object) -> GenerationJob:
+def job(
+    prompt: str, *, max_tokens: int = 32, constraint: Constraint | None = None, **sampling: object
+) -> GenerationJob:
     return GenerationJob(
         job_id="batching",
         model_id="batching/model",
@@ -65,7 +72,9 @@ class Run:
         return "".join(chunk.text for chunk in self.chunks)
 
 
-def run(runner: llama_cpp.LlamaCppRunner, work: GenerationJob, cancelled: Callable[[Run], bool] = lambda _: False) -> Run:
+def run(
+    runner: llama_cpp.LlamaCppRunner, work: GenerationJob, cancelled: Callable[[Run], bool] = lambda _: False
+) -> Run:
     result = Run()
     for event in runner.stream(work, lambda: cancelled(result)):
         if isinstance(event, TextChunk):
@@ -106,7 +115,9 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch_of_four(
 def test_each_sequence_keeps_its_own_constraint_and_sampling(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
-    structured = job(render("Describe a city."), max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9, seed=3)
+    structured = job(
+        render("Describe a city."), max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9, seed=3
+    )
     free = job(render(QUESTIONS[0]), max_tokens=24)
     sampled = job(render(QUESTIONS[1]), max_tokens=24, temperature=1.0, seed=11)
 
@@ -118,13 +129,18 @@ def test_each_sequence_keeps_its_own_constraint_and_sampling(
     assert first_draw.text == second_draw.text  # a seed gives the same draw, whoever else is in the batch
 
 
-def test_stop_sequences_and_logprobs_apply_per_sequence(runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]) -> None:
+def test_stop_sequences_and_logprobs_apply_per_sequence(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
     free = run(runner, job(render(QUESTIONS[3]), max_tokens=24)).text
     stop = free.split()[3]
 
     stopped, with_logprobs = together(
         runner,
-        [job(render(QUESTIONS[3]), max_tokens=24, stop=(stop,)), job(render(QUESTIONS[0]), max_tokens=8, logprobs=True, top_logprobs=3)],
+        [
+            job(render(QUESTIONS[3]), max_tokens=24, stop=(stop,)),
+            job(render(QUESTIONS[0]), max_tokens=8, logprobs=True, top_logprobs=3),
+        ],
     )
 
     assert stop not in stopped.text and free.startswith(stopped.text)
@@ -145,7 +161,11 @@ def test_a_cancelled_sequence_stops_and_frees_its_slot_while_the_others_finish(
         return thread
 
     threads = [
-        keep("cancelled", job(render(QUESTIONS[3]), max_tokens=400, temperature=0.8, seed=1), lambda r: len(r.chunks) >= 3),
+        keep(
+            "cancelled",
+            job(render(QUESTIONS[3]), max_tokens=400, temperature=0.8, seed=1),
+            lambda r: len(r.chunks) >= 3,
+        ),
         keep("first", job(render(QUESTIONS[0]), max_tokens=40)),
         keep("second", job(render(QUESTIONS[1]), max_tokens=40)),
     ]
@@ -163,7 +183,9 @@ def test_a_new_job_gets_its_first_token_while_the_others_are_still_generating(
 ) -> None:
     long_runs: list[Run] = []
     threads = [
-        threading.Thread(target=lambda q=q: long_runs.append(run(runner, job(render(q), max_tokens=160, temperature=0.8, seed=2))))
+        threading.Thread(
+            target=lambda q=q: long_runs.append(run(runner, job(render(q), max_tokens=160, temperature=0.8, seed=2)))
+        )
         for q in QUESTIONS[:3]
     ]
     for thread in threads:
@@ -202,7 +224,11 @@ def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_re
     starts: list[tuple[int, float]] = []
 
     def one(index: int, done: threading.Event) -> None:
-        result = run(runner, job(render(QUESTIONS[index % 4]), max_tokens=300, temperature=0.8, seed=index), lambda _: done.is_set())
+        result = run(
+            runner,
+            job(render(QUESTIONS[index % 4]), max_tokens=300, temperature=0.8, seed=index),
+            lambda _: done.is_set(),
+        )
         if result.first_token_at is not None:
             starts.append((index, result.first_token_at))
 

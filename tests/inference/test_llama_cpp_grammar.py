@@ -1,4 +1,5 @@
-"""The CPU runner's grammars: JSON Schema features the llama.cpp converter reads differently, made to mean what they say."""
+"""The CPU runner's grammars: JSON Schema features the llama.cpp converter reads differently, made to mean what
+they say."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as lib
 
-from inference.runners import llama_cpp
-from inference.runners.base import Constraint
-from inference.runners.llama_cpp import grammar_for, schema_problem
+from inference.engine.runners import llama_cpp
+from inference.engine.runners.base import Constraint
+from inference.engine.runners.llama_cpp import grammar_for, schema_problem
 
 from ..conftest import DEFAULT_MODEL
 

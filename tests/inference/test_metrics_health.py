@@ -9,8 +9,8 @@ from django.db import OperationalError
 from django.test import AsyncClient, Client, override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference import health, metrics
 from inference.models import CatalogEntry
+from inference.usage import health, metrics
 from tests.conftest import MODEL_ID
 
 pytestmark = pytest.mark.django_db(transaction=True)

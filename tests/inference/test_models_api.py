@@ -37,8 +37,8 @@ async def test_an_unknown_or_disabled_model_is_not_available(api: API, model_id:
 
 async def test_a_fresh_install_serves_the_embedded_default(transactional_db: None) -> None:
     # The data migration's entry (restored per test by get_or_create elsewhere) names the packaged GGUF.
+    from inference.engine.runners.llama_cpp import model_path
     from tests.conftest import DEFAULT_MODEL
-    from inference.runners.llama_cpp import model_path
 
     assert DEFAULT_MODEL["runner"] == "llama_cpp"
     assert model_path(DEFAULT_MODEL["runner_settings"]).endswith("SmolLM2-135M-Instruct.Q4_1.gguf")

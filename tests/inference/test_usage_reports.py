@@ -7,8 +7,7 @@ import io
 import threading
 import time as time_module
 from collections.abc import Callable
-from datetime import date, datetime, time, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 import pytest
@@ -16,8 +15,9 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.test import Client, override_settings
 
-from inference import reports, tasks
+from inference import tasks
 from inference.models import UsageDailyRollup, UsageRecord
+from inference.usage import reports
 from orgs.models import APIKey, Organization
 from orgs.services import create_api_key
 from tests.conftest import API
@@ -38,7 +38,7 @@ def days_ago(n: int) -> date:
 
 
 def noon(day: date) -> datetime:
-    return datetime.combine(day, time(12), tzinfo=dt_timezone.utc)
+    return datetime.combine(day, time(12), tzinfo=UTC)
 
 
 Record = Callable[..., UsageRecord]

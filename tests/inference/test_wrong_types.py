@@ -44,9 +44,11 @@ CHAT_BODY = {
     "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "52F"},
     ],
     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}}],
@@ -72,9 +74,14 @@ def replaced(body: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[st
     return body
 
 
-@pytest.mark.parametrize(("url", "body"), [("/v1/infer/responses", RESPONSES_BODY), ("/v1/infer/chat/completions", CHAT_BODY)])
+@pytest.mark.parametrize(
+    ("url", "body"), [("/v1/infer/responses", RESPONSES_BODY), ("/v1/infer/chat/completions", CHAT_BODY)]
+)
 async def test_no_wrong_value_in_any_field_is_a_server_error(
-    api: API, toy_model: CatalogEntry, url: str, body: dict[str, Any]  # noqa: F811
+    api: API,
+    toy_model: CatalogEntry,  # noqa: F811  (the fixture, imported)
+    url: str,
+    body: dict[str, Any],
 ) -> None:
     assert (await api.post(url, body)).status_code == 200
     failures = []

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference import catalog, usage
+from inference.engine import catalog
 from inference.models import CatalogEntry, UsageRecord
+from inference.usage import records as usage
 from orgs import admission
 from orgs.models import Limit, Organization
 from tests.conftest import API, MODEL_ID, read_stream
@@ -16,7 +17,13 @@ CHAT = "/v1/infer/chat/completions"
 
 
 def ask(**overrides) -> dict:
-    return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0, **overrides}
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        **overrides,
+    }
 
 
 class Clock:
@@ -148,16 +155,33 @@ async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
 
 
 async def test_admissions_and_refusals_show_in_the_metrics(api: API) -> None:
-    from inference.metrics import REGISTRY
+    from inference.usage.metrics import REGISTRY
 
     def sample(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
     await limit(requests_per_minute=1)
-    before_ok = sample("b3os_requests_total", model=MODEL_ID, organization="acme", endpoint="chat.completions", status="200", code="")
-    before_refused = sample("b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute")
+    before_ok = sample(
+        "b3os_requests_total", model=MODEL_ID, organization="acme", endpoint="chat.completions", status="200", code=""
+    )
+    before_refused = sample(
+        "b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute"
+    )
     assert (await api.post(CHAT, ask())).status_code == 200
     assert (await api.post(CHAT, ask())).status_code == 429
-    assert sample("b3os_requests_total", model=MODEL_ID, organization="acme", endpoint="chat.completions", status="200", code="") == before_ok + 1
-    assert sample("b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute") == before_refused + 1
+    assert (
+        sample(
+            "b3os_requests_total",
+            model=MODEL_ID,
+            organization="acme",
+            endpoint="chat.completions",
+            status="200",
+            code="",
+        )
+        == before_ok + 1
+    )
+    assert (
+        sample("b3os_rejected_requests_total", model=MODEL_ID, organization="acme", limit="requests_per_minute")
+        == before_refused + 1
+    )
     assert sample("b3os_requests_in_flight", model=MODEL_ID) == 0

@@ -43,7 +43,13 @@ def two_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoServers
 
 
 def ask(**overrides: object) -> dict:
-    return {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0, **overrides}
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "temperature": 0,
+        **overrides,
+    }
 
 
 async def fire(cluster: TwoServers, key: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -67,8 +73,8 @@ def admitted_records(cluster: TwoServers, org: str, expected: int) -> list[tuple
     rows: list[tuple[str, int]] = []
     while time.monotonic() < deadline and len(rows) < expected:
         rows = cluster.servers[0].query(
-            "select u.created, u.total_ms from inference_usagerecord u join orgs_organization o on o.id = u.organization_id "
-            "where o.slug = ? and u.status = 200",
+            "select u.created, u.total_ms from inference_usagerecord u "
+            "join orgs_organization o on o.id = u.organization_id where o.slug = ? and u.status = 200",
             org,
         )
         time.sleep(0.2)

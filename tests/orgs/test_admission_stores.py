@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from orgs import admission, redis as redis_clients
+from core import redis as redis_clients
+from orgs import admission
 from tests.inference.test_distributed import start_redis
 
 LIMITS = admission.Limits(tokens_per_minute=100)

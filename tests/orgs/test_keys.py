@@ -79,7 +79,15 @@ async def test_it_rejects_an_unknown_key_with_a_known_prefix(api: API) -> None:
 
 @pytest.mark.parametrize(
     "header",
-    ["", "Bearer", "Bearer ", "Basic dXNlcjpwYXNz", "Bearer not-a-key", "Bearer b3os_short_x", "Token b3os_aaaaaaaaaa_" + "b" * 40],
+    [
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic dXNlcjpwYXNz",
+        "Bearer not-a-key",
+        "Bearer b3os_short_x",
+        "Token b3os_aaaaaaaaaa_" + "b" * 40,
+    ],
 )
 async def test_it_rejects_missing_or_malformed_credentials(api: API, header: str) -> None:
     headers = {"Authorization": header} if header else {}
@@ -89,7 +97,9 @@ async def test_it_rejects_missing_or_malformed_credentials(api: API, header: str
 
 async def test_a_revoked_key_is_refused_on_inference_too(api: API) -> None:
     await APIKey.objects.filter(prefix=api.key.split("_")[1]).aupdate(revoked_at=timezone.now())
-    response = await api.post("/v1/infer/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
+    response = await api.post(
+        "/v1/infer/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert_invalid_key(response, api.key)
 
 

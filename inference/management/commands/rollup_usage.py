@@ -6,7 +6,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from inference import reports
+from inference.usage import reports
 
 
 class Command(BaseCommand):

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from daphne import http_protocol
@@ -9,7 +8,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.web import http as twisted_http
 
-logger = logging.getLogger("inference.serve")
+from inference.engine import dispatch
+from inference.engine.preflight import check_runner
+from inference.models import CatalogEntry
+from inference.usage.reports import start_periodic_rollup
 
 
 class _HTTPOnlyRequest(http_protocol.WebRequest):
@@ -29,7 +31,10 @@ def media_type(header: bytes) -> bytes:
 
 
 class Command(BaseCommand):
-    help = "Serve the API and the admin with daphne. In embedded mode (no REDIS_URL) this process also runs the model workers."
+    help = (
+        "Serve the API and the admin with daphne. "
+        "In embedded mode (no REDIS_URL) this process also runs the model workers."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
@@ -37,19 +42,17 @@ class Command(BaseCommand):
         parser.add_argument("--no-warm-up", action="store_true", help="Load models on first use instead of at start")
 
     def handle(self, *args: Any, host: str, port: int, no_warm_up: bool, **options: Any) -> None:
+        # Imported here: building the ASGI application sets Django up for serving, which no other command needs.
         from config.asgi import application
-        from inference import dispatch
 
         if not settings.DISTRIBUTED:
-            from inference.reports import start_periodic_rollup
-
             # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
             start_periodic_rollup()
             self.check_runners()
             if not no_warm_up:
                 dispatch.warm_up_embedded()
         http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
-        twisted_http._parseContentType = media_type
+        twisted_http._parseContentType = media_type  # type: ignore[assignment]  # same contract
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")
         interface = host.strip("[]")
@@ -66,9 +69,6 @@ class Command(BaseCommand):
 
     def check_runners(self) -> None:
         """A native runner library that crashes on this CPU stops the start with a message, not a dead server later."""
-        from inference.models import CatalogEntry
-        from inference.preflight import check_runner
-
         for entry in CatalogEntry.objects.enabled():
             if (problem := check_runner(entry.runner, entry.runner_settings)) is not None:
                 raise CommandError(f"{entry.public_id}: {problem}")

@@ -7,11 +7,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from inference.errors import APIError
-from inference.execution import JobFailed, get_runner, run_job
-from inference.generation import GenerationRequest, prepare
+from inference.engine.exceptions import EngineError
+from inference.engine.execution import JobFailed, get_runner, run_job
+from inference.engine.generation import GenerationRequest, prepare
+from inference.engine.runners.base import Finished, RunnerError, TextChunk
 from inference.models import CatalogEntry
-from inference.runners.base import Finished, RunnerError, TextChunk
 
 
 class Command(BaseCommand):
@@ -43,8 +43,8 @@ class Command(BaseCommand):
         )
         try:
             generation = await prepare(entry=entry, request=request)
-        except APIError as exc:
-            raise CommandError(f"The request was refused: {exc.message}") from None
+        except EngineError as exc:
+            raise CommandError(f"The request was refused: {exc}") from None
         started = time.monotonic()
         first_token: float | None = None
         async for batch in run_job(generation.job, threading.Event()):

@@ -1,4 +1,4 @@
-"""A stand-in for the part of TensorRT-LLM's Python API that ``inference.runners.tensorrt_llm`` uses.
+"""A stand-in for the part of TensorRT-LLM's Python API that ``inference.engine.runners.tensorrt_llm`` uses.
 
 TensorRT-LLM needs an NVIDIA GPU and several GB of CUDA wheels, so the runner's tests put this
 package on ``sys.path`` instead. Names, constructor keywords, output objects and their behaviour

@@ -317,7 +317,9 @@ class ToyExecutor:
 
     def _handle_errors(self, error_msg: str) -> list[tuple[_Slot, EngineResponse]]:
         """PyExecutor._handle_errors: every active request is failed with the same message."""
-        failed = [(slot, EngineResponse(slot.request_id, [], None, True, error=error_msg)) for slot in self._active.values()]
+        failed = [
+            (slot, EngineResponse(slot.request_id, [], None, True, error=error_msg)) for slot in self._active.values()
+        ]
         self._active.clear()
         return failed
 

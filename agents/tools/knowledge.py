@@ -1,0 +1,38 @@
+"""The built-in server tools; importing this module registers them (``agents.apps`` does, when the app is ready)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registry import ServerTool, Source, ToolContext, ToolError, ToolResult, register
+from .search import query_terms, search_documents
+
+SEARCH_RESULTS = 3
+
+
+def knowledge_search(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
+    query = arguments.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise ToolError("knowledge_search needs a query: the words to search for.")
+    if not query_terms(query):
+        raise ToolError(f"The query {query!r} has no words to search for.")
+    hits = search_documents(instance_id=context.instance_pk, query=query, limit=SEARCH_RESULTS)
+    if not hits:
+        return ToolResult(output="No documents match.")
+    # Plain text, read by the model as context and shown to the user as the tool's result.
+    found = [f"[{number}] {hit.title} ({hit.url})\n{hit.excerpt}" for number, hit in enumerate(hits, 1)]
+    return ToolResult(output="\n\n".join(found), sources=tuple(Source(title=hit.title, url=hit.url) for hit in hits))
+
+
+KNOWLEDGE_SEARCH = register(
+    ServerTool(
+        name="knowledge_search",
+        description="Search the knowledge base for documents about the user's question.",
+        parameters={
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+        run=knowledge_search,
+    )
+)

@@ -1,0 +1,103 @@
+"""The node API's views: validate, call one workflow, render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpResponseBase
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from inference.engine.catalog import get_enabled_model, list_enabled_models
+from inference.models import CatalogEntry
+from inference.openai import shared
+from inference.openai import usage as usage_wire
+from inference.openai.chat import ChatCompletionRequest
+from inference.openai.responses import ResponseCreateRequest
+from inference.serving import chat, gateway, responses
+from inference.usage import reports
+
+from .base import AsyncAPIView
+
+
+def _model_object(entry: CatalogEntry) -> dict[str, Any]:
+    return shared.model_object(
+        model_id=entry.public_id,
+        created=int(entry.created.timestamp()),
+        owned_by=entry.owned_by,
+        capabilities=entry.capabilities(),
+    )
+
+
+def _gateway_bound(request: Request) -> dict[str, Any] | None:
+    """The body, if it asks for the gateway route; it is forwarded as sent, not validated as a node request."""
+    data = request.data
+    if isinstance(data, dict) and data.get("route") == "gateway":
+        return data
+    return None
+
+
+class ModelListView(AsyncAPIView):
+    http_method_names = ["get"]
+
+    async def get(self, request: Request) -> Response:
+        return Response(shared.model_list([_model_object(entry) for entry in await list_enabled_models()]))
+
+
+class ModelDetailView(AsyncAPIView):
+    http_method_names = ["get"]
+
+    async def get(self, request: Request, model_id: str) -> Response:
+        return Response(_model_object(await get_enabled_model(model_id)))
+
+
+class ChatCompletionsView(AsyncAPIView):
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        if (body := _gateway_bound(request)) is not None:
+            caller = self.caller(request, route=gateway.ROUTE)
+            result = await gateway.forward_to_gateway(
+                body=body, caller=caller, path="chat/completions", endpoint=chat.ENDPOINT
+            )
+            return self.render_result(request, result)
+        caller = self.caller(request, route="node")
+        params = shared.parse(ChatCompletionRequest, request.data)
+        self.names(request, params.param_names())
+        return self.render_result(request, await chat.create_chat_completion(params=params, caller=caller))
+
+
+class ResponsesView(AsyncAPIView):
+    # POST only: a GET, or a WebSocket upgrade that serve hands over as one, is answered 405 with Allow: POST.
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        if (body := _gateway_bound(request)) is not None:
+            caller = self.caller(request, route=gateway.ROUTE)
+            result = await gateway.forward_to_gateway(
+                body=body, caller=caller, path="responses", endpoint=responses.ENDPOINT
+            )
+            return self.render_result(request, result)
+        caller = self.caller(request, route="node")
+        params = shared.parse(ResponseCreateRequest, request.data)
+        self.names(request, params.param_names())
+        return self.render_result(request, await responses.create_response(params=params, caller=caller))
+
+
+class UsageView(AsyncAPIView):
+    """The caller's organization's own usage (never another's): ``?start=&end=&group_by=day|model|key``.
+
+    Days are UTC days; ``start`` is inclusive and ``end`` exclusive (as in OpenAI's usage API); both
+    take a date, an ISO 8601 time or unix seconds. The default is the last seven days, today included.
+    """
+
+    http_method_names = ["get"]
+
+    async def get(self, request: Request) -> Response:
+        query = usage_wire.parse_query(request.query_params)
+        organization = request.user
+        groups, total = await sync_to_async(reports.organization_usage, thread_sensitive=False)(
+            organization_id=organization.pk, start=query.start, end=query.end, group_by=query.group_by
+        )
+        return Response(usage_wire.organization_usage(organization.slug, query, groups, total))

@@ -1,0 +1,331 @@
+"""Tool calls and reasoning, shared by every runner.
+
+Runners produce text. This layer decides what that text must look like (a ``Constraint`` for
+grammar-constrained decoding) and turns the text back into OpenAI's pieces: answer text, reasoning,
+tool calls. Tool calls use the Hermes format that templates with tool support emit::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Eugene"}}
+    </tool_call>
+
+and reasoning the ``<think>…</think>`` block of reasoning models.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedFunction:
+    """A tool choice that forces a call of this function."""
+
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | ForcedFunction
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or {"type": "object", "properties": {}}
+
+    def template_form(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.schema()}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """How a job's output is constrained and read back."""
+
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: bool = False
+    constraint: Constraint | None = None
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.reads_tool_calls and self.tool_choice != "auto"
+
+    def enforced_schemas(self) -> list[tuple[str | None, dict[str, Any]]]:
+        """The schemas the constraint enforces: ``(tool name, parameters)``, or ``(None, schema)`` for the output."""
+        if self.constraint is None or self.constraint.kind == "json_object":
+            return []
+        if not self.reads_tool_calls:
+            return [(None, self.constraint.schema or {})]
+        return [(tool.name, tool.schema()) for tool in self.tools if self._enforces(tool)]
+
+    def _enforces(self, tool: FunctionTool) -> bool:
+        if isinstance(self.tool_choice, ForcedFunction):
+            return tool.name == self.tool_choice.name
+        return self.tool_choice == "required" or (not self.forced and bool(tool.strict))
+
+
+def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[str, Any]:
+    """JSON schema of one call object ``{"name": …, "arguments": …}`` for the given tools."""
+    options = []
+    for tool in tools:
+        arguments = tool.schema() if (tool.strict or not strict_only) else {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def plan_decoding(
+    *,
+    tools: tuple[FunctionTool, ...],
+    tool_choice: ToolChoice,
+    parallel_tool_calls: bool,
+    reasoning: bool,
+    response_format: Literal["text", "json_object", "json_schema"] = "text",
+    json_schema: dict[str, Any] | None = None,
+) -> DecodePlan:
+    """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar."""
+    constraint: Constraint | None = None
+    if tools and tool_choice not in ("none", "auto"):
+        if isinstance(tool_choice, ForcedFunction):
+            chosen = tuple(t for t in tools if t.name == tool_choice.name)
+        else:
+            chosen = tools
+        constraint = Constraint(
+            kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True
+        )
+    elif tools and tool_choice == "auto" and any(t.strict for t in tools):
+        constraint = Constraint(kind="tool_calls", schema=_call_schema(tools, strict_only=True))
+    elif response_format == "json_schema":
+        constraint = Constraint(kind="json_schema", schema=json_schema or {})
+    elif response_format == "json_object":
+        constraint = Constraint(kind="json_object")
+    return DecodePlan(
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        reasoning=reasoning,
+        constraint=constraint,
+    )
+
+
+def tool_system_prompt(tools: tuple[FunctionTool, ...]) -> str:
+    """Describes the tools to a model whose chat template does not place them itself."""
+    listing = "\n".join(json.dumps(tool.template_form(), ensure_ascii=False) for tool in tools)
+    return (
+        "You may call functions to help answer. The functions, as JSON schemas:\n"
+        f"<tools>\n{listing}\n</tools>\n"
+        "To call a function, reply with only this, one block per call:\n"
+        f'{TOOL_OPEN}\n{{"name": "<function name>", "arguments": <arguments as a JSON object>}}\n{TOOL_CLOSE}'
+    )
+
+
+def format_tool_call(name: str, arguments: str) -> str:
+    try:
+        parsed: Any = json.loads(arguments) if arguments else {}
+    except ValueError:
+        parsed = arguments
+    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': parsed}, ensure_ascii=False)}\n{TOOL_CLOSE}"
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_urlsafe(18).replace("-", "x").replace("_", "y")
+
+
+# --- reading the output back --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningPiece:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallPiece:
+    index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
+Piece = TextPiece | ReasoningPiece | ToolCallPiece
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+@dataclass
+class StreamDecoder:
+    """Incrementally splits generated text into answer text, reasoning and tool calls.
+
+    Text that might be the start of a tag is held back until it is known not to be one, so what is
+    streamed as text never has to be taken back.
+    """
+
+    plan: DecodePlan
+    _buffer: str = ""
+    _state: Literal["start", "think", "text", "call", "forced"] = "start"
+    _calls: int = 0
+    _call_text: str = ""
+    _seen_text: bool = False
+    raw: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.plan.forced:
+            self._state = "forced"
+        elif self.plan.reasoning:
+            self._state = "start"
+        else:
+            self._state = "text"
+
+    @property
+    def tool_calls(self) -> int:
+        return self._calls
+
+    def feed(self, text: str) -> list[Piece]:
+        self.raw.append(text)
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._drain(final=True)
+
+    def _drain(self, *, final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        while True:
+            before = (self._state, len(self._buffer))
+            if self._state == "forced":
+                if final:
+                    out.extend(self._forced_calls(self._buffer))
+                    self._buffer = ""
+                return out
+            if self._state == "start":
+                stripped = self._buffer.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self._buffer = stripped[len(THINK_OPEN) :].lstrip("\n")
+                    self._state = "think"
+                elif THINK_OPEN.startswith(stripped) and not final:
+                    return out
+                else:
+                    self._state = "text"
+            elif self._state == "think":
+                end = self._buffer.find(THINK_CLOSE)
+                if end >= 0:
+                    if end:
+                        out.append(ReasoningPiece(self._buffer[:end]))
+                    self._buffer = self._buffer[end + len(THINK_CLOSE) :].lstrip("\n")
+                    self._state = "text"
+                else:
+                    keep = 0 if final else _partial_suffix(self._buffer, THINK_CLOSE)
+                    if len(self._buffer) > keep:
+                        out.append(ReasoningPiece(self._buffer[: len(self._buffer) - keep]))
+                        self._buffer = self._buffer[len(self._buffer) - keep :]
+                    return out
+            elif self._state == "text":
+                start = self._buffer.find(TOOL_OPEN) if self.plan.reads_tool_calls else -1
+                if start >= 0:
+                    self._emit_text(out, self._buffer[:start])
+                    self._buffer = self._buffer[start + len(TOOL_OPEN) :]
+                    self._state = "call"
+                else:
+                    keep = 0
+                    if self.plan.reads_tool_calls and not final:
+                        keep = _partial_suffix(self._buffer, TOOL_OPEN)
+                    self._emit_text(out, self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    return out
+            elif self._state == "call":
+                end = self._buffer.find(TOOL_CLOSE)
+                if end < 0 and not final:
+                    return out
+                body = self._buffer if end < 0 else self._buffer[:end]
+                self._buffer = "" if end < 0 else self._buffer[end + len(TOOL_CLOSE) :]
+                call = self._parse_call(body)
+                if call is None:
+                    # Not a well-formed call: it was text after all.
+                    self._emit_text(out, TOOL_OPEN + body + ("" if end < 0 else TOOL_CLOSE))
+                else:
+                    out.append(call)
+                self._state = "text"
+            if (self._state, len(self._buffer)) == before and not final:
+                return out
+            if final and not self._buffer and self._state in ("text", "start"):
+                return out
+
+    def _emit_text(self, out: list[Piece], text: str) -> None:
+        if self._calls and not text.strip():
+            return  # whitespace between tool calls is not an answer
+        if not self._seen_text:
+            text = text.lstrip() if self.plan.reasoning else text
+        if text:
+            self._seen_text = True
+            out.append(TextPiece(text))
+
+    def _parse_call(self, body: str) -> ToolCallPiece | None:
+        try:
+            data = json.loads(body.strip())
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return None
+        names = {tool.name for tool in self.plan.tools}
+        if data["name"] not in names:
+            return None
+        if self._calls and not self.plan.parallel_tool_calls:
+            return None
+        arguments = data.get("arguments", data.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        piece = ToolCallPiece(
+            index=self._calls,
+            call_id=new_call_id(),
+            name=data["name"],
+            arguments=json.dumps(arguments, ensure_ascii=False),
+        )
+        self._calls += 1
+        return piece
+
+    def _forced_calls(self, text: str) -> list[Piece]:
+        call = self._parse_call(text)
+        if call is not None:
+            return [call]
+        return [TextPiece(text)] if text else []

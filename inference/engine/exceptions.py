@@ -1,0 +1,85 @@
+"""What can go wrong below the API, in the engine's own terms.
+
+Each exception carries the facts (numbers, the model, which tool), never an HTTP status or a request
+parameter's name: the wire format (``inference.openai.errors``) maps each to OpenAI's error, naming the
+parameters of the API that asked.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Capability = Literal["tools", "json_schema", "reasoning", "image_input"]
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve as asked."""
+
+
+class ModelNotServed(EngineError):
+    """No enabled catalog entry has this id."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"the model {model_id!r} is not served here")
+        self.model_id = model_id
+
+
+class ModelUnavailable(EngineError):
+    """The model is in the catalog, but its runner cannot be loaded in this process."""
+
+    def __init__(self, model_id: str, detail: str) -> None:
+        super().__init__(detail)
+        self.model_id = model_id
+        self.detail = detail
+
+
+class CapabilityMissing(EngineError):
+    """The request needs something the model (or the agent on it) does not offer."""
+
+    def __init__(self, model_id: str, capability: Capability) -> None:
+        super().__init__(f"the model {model_id!r} lacks {capability}")
+        self.model_id = model_id
+        self.capability: Capability = capability
+
+
+class ChatTemplateRefused(EngineError):
+    """The model's chat template cannot render the conversation (roles out of order, say)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt, or the prompt with the output asked for, does not fit the model's context."""
+
+    def __init__(self, *, prompt_tokens: int, context_length: int, requested_output: int | None) -> None:
+        super().__init__(f"{prompt_tokens} prompt tokens and {requested_output} output tokens exceed {context_length}")
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        self.requested_output = requested_output
+
+    @property
+    def prompt_too_long(self) -> bool:
+        """The prompt alone fills the context (else it is the output asked for that does not fit)."""
+        return self.prompt_tokens >= self.context_length
+
+
+class SchemaNotEnforceable(EngineError):
+    """The runner's constrained decoding cannot express a schema: a tool's parameters (``tool`` names it) or,
+    with ``tool`` None, the output's schema."""
+
+    def __init__(self, *, model_id: str, tool: str | None, problem: str) -> None:
+        super().__init__(problem)
+        self.model_id = model_id
+        self.tool = tool
+        self.problem = problem
+
+
+class TooManyTopLogprobs(EngineError):
+    """The request asks for more alternatives per token than the model returns."""
+
+    def __init__(self, *, model_id: str, most: int) -> None:
+        super().__init__(f"the model {model_id!r} returns at most {most} top logprobs")
+        self.model_id = model_id
+        self.most = most

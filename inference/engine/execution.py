@@ -1,0 +1,153 @@
+"""Running generation jobs on this process's runners: shared by the embedded pool and Celery workers.
+
+A runner's ``stream`` is synchronous and blocks between tokens, so it runs on a thread; its events
+cross to the event loop through a queue and come out in batches: whatever arrived while the
+consumer was busy is handed over at once, which coalesces deltas exactly as much as the consumer
+needs, without adding delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+from inference.engine.runners.base import (
+    Finished,
+    GenerationJob,
+    PromptRenderer,
+    RawEvent,
+    Runner,
+    RunnerError,
+    TextChunk,
+    TokenLogprob,
+)
+
+logger = logging.getLogger("inference.engine.execution")
+
+RUNNER_MODULES = {
+    "llama_cpp": "inference.engine.runners.llama_cpp",
+    "tensorrt_llm": "inference.engine.runners.tensorrt_llm",
+}
+
+_runners: dict[str, Runner] = {}
+_renderers: dict[str, PromptRenderer] = {}
+_lock = threading.Lock()
+_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="runner")
+
+
+def _module(runner: str) -> Any:
+    try:
+        return import_module(RUNNER_MODULES[runner])
+    except KeyError:
+        raise RunnerError(f"unknown runner {runner!r}", code="runner_unavailable") from None
+
+
+def _cache_key(runner: str, settings: dict[str, Any]) -> str:
+    return runner + ":" + json.dumps(settings, sort_keys=True)
+
+
+def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
+    """The process's loaded runner for this model, loading it on first use."""
+    key = _cache_key(runner, settings)
+    if (loaded := _runners.get(key)) is not None:
+        return loaded
+    with _lock:
+        if key not in _runners:
+            _runners[key] = _module(runner).load(settings)
+        return _runners[key]
+
+
+def get_renderer(runner: str, settings: dict[str, Any]) -> PromptRenderer:
+    key = _cache_key(runner, settings)
+    if (loaded := _renderers.get(key)) is not None:
+        return loaded
+    with _lock:
+        if key not in _renderers:
+            _renderers[key] = _module(runner).renderer(settings)
+        return _renderers[key]
+
+
+@dataclass(frozen=True, slots=True)
+class JobFailed:
+    """Terminal event of a job that failed (the runner raised, or the worker was lost)."""
+
+    code: str
+    message: str
+
+
+JobEvent = RawEvent | JobFailed
+_DONE = object()
+
+
+async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterator[list[JobEvent]]:
+    """Run ``job`` on a runner thread; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def work() -> None:
+        try:
+            runner = get_runner(job.runner, job.runner_settings)
+            for event in runner.stream(job, cancelled.is_set):
+                put(event)
+        except RunnerError as exc:
+            put(JobFailed(exc.code, str(exc)))
+        except Exception as exc:
+            logger.exception("runner failed on job %s", job.job_id)
+            put(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"))
+        finally:
+            put(_DONE)
+
+    loop.run_in_executor(_executor, work)
+    try:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            done = batch[-1] is _DONE
+            events = [e for e in batch if e is not _DONE]
+            if events:
+                yield events
+            if done:
+                return
+    finally:
+        cancelled.set()
+
+
+# --- the wire form of events (Celery workers → Channels layer → API process) ----------------------
+
+
+def encode(events: list[JobEvent]) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    for event in events:
+        if isinstance(event, TextChunk):
+            logprobs = [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs]
+            out.append(["t", event.text, event.tokens, logprobs])
+        elif isinstance(event, Finished):
+            out.append(["f", event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens])
+        else:
+            out.append(["e", event.code, event.message])
+    return out
+
+
+def decode(wire: list[list[Any]]) -> list[JobEvent]:
+    out: list[JobEvent] = []
+    for item in wire:
+        kind = item[0]
+        if kind == "t":
+            logprobs = tuple(TokenLogprob(t, lp, tuple((a, b) for a, b in top)) for t, lp, top in item[3])
+            out.append(TextChunk(item[1], item[2], logprobs))
+        elif kind == "f":
+            out.append(Finished(item[1], item[2], item[3], item[4]))
+        else:
+            out.append(JobFailed(item[1], item[2]))
+    return out

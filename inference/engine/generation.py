@@ -1,0 +1,226 @@
+"""The generation workflow both API families share: prepare a job for a catalog model, run it, read it back.
+
+``prepare`` renders the conversation with the model's template, checks the context, and plans the
+output constraint; ``Generation.run`` dispatches the job and yields decoded pieces (text, reasoning,
+tool calls) and one terminal ``Done`` or ``Failed``, cancelling the job if the consumer stops early.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from jinja2 import TemplateError
+
+from inference.models import CatalogEntry
+
+from .decoding import (
+    DecodePlan,
+    FunctionTool,
+    Piece,
+    ReasoningPiece,
+    StreamDecoder,
+    ToolChoice,
+    plan_decoding,
+)
+from .dispatch import start_job
+from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforceable, TooManyTopLogprobs
+from .execution import JobFailed, get_renderer
+from .prompting import Message, check_context, render_prompt
+from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    items: tuple[TokenLogprob, ...]
+
+
+GenerationEvent = Piece | Logprobs | Done | Failed
+
+
+@dataclass
+class Generation:
+    entry: CatalogEntry
+    job: GenerationJob
+    plan: DecodePlan
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+    finished: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.job.prompt_tokens
+
+    @property
+    def time_to_first_token_ms(self) -> int | None:
+        return None if self.first_token_at is None else int((self.first_token_at - self.started) * 1000)
+
+    async def run(self) -> AsyncGenerator[GenerationEvent, None]:
+        job = start_job(self.job, queue=self.entry.queue)
+        decoder = StreamDecoder(self.plan)
+        reasoning_chars = 0
+        deadline = self.started + settings.STREAM_MAX_SECONDS
+        try:
+            async for batch in job.events():
+                for event in _coalesce(batch):
+                    if isinstance(event, TextChunk):
+                        if self.first_token_at is None:
+                            self.first_token_at = time.monotonic()
+                        self.completion_tokens += event.tokens
+                        if event.logprobs:
+                            yield Logprobs(event.logprobs)
+                        for piece in decoder.feed(event.text):
+                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
+                            yield piece
+                    elif isinstance(event, Finished):
+                        for piece in decoder.finish():
+                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
+                            yield piece
+                        self.finished = True
+                        self.completion_tokens = event.completion_tokens
+                        yield Done(
+                            finish_reason=_finish_reason(event.reason, decoder),
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            cached_tokens=event.cached_tokens,
+                            reasoning_tokens=_reasoning_tokens(reasoning_chars, decoder, event.completion_tokens),
+                        )
+                        return
+                    elif isinstance(event, JobFailed):
+                        self.finished = True
+                        yield Failed(event.code, event.message)
+                        return
+                if time.monotonic() > deadline:
+                    # The stream's time is up: end it cleanly as a length stop.
+                    await job.cancel()
+                    for piece in decoder.finish():
+                        yield piece
+                    self.finished = True
+                    yield Done("length", self.prompt_tokens, self.completion_tokens, 0, 0)
+                    return
+        finally:
+            if not self.finished:
+                await job.cancel()
+
+
+def _coalesce(batch: list[Any]) -> list[Any]:
+    """Text that arrived together leaves together: one delta per batch, not one per token."""
+    out: list[Any] = []
+    for event in batch:
+        if isinstance(event, TextChunk) and out and isinstance(out[-1], TextChunk):
+            last = out[-1]
+            out[-1] = TextChunk(last.text + event.text, last.tokens + event.tokens, last.logprobs + event.logprobs)
+        else:
+            out.append(event)
+    return out
+
+
+def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "length", "tool_calls"]:
+    if decoder.tool_calls:
+        return "tool_calls"
+    return "length" if reason == "length" else "stop"
+
+
+def _reasoning_tokens(reasoning_chars: int, decoder: StreamDecoder, completion_tokens: int) -> int:
+    if not reasoning_chars:
+        return 0
+    # Runners count tokens, not which of them were reasoning: apportion by characters.
+    total_chars = sum(len(t) for t in decoder.raw) or 1
+    return min(completion_tokens, round(completion_tokens * reasoning_chars / total_chars))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What either API asks of a model, in the platform's own terms."""
+
+    messages: list[Message]
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: bool = False
+    response_format: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
+    """Render, count and plan, before anything runs: raises ``ModelUnavailable``, ``ChatTemplateRefused``,
+    ``ContextLengthExceeded``, ``SchemaNotEnforceable`` or ``TooManyTopLogprobs``."""
+    try:
+        renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
+    except RunnerError as exc:
+        raise ModelUnavailable(entry.public_id, str(exc)) from None
+    describe_tools = bool(request.tools) and request.tool_choice != "none"
+    try:
+        prompt = await sync_to_async(render_prompt, thread_sensitive=False)(
+            renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
+        )
+    except TemplateError as exc:
+        raise ChatTemplateRefused(str(exc)) from None
+    room = check_context(
+        prompt_tokens=prompt.tokens, max_output=request.max_output_tokens, context_length=entry.context_length
+    )
+    max_tokens = min(request.max_output_tokens or entry.max_output_tokens, entry.max_output_tokens, room)
+    plan = plan_decoding(
+        tools=request.tools,
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        reasoning=request.reasoning,
+        response_format=request.response_format,
+        json_schema=request.json_schema,
+    )
+    for tool, schema in plan.enforced_schemas():
+        if problem := renderer.schema_problem(schema):
+            raise SchemaNotEnforceable(model_id=entry.public_id, tool=tool, problem=problem)
+    if request.logprobs and request.top_logprobs > renderer.max_top_logprobs:
+        raise TooManyTopLogprobs(model_id=entry.public_id, most=renderer.max_top_logprobs)
+    job = GenerationJob(
+        job_id=secrets.token_hex(12),
+        model_id=entry.public_id,
+        runner=entry.runner,
+        runner_settings=dict(entry.runner_settings),
+        prompt=prompt.text,
+        prompt_tokens=prompt.tokens,
+        sampling=Sampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop=request.stop,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        ),
+        constraint=plan.constraint,
+    )
+    return Generation(entry=entry, job=job, plan=plan)

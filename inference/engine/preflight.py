@@ -1,0 +1,49 @@
+"""A test generation in a child process, before this process relies on a native runner library.
+
+A native library built for another CPU, or with kernels this CPU cannot run, kills the process that
+calls it with a signal: no Python exception, no traceback, just a dead server or test runner. So the
+server and the test suite first run one short generation in a child process, and turn a crash there
+into a message that names the runner and says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from typing import Any
+
+TIMEOUT_SECONDS = 300
+
+# Runners whose library is native code compiled on this machine.
+_SELF_TESTS = {"llama_cpp": "inference.engine.runners.llama_cpp"}
+
+_ADVICE = {
+    "llama_cpp": (
+        "Its native library (llama.cpp, built by scripts/build-cpu-runner) does not run on this CPU. "
+        "Rebuild it with `make rebuild-runner`; see the README, \"The CPU runner's build\"."
+    ),
+}
+
+
+def check_runner(runner: str, settings: dict[str, Any]) -> str | None:
+    """``None`` when a test generation on ``runner`` works here, else what went wrong and what to do."""
+    module = _SELF_TESTS.get(runner)
+    if module is None:
+        return None
+    code = f"import json, sys; from {module} import self_test; self_test(json.loads(sys.argv[1]))"
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(settings)], capture_output=True, text=True, timeout=TIMEOUT_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        return f"The {runner} runner did not finish a test generation in {TIMEOUT_SECONDS} s."
+    if child.returncode == 0:
+        return None
+    if child.returncode < 0:
+        how = f"was killed by {signal.Signals(-child.returncode).name}"
+    else:
+        last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        how = f"failed ({last})"
+    return f"The {runner} runner {how} in a test generation. {_ADVICE[runner]}"

@@ -1,0 +1,139 @@
+"""The runner contract: a generation job in, a stream of events out.
+
+Runners know nothing of HTTP or of OpenAI's wire shapes. A job carries a prompt already rendered
+with the model's chat template (so the API process can count its tokens before admission), the
+sampling parameters and an optional output constraint; a runner yields raw text, and the shared
+decoding layer (``inference.engine.decoding``) turns that text into tool calls and reasoning for every
+runner alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+# The Hermes tool-call block: what a ``tool_calls`` constraint lets a model write, and what decoding reads back.
+TOOL_OPEN = "<tool_call>"
+TOOL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match, enforced by grammar-constrained decoding.
+
+    ``json_schema``: the whole output is one JSON value matching ``schema``.
+    ``json_object``: the whole output is one JSON object.
+    ``tool_calls``: free text, or one or more ``<tool_call>\n{call}\n</tool_call>`` blocks (the Hermes
+    format, see ``inference.engine.decoding``) whose ``{call}`` matches ``schema``.
+    """
+
+    kind: Literal["json_schema", "json_object", "tool_calls"]
+    schema: dict[str, Any] | None = None
+    # The output must be whole JSON even when the token budget runs out first (a forced tool call): as
+    # the budget nears its end, decoding takes the shortest way to close the value, and the job finishes
+    # with reason ``length``. Runners without this ability may cut the value short.
+    close_before_limit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    job_id: str
+    model_id: str
+    runner: str
+    runner_settings: dict[str, Any]
+    prompt: str
+    prompt_tokens: int
+    sampling: Sampling
+    constraint: Constraint | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationJob:
+        sampling = dict(data["sampling"])
+        sampling["stop"] = tuple(sampling.get("stop") or ())
+        constraint = data.get("constraint")
+        return cls(
+            **{**data, "sampling": Sampling(**sampling), "constraint": Constraint(**constraint) if constraint else None}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """Raw generated text, possibly several tokens at once."""
+
+    text: str
+    tokens: int = 1
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+RawEvent = TextChunk | Finished
+
+
+class RunnerError(Exception):
+    """Generation failed inside the runner; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, message: str, *, code: str = "generation_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _any_schema(schema: dict[str, Any]) -> str | None:
+    return None
+
+
+@dataclass(slots=True)
+class PromptRenderer:
+    """Renders chat messages with a model's template and counts tokens, in the API process."""
+
+    render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
+    count_tokens: Callable[[str], int]
+    # Whether ``render`` places the tool definitions itself (the template knows tools); when false
+    # the decoding layer describes them in the system message.
+    native_tools: bool = False
+    # Why the runner cannot enforce a JSON schema (features its grammar engine lacks), or None.
+    schema_problem: Callable[[dict[str, Any]], str | None] = _any_schema
+    # How many alternatives per token the model can return with logprobs (OpenAI allows up to 20).
+    max_top_logprobs: int = 20
+
+
+class Runner(Protocol):
+    """A loaded model. ``stream`` yields ``TextChunk``s then exactly one ``Finished``.
+
+    ``cancelled`` is polled between tokens; once it returns true the runner stops and finishes with
+    reason ``cancelled``. Failures raise ``RunnerError``.
+    """
+
+    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]: ...

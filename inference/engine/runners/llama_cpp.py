@@ -1,0 +1,789 @@
+"""The CPU runner: llama.cpp (through llama-cpp-python's low-level API) on a GGUF model; the embedded
+default is SmolLM2-135M-Instruct.
+
+One llama.cpp context per loaded model holds ``parallel`` sequences, each with its own part of the KV
+cache, and one scheduling thread owns it: every step is one ``llama_decode`` over the next token of
+every sequence that is generating, plus a chunk of the prompts still being read (continuous batching).
+Jobs join and leave between steps. Only that thread calls into the context, so llama.cpp's OpenMP
+threads form one team instead of one per calling thread fighting for the cores.
+
+A job that arrives finds a free sequence slot, preferring the one whose cached tokens share the longest
+prefix with its prompt: that part is not read again (``cached_tokens``). More jobs than slots wait in a
+bounded queue, in arrival order; past the bound a job is refused at once as ``overloaded``.
+
+Each sequence keeps its own sampler (temperature, top_p, penalties, seed), grammar (JSON schema, strict
+and forced tools), stop sequences, logprobs and token budget. Grammar-constrained sampling checks the
+freely drawn token against the grammar first and masks the vocabulary only when it is refused, as
+llama.cpp's own tools do: masking 49k tokens at every step costs many times the step itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import collections
+import ctypes
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .base import (
+    Constraint,
+    Finished,
+    GenerationJob,
+    PromptRenderer,
+    RawEvent,
+    RunnerError,
+    Sampling,
+    TextChunk,
+    TokenLogprob,
+)
+
+# Tokens kept at the end of a budget to close a value that must be whole JSON (``Constraint.close_before_limit``).
+CLOSING_RESERVE = 32
+# How many prompt tokens one step reads at most, besides the generating sequences' tokens: a longer
+# prompt is read over several steps, so that the others' streams never stall for long.
+PREFILL_CHUNK = 256
+
+
+def model_path(settings: dict[str, Any]) -> str:
+    if path := settings.get("model_path"):
+        return str(path)
+    package, file = settings.get("package"), settings.get("file")
+    if not package or not file:
+        raise RunnerError("llama_cpp settings need model_path, or package and file", code="runner_unavailable")
+    try:
+        located = resources.files(package).joinpath(file)
+    except ModuleNotFoundError:
+        raise RunnerError(f"the package {package!r} is not installed", code="runner_unavailable") from None
+    if not located.is_file():
+        raise RunnerError(f"{file!r} is not in the package {package!r}", code="runner_unavailable")
+    return str(Path(str(located)))
+
+
+def default_parallel() -> int:
+    """Sequence slots when the catalog entry sets none: a decode step over 4 sequences costs little more
+    than over one on a small model; more slots pay off with more cores to run them."""
+    return min(8, max(4, os.cpu_count() or 1))
+
+
+def default_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSettings:
+    """A catalog entry's ``runner_settings`` for this runner, with the machine's defaults filled in."""
+
+    path: str
+    context: int  # tokens per sequence: the prompt and its output together
+    parallel: int
+    queue: int
+    threads: int
+    prefill_chunk: int
+
+    @classmethod
+    def of(cls, settings: dict[str, Any]) -> RunnerSettings:
+        parallel = int(settings.get("parallel") or default_parallel())
+        return cls(
+            path=model_path(settings),
+            context=int(settings.get("n_ctx") or 8192),
+            parallel=parallel,
+            queue=int(queued) if (queued := settings.get("queue")) is not None else 4 * parallel,
+            threads=int(settings.get("n_threads") or default_threads()),
+            prefill_chunk=int(settings.get("prefill_chunk") or PREFILL_CHUNK),
+        )
+
+
+_loaded: list[Callable[[], None]] = []
+
+
+@atexit.register
+def _close_all() -> None:
+    # Closed while the interpreter still works; left to garbage collection at exit, llama.cpp's
+    # finalizers run after their module globals are gone and print errors.
+    for close in reversed(_loaded):
+        close()
+
+
+def _load_model(path: str, *, vocab_only: bool) -> Any:
+    from llama_cpp import _internals
+    from llama_cpp import llama_cpp as lib
+
+    params = lib.llama_model_default_params()
+    params.vocab_only = vocab_only
+    try:
+        model = _internals.LlamaModel(path_model=path, params=params, verbose=False)
+    except ValueError as exc:
+        raise RunnerError(f"could not load the model: {exc}", code="runner_unavailable") from None
+    _loaded.append(model.close)
+    return model
+
+
+JSON_STRING_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+
+
+def grammar_for(constraint: Constraint) -> str:
+    """A GBNF grammar for the constraint, built from its JSON schema."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    if constraint.kind == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    else:
+        schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
+    schema = converter.resolve_refs(schema, "schema")
+    if constraint.kind == "tool_calls":
+        converter.visit(schema, "call")
+        # Free text (not starting with a tag), or a tool call in the Hermes format.
+        converter._add_rule("free-text", r'[^<\x00] [^\x00]*')
+        converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
+    else:
+        converter.visit(schema, "")
+    if "char" in converter._rules:
+        # A character of a JSON string: the library's rule also lets raw control characters through, which
+        # no JSON parser accepts (a raw line break inside a string), so they must be escaped as JSON says.
+        converter._rules["char"] = JSON_STRING_CHAR
+    if "dot" in converter._rules:
+        # A pattern's "." is any character but a line break; inside a JSON string, not a quote, a backslash or
+        # another control character either.
+        converter._rules["dot"] = r'[^"\\\x7F\x00-\x1F]'
+    return converter.format_grammar()
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why this runner cannot enforce ``schema``, or None when it can."""
+    try:
+        grammar_for(Constraint(kind="json_schema", schema=schema))
+    except Exception as exc:  # noqa: BLE001  (the converter asserts and raises whatever the schema trips over)
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
+    """``{"$ref": …, "$defs": …}`` (a recursive Pydantic model) as ``allOf``: the converter skips a $ref's siblings."""
+    if not isinstance(schema.get("$ref"), str) or len(schema) == 1:
+        return schema
+    rest = {key: value for key, value in schema.items() if key != "$ref"}
+    return {**rest, "allOf": [{"$ref": schema["$ref"]}, *rest.get("allOf", [])]}
+
+
+# Keywords whose value maps names to subschemas: there, a key called "pattern" is a property's name.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose value is data, not a schema: left exactly as written.
+_DATA = frozenset({"const", "enum", "default", "examples"})
+
+
+# Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.
+_STRING_CHARS = '[^"\\\\\\x7F\\x00-\\x1F]*'
+
+
+def _anchored(schema: Any, *, in_map: bool = False) -> Any:
+    """The schema with every ``pattern`` anchored at both ends, as the grammar converter needs.
+
+    JSON Schema patterns match anywhere in the string, so an unanchored side allows other text.
+    """
+    if isinstance(schema, list):
+        return [_anchored(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if in_map:
+            out[key] = _anchored(value)
+        elif key in _DATA:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            head = "" if value.startswith("^") else _STRING_CHARS
+            tail = "" if value.endswith("$") and not value.endswith("\\$") else _STRING_CHARS
+            core = value[1 if not head else 0 : len(value) - (1 if not tail else 0)]
+            out[key] = f"^{head}({core}){tail}$"
+        else:
+            out[key] = _anchored(value, in_map=key in _SCHEMA_MAPS)
+    return out
+
+
+class _Sampler:
+    """Samples one sequence's next tokens: its own chain (penalties, top_p, temperature, seed) and grammar.
+
+    The token is first drawn freely and checked against the grammar alone; only when the grammar refuses
+    it is the vocabulary masked and the token drawn again. Output is the same as masking first: a token
+    the grammar accepts, drawn from the grammar-masked distribution when the free draw was refused.
+    """
+
+    def __init__(self, model: Any, sampling: Sampling, grammar: Any) -> None:
+        from llama_cpp import _internals
+        from llama_cpp import llama_cpp as lib
+
+        self._lib = lib
+        self._grammar = grammar
+        self._greedy = sampling.temperature == 0
+        self._chain = _internals.LlamaSampler()
+        self._penalized = bool(sampling.frequency_penalty or sampling.presence_penalty)
+        if self._penalized:
+            self._chain.add_penalties(
+                n_vocab=model.n_vocab(),
+                penalty_last_n=64,
+                penalty_repeat=1.0,
+                penalty_freq=sampling.frequency_penalty,
+                penalty_present=sampling.presence_penalty,
+            )
+        if self._greedy:
+            self._chain.add_greedy()
+        else:
+            if sampling.top_p < 1.0:
+                self._chain.add_top_p(sampling.top_p, 1)
+            self._chain.add_temp(sampling.temperature)
+            self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF)
+        self._candidates = _internals.LlamaTokenDataArray(n_vocab=model.n_vocab())
+        self._single_data = (lib.llama_token_data * 1)()
+        self._single = lib.llama_token_data_array(data=self._single_data, size=1, selected=-1, sorted=False)
+
+    def close(self) -> None:
+        if self._grammar:
+            self._lib.llama_sampler_free(self._grammar)
+            self._grammar = None
+        self._chain.close()
+
+    def _draw(self, logits: np.ndarray, *, masked: bool) -> int:
+        if self._greedy and not masked and not self._penalized:
+            return int(np.argmax(logits))
+        candidates = self._candidates
+        candidates.copy_logits(logits)
+        if masked:
+            self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
+        self._lib.llama_sampler_apply(self._chain.sampler, ctypes.byref(candidates.candidates))
+        return int(candidates.candidates_data.id[candidates.candidates.selected])
+
+    def _allowed(self, token: int) -> bool:
+        self._single_data[0].id = token  # type: ignore[assignment]  # ctypes converts the int
+        self._single_data[0].logit = 1.0
+        self._single_data[0].p = 0.0
+        self._single.size = 1
+        self._single.selected = -1
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(self._single))
+        return bool(np.isfinite(self._single_data[0].logit))
+
+    def next(self, logits: np.ndarray, *, closing: ClosingVocabulary | None = None) -> int:
+        """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows."""
+        if closing is not None and self._grammar:
+            token = self._closing(logits, closing)
+        else:
+            token = self._draw(logits, masked=False)
+            if self._grammar and not self._allowed(token):
+                token = self._draw(logits, masked=True)
+        if self._grammar:
+            self._lib.llama_sampler_accept(self._grammar, token)
+        self._lib.llama_sampler_accept(self._chain.sampler, token)
+        return token
+
+    def _closing(self, logits: np.ndarray, closing: ClosingVocabulary) -> int:
+        candidates = self._candidates
+        candidates.copy_logits(logits)
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
+        allowed = candidates.candidates_data.logit
+        closers = closing.closers
+        if np.isfinite(allowed[closers]).any():
+            return int(closers[np.argmax(allowed[closers])])
+        # What the grammar still requires (a property's name, say) is spelled in as few tokens as it allows.
+        ids = np.flatnonzero(np.isfinite(allowed))
+        ids = ids[closing.lengths[ids] == closing.lengths[ids].max()]
+        return int(ids[np.argmax(allowed[ids])])
+
+
+@dataclass(frozen=True)
+class ClosingVocabulary:
+    """What closing a JSON value takes: tokens that are only closing quotes and brackets (``"``, ``"}``,
+    ``]}`` …) or end generation, and every token's length, to spell what the grammar still requires."""
+
+    closers: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, vocabulary: Vocabulary) -> ClosingVocabulary:
+        closers, lengths = [], np.zeros(len(vocabulary.pieces), dtype=np.intc)
+        for token, piece in enumerate(vocabulary.pieces):
+            text = piece.decode("utf-8", errors="replace")
+            lengths[token] = len(text)
+            if (text.strip() and not text.strip().strip('"]}')) or vocabulary.is_end(token):
+                closers.append(token)
+        return cls(closers=np.array(closers, dtype=np.intc), lengths=lengths)
+
+
+def piece(model: Any, token: int, *, special: bool = False) -> bytes:
+    """A token's bytes (the library's own ``token_to_piece`` returns its whole buffer, NULs and all)."""
+    from llama_cpp import llama_cpp as lib
+
+    buffer = ctypes.create_string_buffer(64)
+    size = lib.llama_token_to_piece(model.vocab, token, buffer, len(buffer), 0, special)
+    if size < 0:  # longer than the buffer: -size is what it needs
+        buffer = ctypes.create_string_buffer(-size)
+        size = lib.llama_token_to_piece(model.vocab, token, buffer, len(buffer), 0, special)
+    return buffer.raw[:size]
+
+
+class Vocabulary:
+    """A model's tokens as text, looked up without a call into llama.cpp per token."""
+
+    def __init__(self, model: Any) -> None:
+        from llama_cpp import llama_cpp as lib
+
+        self.model = model
+        self.pieces = [piece(model, token) for token in range(model.n_vocab())]
+        self._end = {token for token in range(model.n_vocab()) if lib.llama_vocab_is_eog(model.vocab, token)}
+        self._closing: ClosingVocabulary | None = None
+
+    def is_end(self, token: int) -> bool:
+        return token in self._end
+
+    def text(self, token: int) -> str:
+        return self.pieces[token].decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.model.tokenize(text.encode("utf-8"), False, True))
+
+    @property
+    def closing(self) -> ClosingVocabulary:
+        if self._closing is None:
+            self._closing = ClosingVocabulary.of(self)
+        return self._closing
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+_END = object()
+
+
+class _Sequence:
+    """One job on its way through the context: its prompt, its sampler, what it has produced and sent."""
+
+    def __init__(
+        self,
+        job: GenerationJob,
+        cancelled: Callable[[], bool],
+        prompt: list[int],
+        max_tokens: int,
+        sampler: _Sampler,
+        vocabulary: Vocabulary,
+    ) -> None:
+        self.job = job
+        self.cancelled = cancelled
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.vocabulary = vocabulary
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.abandoned = False  # the consumer stopped reading
+        self.slot: _Slot | None = None
+        self.read = 0  # prompt tokens in the KV cache (reused ones included)
+        self.cached = 0
+        self.next_token: int | None = None  # sampled, not yet in the KV cache
+        self.produced = 0
+        sampling = job.sampling
+        self.stops = sampling.stop
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending = ""
+        self.pending_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.closing_from = max_tokens - min(CLOSING_RESERVE, max(12, max_tokens // 3))
+        self.must_close = job.constraint is not None and job.constraint.close_before_limit
+
+    @property
+    def gone(self) -> bool:
+        return self.abandoned or self.cancelled()
+
+    @property
+    def reading(self) -> bool:
+        return self.read < len(self.prompt)
+
+    def advance(self, logits: np.ndarray) -> bool:
+        """Takes the next token from ``logits``; true when the sequence is finished."""
+        closing = self.must_close and self.produced >= self.closing_from
+        token = self.sampler.next(logits, closing=self.vocabulary.closing if closing else None)
+        if self.vocabulary.is_end(token):
+            return self.finish("length" if closing else "stop")
+        self.produced += 1
+        self.pending_tokens += 1
+        sampling = self.job.sampling
+        if sampling.logprobs:
+            self.pending_logprobs.append(self._logprob(logits, token, sampling.top_logprobs))
+        self.pending += self.decoder.decode(self.vocabulary.pieces[token])
+        cut = len(self.pending)
+        if self.stops:
+            hit = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)
+            if hit >= 0:
+                self.pending = self.pending[:hit]
+                return self.finish("stop")
+            cut = max(0, len(self.pending) - self.holdback)
+        if cut:
+            self.out.put(TextChunk(self.pending[:cut], self.pending_tokens, tuple(self.pending_logprobs)))
+            self.pending, self.pending_tokens, self.pending_logprobs = self.pending[cut:], 0, []
+        if self.produced >= self.max_tokens:
+            return self.finish("length")
+        self.next_token = token
+        return False
+
+    def finish(self, reason: str) -> bool:
+        if reason != "cancelled":
+            self.pending += self.decoder.decode(b"", final=True)
+            if self.pending or self.pending_tokens:
+                self.out.put(TextChunk(self.pending, self.pending_tokens, tuple(self.pending_logprobs)))
+        self.out.put(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
+        return True
+
+    def fail(self, error: RunnerError) -> None:
+        self.out.put(error)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def events(self) -> Iterator[RawEvent]:
+        try:
+            while True:
+                item = self.out.get()
+                if isinstance(item, RunnerError):
+                    raise item
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            self.abandoned = True
+
+    def _logprob(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+        logprobs = _log_softmax(logits)
+        text = self.vocabulary.text
+        best: tuple[tuple[str, float], ...] = ()
+        if top:
+            ids = np.argpartition(-logprobs, top)[:top]
+            ids = ids[np.argsort(-logprobs[ids])]
+            best = tuple((text(int(i)), float(logprobs[i])) for i in ids)
+        return TokenLogprob(text(token), float(logprobs[token]), best)
+
+
+@dataclass
+class _Slot:
+    """A sequence id of the context, and the tokens its part of the KV cache holds."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+    sequence: _Sequence | None = None
+
+
+def _kv_cache_bytes(model: Any, cells: int) -> int:
+    """The KV cache's size: a key and a value (16-bit floats) per layer, KV head and cell."""
+    from llama_cpp import llama_cpp as lib
+
+    head_size = lib.llama_model_n_embd(model.model) // lib.llama_model_n_head(model.model)
+    return cells * lib.llama_model_n_layer(model.model) * 2 * lib.llama_model_n_head_kv(model.model) * head_size * 2
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerStats:
+    parallel: int
+    active: int
+    queued: int
+    queue_limit: int
+    context_per_sequence: int
+    kv_cache_bytes: int
+
+
+class LlamaCppRunner:
+    """A loaded model: one llama.cpp context with ``parallel`` sequences, driven by one scheduling thread."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from llama_cpp import _internals
+        from llama_cpp import llama_cpp as lib
+
+        self._lib = lib
+        self.settings = config = RunnerSettings.of(settings)
+        self._model = _load_model(config.path, vocab_only=False)
+        self.vocabulary = Vocabulary(self._model)
+        params = lib.llama_context_default_params()
+        params.n_ctx = config.context * config.parallel
+        params.n_batch = params.n_ubatch = max(config.prefill_chunk + config.parallel, 64)
+        params.n_seq_max = config.parallel
+        params.kv_unified = False  # each sequence has its own part of the cache: one never crowds out another
+        params.n_threads = params.n_threads_batch = config.threads
+        params.no_perf = True
+        try:
+            self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        except ValueError as exc:
+            raise RunnerError(f"could not create the model's context: {exc}", code="runner_unavailable") from None
+        self._ctx = self._context.ctx
+        self._memory = lib.llama_get_memory(self._ctx)
+        self.context_per_sequence = int(lib.llama_n_ctx_seq(self._ctx))
+        self.kv_cache_bytes = _kv_cache_bytes(self._model, int(lib.llama_n_ctx(self._ctx)))
+        self._batch_size = int(params.n_batch)
+        self._batch = lib.llama_batch_init(self._batch_size, 0, 1)
+        self._slots = [_Slot(seq_id) for seq_id in range(config.parallel)]
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._active: list[_Sequence] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="llama-cpp-scheduler", daemon=True)
+        self._thread.start()
+        _loaded.append(self.close)
+
+    # --- the caller's side (any thread)
+
+    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
+        """Queues ``job`` (or refuses it: the context check, the queue bound) and returns its events."""
+        sequence = self._prepare(job, cancelled)
+        with self._cond:
+            if self._closed:
+                sequence.close()
+                raise RunnerError("the model is shutting down", code="runner_unavailable")
+            if len(self._waiting) >= self.settings.queue and not self._free_slot():
+                sequence.close()
+                raise RunnerError(
+                    f"all {self.settings.parallel} sequences of the model are busy and {len(self._waiting)} "
+                    "requests are waiting",
+                    code="overloaded",
+                )
+            self._waiting.append(sequence)
+            self._cond.notify()
+        return sequence.events()
+
+    def _prepare(self, job: GenerationJob, cancelled: Callable[[], bool]) -> _Sequence:
+        """Tokenizing and compiling the grammar happen on the caller's thread, never in the scheduler's way."""
+        prompt = self.vocabulary.tokenize(job.prompt)
+        context = self.context_per_sequence
+        if len(prompt) + 1 > context:
+            raise RunnerError("the prompt does not fit the model's context", code="context_length_exceeded")
+        grammar = None
+        if job.constraint is not None:
+            try:
+                text = grammar_for(job.constraint)
+            except Exception as exc:  # noqa: BLE001  (see schema_problem: the API checks schemas before dispatch)
+                raise RunnerError(
+                    f"the output constraint cannot be enforced: {exc}", code="invalid_constraint"
+                ) from None
+            grammar = self._lib.llama_sampler_init_grammar(self._model.vocab, text.encode("utf-8"), b"root")
+            if not grammar:
+                raise RunnerError("the output constraint could not be compiled to a grammar", code="invalid_constraint")
+        sampler = _Sampler(self._model, job.sampling, grammar)
+        max_tokens = min(job.sampling.max_tokens, context - len(prompt))
+        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary)
+
+    def stats(self) -> RunnerStats:
+        with self._cond:
+            return RunnerStats(
+                parallel=self.settings.parallel,
+                active=len(self._active),
+                queued=len(self._waiting),
+                queue_limit=self.settings.queue,
+                context_per_sequence=self.context_per_sequence,
+                kv_cache_bytes=self.kv_cache_bytes,
+            )
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+        for sequence in [*self._waiting, *self._active]:
+            sequence.fail(RunnerError("the model was unloaded", code="runner_unavailable"))
+            sequence.close()
+        self._waiting.clear()
+        self._active.clear()
+        self._lib.llama_batch_free(self._batch)
+        self._context.close()
+
+    # --- the scheduler's side (its own thread, the only one that touches the context)
+
+    def _free_slot(self) -> bool:
+        return any(slot.sequence is None for slot in self._slots)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._drop_gone_waiting()
+                self._admit()
+            if self._active:
+                self._step()
+
+    def _drop_gone_waiting(self) -> None:
+        if any(sequence.gone for sequence in self._waiting):
+            for sequence in [s for s in self._waiting if s.gone]:
+                self._waiting.remove(sequence)
+                sequence.finish("cancelled")
+                sequence.close()
+
+    def _admit(self) -> None:
+        """Free slots go to waiting jobs in arrival order. A job takes the free slot that has cached the most
+        of its prompt when that is at least half of it (a conversation's next turn, a shared system prompt);
+        otherwise the slot used longest ago, so that one short shared opening does not evict a whole cache."""
+        while self._waiting and self._free_slot():
+            sequence = self._waiting.popleft()
+            free = [slot for slot in self._slots if slot.sequence is None]
+            shared = {slot.seq_id: _common_prefix(slot.tokens, sequence.prompt) for slot in free}
+            best = max(free, key=lambda s: (shared[s.seq_id], -s.last_used))
+            slot = best if 2 * shared[best.seq_id] >= len(sequence.prompt) else min(free, key=lambda s: s.last_used)
+            # At least the prompt's last token is read again: its logits start the answer.
+            keep = min(shared[slot.seq_id], len(sequence.prompt) - 1)
+            self._lib.llama_memory_seq_rm(self._memory, slot.seq_id, keep, -1)
+            del slot.tokens[keep:]
+            slot.sequence = sequence
+            sequence.slot = slot
+            sequence.read = sequence.cached = keep
+            self._active.append(sequence)
+
+    def _step(self) -> None:
+        """One ``llama_decode``: a token of each generating sequence, then prompt tokens up to the chunk size."""
+        batch = self._batch
+        entries: list[tuple[_Sequence, bool]] = []  # per batch position: whose token, and whether to sample after it
+
+        def add(sequence: _Sequence, token: int, *, sample: bool) -> None:
+            slot = sequence.slot
+            assert slot is not None
+            i = len(entries)
+            batch.token[i] = token
+            batch.pos[i] = len(slot.tokens)
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot.seq_id
+            batch.logits[i] = sample
+            slot.tokens.append(token)
+            entries.append((sequence, sample))
+
+        for sequence in list(self._active):
+            if sequence.gone:
+                self._release(sequence, "cancelled")
+            elif sequence.next_token is not None:
+                add(sequence, sequence.next_token, sample=True)
+                sequence.next_token = None
+        room = min(self.settings.prefill_chunk, self._batch_size - len(entries))
+        for sequence in self._active:
+            if room <= 0:
+                break
+            if sequence.reading:
+                take = min(room, len(sequence.prompt) - sequence.read)
+                for offset in range(take):
+                    last = sequence.read + offset == len(sequence.prompt) - 1
+                    add(sequence, sequence.prompt[sequence.read + offset], sample=last)
+                sequence.read += take
+                room -= take
+        if not entries:
+            return
+        batch.n_tokens = len(entries)
+        result = self._lib.llama_decode(self._ctx, batch)
+        if result != 0:
+            self._fail_batch(entries, result)
+            return
+        n_vocab = len(self.vocabulary.pieces)
+        for index, (sequence, sample) in enumerate(entries):
+            if not sample or sequence.slot is None:
+                continue
+            logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(n_vocab,))
+            try:
+                finished = sequence.advance(logits)
+            except Exception as exc:  # noqa: BLE001  (one sequence's fault must not stop the others)
+                sequence.fail(RunnerError(f"generation failed: {type(exc).__name__}: {exc}"))
+                finished = True
+                self._release(sequence, None)
+                continue
+            if finished:
+                self._release(sequence, None)
+
+    def _release(self, sequence: _Sequence, reason: str | None) -> None:
+        """Frees the slot; its tokens stay cached for a later prompt that starts the same way."""
+        if reason is not None:
+            sequence.finish(reason)
+        slot = sequence.slot
+        if slot is not None:
+            slot.sequence = None
+            slot.last_used = time.monotonic()
+            sequence.slot = None
+        if sequence in self._active:
+            self._active.remove(sequence)
+        sequence.close()
+
+    def _fail_batch(self, entries: list[tuple[_Sequence, bool]], result: int) -> None:
+        for sequence in dict.fromkeys(sequence for sequence, _ in entries):
+            slot = sequence.slot
+            if slot is not None:
+                self._lib.llama_memory_seq_rm(self._memory, slot.seq_id, 0, -1)
+                slot.tokens.clear()
+            sequence.fail(RunnerError(f"llama_decode failed with status {result}"))
+            self._release(sequence, None)
+
+
+def load(settings: dict[str, Any]) -> LlamaCppRunner:
+    return LlamaCppRunner(settings)
+
+
+def renderer(settings: dict[str, Any]) -> PromptRenderer:
+    """The GGUF's own chat template, and its tokenizer (loaded without weights) to count."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    vocab = _load_model(model_path(settings), vocab_only=True)
+    template = vocab.metadata().get("tokenizer.chat_template")
+    if not template:
+        raise RunnerError("the GGUF has no chat template", code="runner_unavailable")
+    eos = piece(vocab, vocab.token_eos(), special=True).decode("utf-8", errors="replace")
+    bos_id = vocab.token_bos()
+    bos = piece(vocab, bos_id, special=True).decode("utf-8", errors="replace") if bos_id >= 0 else ""
+    formatter = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+    native_tools = "tools" in template
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return formatter(messages=messages, tools=tools).prompt  # type: ignore[arg-type]  # plain dicts of that shape
+
+    def count_tokens(text: str) -> int:
+        return len(vocab.tokenize(text.encode("utf-8"), False, True))
+
+    return PromptRenderer(
+        render=render, count_tokens=count_tokens, native_tools=native_tools, schema_problem=schema_problem
+    )
+
+
+def self_test(settings: dict[str, Any]) -> None:
+    """One short generation: what a native library built for another CPU crashes on (see ``engine.preflight``)."""
+    runner = LlamaCppRunner({**settings, "parallel": 1, "n_ctx": 256})
+    job = GenerationJob(
+        job_id="self-test",
+        model_id="self-test",
+        runner="llama_cpp",
+        runner_settings=settings,
+        prompt="The three largest rivers of Oregon are the Columbia, the Snake and the",
+        prompt_tokens=0,
+        sampling=Sampling(max_tokens=4, temperature=0.0),
+    )
+    try:
+        for _ in runner.stream(job, lambda: False):
+            pass
+    finally:
+        runner.close()

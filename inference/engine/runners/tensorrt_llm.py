@@ -1,0 +1,738 @@
+"""The GPU runner, on TensorRT-LLM's ``LLM`` API (PyTorch backend).
+
+One ``LLM`` per process and settings serves every job: the engine batches requests in flight, so
+worker threads submit concurrently to the same object. ``LLM.generate_async`` results can only be
+iterated asynchronously when they were created inside a running event loop (the library picks its
+queue type at creation), so each engine owns one asyncio loop in a background thread; each job's
+request is created and iterated there, and its outputs are handed to the worker thread through a
+thread-safe queue. The worker thread polls ``cancelled`` while it waits and calls ``abort()``.
+
+``tensorrt_llm`` (GPU-only, several GB) and ``transformers`` are imported only when a runner or a
+renderer is built, so the API process and CPU-only machines import this module freely.
+
+The engine is built when the worker process starts (``inference.tasks``), not by the first job.
+
+API surface used, as read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/llmapi/llm.py``,
+``tensorrt_llm/sampling_params.py``, ``tensorrt_llm/executor/result.py``,
+``tensorrt_llm/executor/base_worker.py``, ``tensorrt_llm/llmapi/tokenizer.py``,
+``tensorrt_llm/_torch/pyexecutor/py_executor.py`` and ``grammar_matcher.py``,
+``tensorrt_llm/serve/openai_server.py``, ``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve
+builds ``SamplingParams`` for chat) and ``docs/source/features/guided-decoding.md`` (structural tags).
+Guides are compiled with xgrammar, the library TensorRT-LLM's guided decoder uses, before anything is
+queued: in the API process (``schema_problem``) and again in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .base import (
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    Constraint,
+    Finished,
+    FinishReason,
+    GenerationJob,
+    PromptRenderer,
+    RawEvent,
+    RunnerError,
+    TextChunk,
+    TokenLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long the worker thread waits on the engine before looking at ``cancelled`` again.
+POLL_SECONDS: Final = 0.05
+# After ``abort()`` an active request still gets a final output with its token count; how long to
+# wait for it. A request still in the engine's waiting queue gets none at all (see ``stream``).
+CANCEL_GRACE_SECONDS: Final = 2.0
+
+# The oldest release known to take structural tags in the {"type": "structural_tag", "format": {...}}
+# form the runner sends: with xgrammar 0.1.25 TensorRT-LLM hands the tag string to
+# ``compile_structural_tag`` as it is (``_torch/pyexecutor/grammar_matcher.py``; its change "Support
+# new structural tag API"), and release 1.2 ships xgrammar 0.1.25. 1.0 parsed the older
+# {"structures": [...], "triggers": [...]} form itself, which xgrammar 0.1.25 and later refuse
+# ("Structural tag must have a format field").
+MIN_VERSION: Final = (1, 2)
+
+# OpenAI's own maximum for top_logprobs, and so the default for an entry that sets none.
+MAX_TOP_LOGPROBS: Final = 20
+
+# Settings that are the platform's, not ``LLM()`` keyword arguments.
+_NOT_LLM_ARGS: Final = frozenset(
+    {"model", "kv_cache_free_gpu_memory_fraction", "chat_template", "max_top_logprobs"}
+)
+
+# A request that outlives its own deadline in the engine is cut short, like one that hit max_tokens:
+# the client gets a truncated answer either way, and "length" is the reason that tells it so.
+_FINISH_REASONS: Final[dict[str, FinishReason]] = {
+    "stop": "stop",
+    "length": "length",
+    "timeout": "length",
+    "cancelled": "cancelled",
+}
+
+# trtllm-serve's floor for a logprob, so that JSON never has to carry -inf.
+_MIN_LOGPROB: Final = -9999.0
+
+
+@dataclass(frozen=True, slots=True)
+class _API:
+    """The few names this runner takes from ``tensorrt_llm``, imported once."""
+
+    LLM: Any
+    SamplingParams: Any
+    GuidedDecodingParams: Any
+    KvCacheConfig: Any
+    RequestError: type[BaseException]
+
+
+def _import_api() -> _API:
+    try:
+        import tensorrt_llm
+        from tensorrt_llm import LLM, SamplingParams
+        from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig, RequestError
+    except ImportError as exc:
+        raise RunnerError(
+            f"TensorRT-LLM is not available here ({exc}); it needs an NVIDIA GPU and the 'gpu' extra.",
+            code="runner_unavailable",
+        ) from exc
+    version = str(getattr(tensorrt_llm, "__version__", "0"))
+    if _release(version) < MIN_VERSION:
+        raise RunnerError(
+            f"TensorRT-LLM {version} is installed; this runner needs {MIN_VERSION[0]}.{MIN_VERSION[1]} or later "
+            "(its guided decoder takes structural tags in the form the runner sends). Install the 'gpu' extra.",
+            code="runner_unavailable",
+        )
+    return _API(LLM, SamplingParams, GuidedDecodingParams, KvCacheConfig, RequestError)
+
+
+def _release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+# -- events from the engine's loop to the worker thread ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What one streamed output said, copied in the loop thread: the library mutates it in place."""
+
+    text: str
+    new_tokens: int
+    total_tokens: int
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: BaseException
+    code: str
+    # The engine itself is broken (not just this request): drop it so the next job builds a new one.
+    fatal: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    pass
+
+
+_END: Final = _Ended()
+
+_Event = _Started | _Step | _Failed | _Ended
+
+
+class _Request:
+    """One job's request on an engine; ``abort``, ``stop`` and ``events`` are for the worker thread."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
+        self.ended = False
+        self._engine = engine
+        self.driver: concurrent.futures.Future[None] | None = None
+        # Touched only in the loop thread.
+        self._output: Any = None
+        self._abort_requested = False
+
+    def abort(self) -> None:
+        try:
+            self._engine.loop.call_soon_threadsafe(self._abort_in_loop)
+        except RuntimeError:  # the loop is closed: the engine, and with it the request, is gone
+            pass
+
+    def stop(self) -> None:
+        """Stop reading the request's outputs: the coroutine would otherwise wait for a final one forever."""
+        if self.driver is not None:
+            self.driver.cancel()
+
+    def _abort_in_loop(self) -> None:
+        self._abort_requested = True
+        output = self._output
+        if output is not None and not output.finished:
+            try:
+                output.abort()
+            except Exception:
+                logger.exception("TensorRT-LLM abort() failed")
+
+
+class _Engine:
+    """An ``LLM`` and the event loop its requests live on."""
+
+    def __init__(self, llm: Any, api: _API, *, max_seq_len: int | None) -> None:
+        self.llm = llm
+        self.api = api
+        # The PyTorch backend never refuses a prompt for max_seq_len: base_worker.py's
+        # _deduce_max_tokens clamps max_tokens to the room left, down to zero, and llm.py's
+        # _check_arguments checks only max_num_tokens. So the runner checks it before submitting.
+        self.max_seq_len = max_seq_len
+        self.loop = asyncio.new_event_loop()
+        self._active: set[_Request] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run_loop, name="tensorrt-llm-loop", daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, prompt: str, params: Any, top_logprobs: int | None) -> _Request:
+        request = _Request(self)
+        with self._lock:
+            self._active.add(request)
+        request.driver = asyncio.run_coroutine_threadsafe(self._drive(request, prompt, params, top_logprobs), self.loop)
+        return request
+
+    def forget(self, request: _Request) -> None:
+        with self._lock:
+            self._active.discard(request)
+
+    async def _drive(self, request: _Request, prompt: str, params: Any, top_logprobs: int | None) -> None:
+        if request._abort_requested:  # cancelled before it reached the engine
+            return
+        try:
+            # Tokenized here, on the loop's thread like the library's own calls, and submitted as ids:
+            # the prompt is counted once, exactly, and checked before anything is queued.
+            prompt_ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=False))
+        except Exception as exc:  # noqa: BLE001  (a tokenizer failure is this request's)
+            request.events.put(_Failed(exc, "generation_failed"))
+            return
+        if self.max_seq_len is not None and len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            request.events.put(
+                _Failed(
+                    ValueError(
+                        f"the prompt ({len(prompt_ids)} tokens) and max_tokens ({params.max_tokens}) exceed "
+                        f"the engine's max_seq_len ({self.max_seq_len})"
+                    ),
+                    "context_length_exceeded",
+                )
+            )
+            return
+        try:
+            output = self.llm.generate_async(prompt_ids, params, streaming=True)
+        except (ValueError, TypeError, self.api.RequestError) as exc:
+            # The library's checks on the request itself (max_num_tokens raises RequestError in later
+            # releases, ValueError before): this request is refused, the engine is fine.
+            request.events.put(_Failed(exc, _refusal_code(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001  (e.g. "LLM is shutting down": the engine is gone)
+            request.events.put(_Failed(exc, "runner_unavailable", fatal=True))
+            return
+        request._output = output
+        request.events.put(_Started(len(output.prompt_token_ids)))
+        if request._abort_requested:
+            request._abort_in_loop()
+        try:
+            async for step in output:
+                request.events.put(self._snapshot(step, top_logprobs))
+        except self.api.RequestError as exc:
+            request.events.put(_Failed(exc, _refusal_code(exc)))
+        except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
+            request.events.put(_Failed(exc, "generation_failed", fatal=True))
+        else:
+            request.events.put(_END)
+
+    def _snapshot(self, step: Any, top_logprobs: int | None) -> _Step:
+        completion = step.outputs[0]
+        new_ids = list(completion.token_ids_diff)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if top_logprobs is not None:
+            logprobs = _token_logprobs(self.llm.tokenizer, new_ids, list(completion.logprobs_diff), top_logprobs)
+        return _Step(
+            text=self._settled_text(step, completion),
+            new_tokens=len(new_ids),
+            total_tokens=len(completion.token_ids),
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
+        )
+
+    def _settled_text(self, step: Any, completion: Any) -> str:
+        """The output's text, less a stop string's beginning that the library left in it.
+
+        When the runtime stops on a stop string's token ids it cuts those ids from ``token_ids``, but a
+        streamed result detokenizes incrementally and never takes text back (``executor/result.py``
+        ``_handle_sequence``; ``llmapi/tokenizer.py`` ``decode_incrementally``): the text of the stop
+        string's first tokens, decoded in earlier steps, stays at the end of ``text``. The ids are
+        then the truth. (A stop string found in the text instead is cut from the text itself.)
+        """
+        text = str(completion.text)
+        if not (step.finished and completion.finish_reason == "stop" and isinstance(completion.stop_reason, str)):
+            return text
+        decoded = str(self.llm.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True))
+        return decoded if text.startswith(decoded) else text
+
+    def close(self) -> None:
+        with self._lock:
+            stranded = list(self._active)
+            self._active.clear()
+        # Their coroutines stop with the loop; tell the waiting worker threads rather than leave them hanging.
+        for request in stranded:
+            request.events.put(_Failed(RuntimeError("the TensorRT-LLM engine was shut down"), "runner_unavailable"))
+        try:
+            self.llm.shutdown()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+
+def _refusal_code(exc: BaseException) -> str:
+    # The library refuses a prompt longer than max_num_tokens (llm.py _check_arguments).
+    message = str(exc)
+    return "context_length_exceeded" if "max_num_tokens" in message or "max_seq_len" in message else "generation_failed"
+
+
+def _token_logprobs(
+    tokenizer: Any, token_ids: list[int], entries: list[Any], top_logprobs: int
+) -> tuple[TokenLogprob, ...]:
+    """Per-token logprobs as trtllm-serve reports them (``serve/postprocess_handlers.py``)."""
+    result: list[TokenLogprob] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        token = tokenizer.decode([token_id])
+        if isinstance(entry, dict):  # PyTorch backend: {token_id: Logprob(logprob, rank)}, top-k plus the sampled one
+            chosen = entry.get(token_id)
+            logprob = max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB
+            ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
+            top = tuple((tokenizer.decode([tid]), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs])
+        else:  # TensorRT backend without gathered logits: one float per token, no alternatives
+            logprob, top = max(float(entry), _MIN_LOGPROB), ()
+        result.append(TokenLogprob(token=token, logprob=logprob, top=top))
+    return tuple(result)
+
+
+# -- one engine per process and settings -------------------------------------------------------------
+
+_ENGINES: dict[str, _Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def _engine_key(settings: Mapping[str, Any]) -> str:
+    llm_settings = {k: v for k, v in settings.items() if k not in ("chat_template", "max_top_logprobs")}
+    return json.dumps(llm_settings, sort_keys=True, default=str)
+
+
+def _llm_kwargs(settings: Mapping[str, Any], api: _API) -> dict[str, Any]:
+    model = settings.get("model")
+    if not isinstance(model, str) or not model:
+        raise RunnerError(
+            "tensorrt_llm settings need 'model': the path of a Hugging Face model directory.",
+            code="runner_unavailable",
+        )
+    kwargs = {k: v for k, v in settings.items() if k not in _NOT_LLM_ARGS}
+    # Without a backend, guided decoding (structured output, strict tools) has nothing to enforce it.
+    kwargs.setdefault("guided_decoding_backend", "xgrammar")
+    fraction = settings.get("kv_cache_free_gpu_memory_fraction")
+    kv_cache = kwargs.pop("kv_cache_config", None)
+    if fraction is not None or isinstance(kv_cache, dict):
+        kv_cache = dict(kv_cache or {})
+        if fraction is not None:
+            kv_cache["free_gpu_memory_fraction"] = fraction
+        kv_cache = api.KvCacheConfig(**kv_cache)
+    if kv_cache is not None:
+        kwargs["kv_cache_config"] = kv_cache
+    return {"model": model, **kwargs}
+
+
+def _engine_for(settings: Mapping[str, Any], api: _API) -> _Engine:
+    key = _engine_key(settings)
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            try:
+                llm = api.LLM(**_llm_kwargs(settings, api))
+            except RunnerError:
+                raise
+            except (ValueError, TypeError) as exc:  # unknown or invalid LLM() arguments
+                raise RunnerError(f"invalid tensorrt_llm settings: {exc}", code="runner_unavailable") from exc
+            except Exception as exc:
+                raise RunnerError(f"TensorRT-LLM could not load the model: {exc}", code="runner_unavailable") from exc
+            max_seq_len = settings.get("max_seq_len") or getattr(getattr(llm, "args", None), "max_seq_len", None)
+            if not max_seq_len:
+                logger.warning(
+                    "tensorrt_llm settings for %s set no max_seq_len: prompts are not checked against the engine's",
+                    settings.get("model"),
+                )
+            engine = _ENGINES[key] = _Engine(llm, api, max_seq_len=int(max_seq_len) if max_seq_len else None)
+        return engine
+
+
+def _discard(engine: _Engine) -> None:
+    with _ENGINES_LOCK:
+        keys = [key for key, known in _ENGINES.items() if known is engine]
+        for key in keys:
+            del _ENGINES[key]
+    if not keys:  # another job that saw the same failure got here first
+        return
+    try:
+        engine.close()
+    except Exception:
+        logger.exception("Closing a failed TensorRT-LLM engine failed")
+
+
+def shutdown_all() -> None:
+    """Shut every engine of this process down (worker shutdown, tests)."""
+    with _ENGINES_LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+    for engine in engines:
+        engine.close()
+
+
+# -- the runner --------------------------------------------------------------------------------------
+
+
+def _tool_calls_tag(call_schema: dict[str, Any]) -> str:
+    """An xgrammar structural tag: free text, in which every ``<tool_call>`` block holds a valid call.
+
+    The form is the one TensorRT-LLM documents for tool calls (``docs/source/features/guided-decoding.md``):
+    text is unconstrained until the trigger appears, then the tag's JSON schema and end are enforced,
+    and free text may follow, so one or several calls fit.
+    """
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [TOOL_OPEN],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": TOOL_OPEN + "\n",
+                    "content": {"type": "json_schema", "json_schema": call_schema},
+                    "end": "\n" + TOOL_CLOSE,
+                }
+            ],
+        },
+    }
+    return json.dumps(tag)
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise RunnerError(
+            f"checking output constraints for tensorrt_llm models needs xgrammar ({exc}); "
+            "install the 'gpu-api' extra (API processes) or the 'gpu' extra (GPU workers)",
+            code="runner_unavailable",
+        ) from exc
+    return xgrammar
+
+
+# xgrammar's C++ errors start with a time and a source position: "[09:50:42] /project/cpp/x.cc:75: ".
+_XGRAMMAR_PREFIX: Final = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_problem(kind: str, guide: str) -> str | None:
+    """Why xgrammar cannot compile a guide (a JSON schema or a structural tag, as JSON), or None.
+
+    TensorRT-LLM compiles each guide inside the executor loop (``grammar_matcher.py``:
+    ``compile_json_schema`` / ``compile_structural_tag``) for the whole scheduled batch, with no guard
+    around one request: a guide that fails there fails every active request (``py_executor.py``,
+    ``_handle_errors``). The same conversion is run here first, so a bad guide is refused alone.
+    The same tools come with every request of a conversation, hence the cache.
+    """
+    xgrammar = _xgrammar()
+    try:
+        if kind == "structural_tag":
+            xgrammar.Grammar.from_structural_tag(guide)
+        else:
+            xgrammar.Grammar.from_json_schema(guide)
+    except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError, ValueError and its own errors)
+        return _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+    return None
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why TensorRT-LLM's guided decoder (xgrammar) cannot enforce ``schema``, or None when it can."""
+    return _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
+
+
+def _constraint_problem(constraint: Constraint | None) -> str | None:
+    if constraint is None or constraint.kind == "json_object" or constraint.schema is None:
+        return None
+    if constraint.kind == "tool_calls":
+        return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema))
+    return schema_problem(constraint.schema)
+
+
+def _guide(constraint: Constraint | None, api: _API) -> Any:
+    if constraint is None:
+        return None
+    if constraint.kind == "json_object":
+        return api.GuidedDecodingParams(json_object=True)
+    if constraint.schema is None:
+        raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
+    if constraint.kind == "tool_calls":
+        return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema))
+    return api.GuidedDecodingParams(json=constraint.schema)
+
+
+def _sampling_params(job: GenerationJob, api: _API) -> Any:
+    sampling = job.sampling
+    kwargs: dict[str, Any] = {
+        # SamplingParams defaults max_tokens to 32: never leave it to the default.
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "stop": list(sampling.stop) or None,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        # The prompt is a rendered chat template, which places BOS itself (trtllm-serve's chat default);
+        # the renderer counted the prompt's tokens the same way.
+        "add_special_tokens": False,
+    }
+    if sampling.top_p <= 0:
+        # OpenAI allows top_p 0 (only the most likely token); the runtime's SamplingConfig requires
+        # 0 < top_p <= 1 (samplingConfig.cpp, checkTopP) and would fail the request. top_k 1 is the
+        # same choice, and what the LLM API itself counts as greedy (SamplingParams._greedy_decoding).
+        kwargs["top_p"] = None
+        kwargs["top_k"] = 1
+    if sampling.logprobs:
+        limit = _max_top_logprobs(job.runner_settings)
+        kwargs["logprobs"] = max(1, min(sampling.top_logprobs, limit))
+    guide = _guide(job.constraint, api)
+    if guide is not None:
+        kwargs["guided_decoding"] = guide
+    try:
+        return api.SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="generation_failed") from exc
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters could still become a stop sequence, and so must not be sent yet.
+
+    The library finds stop strings in the detokenized text and cuts them out, but only once complete:
+    the part of one that arrived in earlier steps has already gone out in ``text_diff``.
+    """
+    held = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:size]):
+                held = size
+                break
+    return held
+
+
+class TensorRTLLMRunner:
+    def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
+        self._api = _import_api()
+        if settings is not None:  # load the model now, not on the first job
+            _engine_for(settings, self._api)
+
+    # A generator, so that a consumer that stops reading early (close()) still aborts the request.
+    def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Generator[RawEvent, None, None]:
+        engine = _engine_for(job.runner_settings, self._api)
+        # The API process refused such a guide already (schema_problem); a job can still come from an
+        # API process with another xgrammar, and one bad guide would fail the engine's whole batch.
+        if problem := _constraint_problem(job.constraint):
+            raise RunnerError(f"the output constraint cannot be enforced: {problem}", code="invalid_constraint")
+        params = _sampling_params(job, self._api)
+        request = engine.submit(job.prompt, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
+        stops = job.sampling.stop
+        prompt_tokens = job.prompt_tokens
+        last: _Step | None = None
+        sent = 0  # characters of the output text already yielded
+        owed_tokens = 0  # tokens whose text is held back or not yet detokenized
+        owed_logprobs: list[TokenLogprob] = []
+        was_cancelled = False
+        cancel_deadline: float | None = None
+        try:
+            while True:
+                if not was_cancelled and cancelled():
+                    was_cancelled = True
+                    request.abort()
+                    if last is None:
+                        # Nothing came out yet, so the request may still wait in the engine's queue, from
+                        # which TensorRT-LLM drops a cancelled request without any final output
+                        # (py_executor.py _handle_canceled_requests -> update_waiting_queue). End it here.
+                        break
+                    cancel_deadline = time.monotonic() + CANCEL_GRACE_SECONDS
+                wait = POLL_SECONDS
+                if cancel_deadline is not None:
+                    wait = max(0.0, min(POLL_SECONDS, cancel_deadline - time.monotonic()))
+                try:
+                    event = request.events.get(timeout=wait)
+                except queue.Empty:
+                    if cancel_deadline is not None and time.monotonic() >= cancel_deadline:
+                        break
+                    continue
+                if isinstance(event, _Started):
+                    prompt_tokens = event.prompt_tokens
+                elif isinstance(event, _Failed):
+                    request.ended = True
+                    if was_cancelled:  # the client is gone; how the request died is moot
+                        break
+                    if event.fatal:
+                        _discard(engine)
+                    raise RunnerError(f"TensorRT-LLM: {event.error}", code=event.code) from event.error
+                elif isinstance(event, _Ended):
+                    request.ended = True
+                    break
+                else:
+                    last = event
+                    if was_cancelled:
+                        continue
+                    owed_tokens += event.new_tokens
+                    owed_logprobs.extend(event.logprobs)
+                    ready = len(event.text) - _held_back(event.text, stops)
+                    if ready > sent:
+                        yield TextChunk(text=event.text[sent:ready], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
+                        sent, owed_tokens, owed_logprobs = ready, 0, []
+
+            if was_cancelled:
+                reason: FinishReason = "cancelled"
+            else:
+                # The final text is settled (stop strings cut, see _settled_text): send what was held back.
+                if last is not None and len(last.text) > sent:
+                    yield TextChunk(text=last.text[sent:], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
+                reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
+            yield Finished(
+                reason=reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=last.total_tokens if last else 0,
+                cached_tokens=last.cached_tokens if last else 0,
+            )
+        finally:
+            if not request.ended:
+                # Cancelled, or the consumer stopped reading: free the engine's place, and stop waiting
+                # for a final output that a request dropped from the waiting queue never gets.
+                request.abort()
+                request.stop()
+            engine.forget(request)
+
+
+def load(settings: dict[str, Any]) -> TensorRTLLMRunner:
+    return TensorRTLLMRunner(settings)
+
+
+# -- prompt rendering, in the API process ------------------------------------------------------------
+
+
+def _hf_tokenizer(source: str, trust_remote_code: bool) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise RunnerError(
+            "rendering prompts for tensorrt_llm models needs transformers (the 'gpu' extra)", code="runner_unavailable"
+        ) from exc
+    try:
+        # local_files_only: a serving process never downloads; the model directory must be there.
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise RunnerError(f"cannot load the tokenizer from {source!r}: {exc}", code="runner_unavailable") from exc
+
+
+def _knows_tools(template: Any) -> bool:
+    """Whether a chat template (a string, or Hugging Face's named templates) renders tool definitions."""
+    if isinstance(template, str):
+        sources = [template]
+    elif isinstance(template, dict):
+        sources = [t for t in template.values() if isinstance(t, str)]
+    elif isinstance(template, list):  # the older serialized form: [{"name": ..., "template": ...}]
+        sources = [t.get("template", "") for t in template if isinstance(t, dict)]
+    else:
+        sources = []
+    return any(re.search(r"\btools\b", source) for source in sources)
+
+
+def renderer(settings: dict[str, Any]) -> PromptRenderer:
+    source = settings.get("tokenizer") or settings.get("model")
+    if not source:
+        raise RunnerError(
+            "tensorrt_llm settings need 'model' (or 'tokenizer') to render prompts", code="runner_unavailable"
+        )
+    tokenizer = _hf_tokenizer(str(source), bool(settings.get("trust_remote_code", False)))
+    override: str | None = settings.get("chat_template")
+    template = override if override is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise RunnerError(
+            f"the tokenizer at {source!r} has no chat template; set 'chat_template'", code="runner_unavailable"
+        )
+    extra: dict[str, Any] = {"chat_template": override} if override is not None else {}
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
+        return str(text)
+
+    def count_tokens(text: str) -> int:
+        # As the runner tokenizes the prompt: the template placed the special tokens already.
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    _check_structural_tags()
+    return PromptRenderer(
+        render=render,
+        count_tokens=count_tokens,
+        native_tools=_knows_tools(template),
+        schema_problem=schema_problem,
+        max_top_logprobs=_max_top_logprobs(settings),
+    )
+
+
+def _max_top_logprobs(settings: Mapping[str, Any]) -> int:
+    """How many alternatives per token this entry returns with logprobs (its ``max_top_logprobs`` setting).
+
+    The PyTorch backend returns each token's top-k as {token id: Logprob} (``executor/result.py``);
+    the TensorRT engine backend without gathered generation logits returns only the sampled
+    token's logprob, a plain float, so such an entry sets 0 and asks for more are refused up front.
+    """
+    value = settings.get("max_top_logprobs", MAX_TOP_LOGPROBS)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RunnerError(
+            f"tensorrt_llm setting max_top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
+            code="runner_unavailable",
+        )
+    return value
+
+
+def _check_structural_tags() -> None:
+    """Refuse to serve when the installed xgrammar cannot read the structural tags the runner sends."""
+    probe = {"type": "object", "properties": {"name": {"const": "f"}}, "required": ["name"]}
+    if problem := _compile_problem("structural_tag", _tool_calls_tag(probe)):
+        raise RunnerError(
+            f"the installed xgrammar cannot compile the runner's structural tags ({problem}); it needs 0.1.25 or later",
+            code="runner_unavailable",
+        )

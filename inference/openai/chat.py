@@ -1,0 +1,349 @@
+"""Chat completions' wire format: the request, its messages and tools, and the completion and chunk objects.
+
+Request models validate the body and say exactly which parameter is wrong; response builders emit
+plain dicts, which are cheaper to serialize on the hot path than model instances.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .errors import ParamNames, invalid_request, unsupported_parameter
+from .shared import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    JSONSchema,
+    LogprobItems,
+    LooseModel,
+    StreamOptions,
+    WireModel,
+    check_metadata,
+    logprob_objects,
+)
+
+
+class FunctionDefinition(WireModel):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: JSONSchema | None = None
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(WireModel):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    schema_: JSONSchema | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+StopParam = str | list[str] | None
+
+
+def normalize_stop(stop: StopParam) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    values = [stop] if isinstance(stop, str) else stop
+    if len(values) > 4:
+        raise invalid_request("stop takes at most 4 sequences.", param="stop", code="invalid_value")
+    return tuple(v for v in values if v)
+
+
+# --- chat completions: request ------------------------------------------------------------------
+
+
+class TextPart(WireModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(WireModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(WireModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class RefusalPart(WireModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class AudioPart(LooseModel):
+    type: Literal["input_audio"]
+
+
+class FilePart(LooseModel):
+    type: Literal["file"]
+
+
+UserPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
+AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
+class SystemMessage(WireModel):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(WireModel):
+    role: Literal["user"]
+    content: str | list[UserPart]
+    name: str | None = None
+
+
+class ToolCallFunction(LooseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(LooseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class AssistantMessage(WireModel):
+    role: Literal["assistant"]
+    content: str | list[AssistantPart] | None = None
+    refusal: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: Any = None
+    audio: Any = None
+    # Echoed back by clients that replay the message they received.
+    reasoning_content: str | None = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_something(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls and self.refusal is None:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(WireModel):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+class FunctionMessage(WireModel):
+    role: Literal["function"]
+    content: str | None
+    name: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage, Field(discriminator="role")
+]
+
+
+class ChatTool(WireModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(WireModel):
+    name: str
+
+
+class NamedToolChoice(WireModel):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
+class ResponseFormatText(WireModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(WireModel):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(WireModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema, Field(discriminator="type")
+]
+
+
+class ChatStreamOptions(StreamOptions):
+    include_usage: bool | None = None
+
+
+# Known OpenAI parameters this platform does not implement: refused by name, never ignored.
+CHAT_UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "functions": "functions is deprecated and not supported; use tools",
+    "function_call": "function_call is deprecated and not supported; use tool_choice",
+    "logit_bias": "logit_bias is not supported on this model",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported on this node",
+    "verbosity": "verbosity is not supported on this model",
+}
+
+
+class ChatCompletionRequest(WireModel):
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    stream: bool | None = False
+    stream_options: ChatStreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: int | None = None
+    stop: StopParam = None
+    seed: int | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    route: Literal["node", "gateway"] | None = None
+    # Known but unsupported: accepted by the schema so they can be refused by name below.
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
+    logit_bias: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
+
+    def refuse_unsupported(self) -> None:
+        for name, message in CHAT_UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and not (name == "logit_bias" and value == {}):
+                raise unsupported_parameter(name, message)
+        if self.n not in (None, 1):
+            raise unsupported_parameter("n", "n must be 1 on this model")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request(
+                "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
+            )
+        if self.store:
+            raise unsupported_parameter("store", "store: true is not supported; this node stores nothing")
+        if self.modalities and set(self.modalities) - {"text"}:
+            raise unsupported_parameter("modalities", "only the text modality is supported")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs: true.", param="top_logprobs", code="invalid_value")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise invalid_request(
+                "tool_choice is only allowed when tools are specified.", param="tool_choice", code="invalid_value"
+            )
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
+            names = {tool.function.name for tool in self.tools}
+            if self.tool_choice.function.name not in names:
+                raise invalid_request(
+                    f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools.",
+                    param="tool_choice.function.name",
+                    code="invalid_value",
+                )
+        if self.tools:
+            listed = [tool.function.name for tool in self.tools]
+            if len(set(listed)) != len(listed):
+                raise invalid_request("Tool names must be unique.", param="tools", code="invalid_value")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def param_names(self) -> ParamNames:
+        images = (
+            f"messages.{index}.content.{part_index}"
+            for index, message in enumerate(self.messages)
+            if isinstance(message, UserMessage) and isinstance(message.content, list)
+            for part_index, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        )
+        return ParamNames(
+            prompt="messages",
+            output_limit="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+            tool_schemas={
+                tool.function.name: f"tools.{index}.function.parameters" for index, tool in enumerate(self.tools or ())
+            },
+            image=next(images, None),
+        )
+
+
+# --- chat completions: response -----------------------------------------------------------------
+
+
+def chat_completion(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "usage": usage,
+        "service_tier": "default",
+        **extra,
+    }
+
+
+def chat_chunk(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "service_tier": "default",
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+    if extra:
+        chunk.update(extra)
+    return chunk
+
+
+def logprobs_object(items: LogprobItems) -> dict[str, Any]:
+    """A choice's ``logprobs``: the content's tokens, with their bytes."""
+    return {"content": logprob_objects(items), "refusal": None}

@@ -1,0 +1,219 @@
+"""OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+
+Every error body the API sends is an ``APIError``'s ``body()``, built here: the wire format raises them for
+what a request says wrong, and ``from_exception`` maps the domain's exceptions to them. The renderer
+(``inference.api.errors``) turns them into HTTP responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from inference.engine.exceptions import (
+    CapabilityMissing,
+    ChatTemplateRefused,
+    ContextLengthExceeded,
+    ModelNotServed,
+    ModelUnavailable,
+    SchemaNotEnforceable,
+    TooManyTopLogprobs,
+)
+from orgs.exceptions import InvalidAPIKey, LimitExceeded
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+RATE_LIMIT = "rate_limit_error"
+SERVER = "server_error"
+PERMISSION = "permission_error"
+
+
+class APIError(Exception):
+    """An error the client sees. ``status`` is the HTTP status; the rest is OpenAI's error object."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = INVALID_REQUEST,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.status = status
+        self.param = param
+        self.type = type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ParamNames:
+    """Where a request's parts are, in its API's own parameter names: how an error found below the API names them.
+
+    Each parsed request offers its own (``param_names()``); the defaults are chat completions'.
+    """
+
+    prompt: str = "messages"
+    output_limit: str = "max_tokens"  # the output-token limit the client used
+    tools: str = "tools"
+    tool_schemas: Mapping[str, str] = field(default_factory=dict)  # a function tool's name: where its schema is
+    output_format: str = "response_format"
+    output_schema: str = "response_format.json_schema.schema"
+    reasoning: str = "reasoning_effort"
+    top_logprobs: str = "top_logprobs"
+    image: str | None = None  # the first image in the conversation
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(message, code=code, param=param)
+
+
+def unsupported_parameter(param: str, message: str | None = None) -> APIError:
+    return APIError(message or f"{param} is not supported", code="unsupported_parameter", param=param)
+
+
+def model_not_available(model: str) -> APIError:
+    return APIError(
+        f'The model {model!r} is not served on this node. Add "route": "gateway" to send the request to the gateway.',
+        code="model_not_available",
+        status=404,
+        param="model",
+        type=NOT_FOUND,
+    )
+
+
+def invalid_api_key() -> APIError:
+    return APIError(
+        "Incorrect or missing API key. Send 'Authorization: Bearer <key>' with an active key.",
+        code="invalid_api_key",
+        status=401,
+        type=AUTHENTICATION,
+    )
+
+
+def internal_error() -> APIError:
+    return APIError(
+        "The server had an error while processing your request.", code="internal_error", status=500, type=SERVER
+    )
+
+
+def body_too_large() -> APIError:
+    return APIError(
+        f"The request body is larger than the limit of {settings.MAX_REQUEST_BODY_BYTES} bytes.",
+        code="request_too_large",
+        status=413,
+    )
+
+
+def not_found() -> APIError:
+    return APIError("No API endpoint at this path.", code="not_found", status=404, type=NOT_FOUND)
+
+
+def method_not_allowed(detail: str = "Method not allowed.") -> APIError:
+    return APIError(detail, code="method_not_allowed", status=405)
+
+
+def status_error(status: int) -> APIError:
+    """The error for a bare HTTP status produced outside the API's own code."""
+    if status == 404:
+        return not_found()
+    if status == 405:
+        return method_not_allowed()
+    if status == 413:
+        return body_too_large()
+    if status >= 500:
+        return internal_error()
+    return APIError("The request was refused.", code="invalid_request", status=status)
+
+
+def generation_failed(code: str, message: str) -> APIError:
+    """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost)."""
+    status = 503 if code in ("no_worker", "model_not_available") else 500
+    return APIError(f"Generation failed: {message}", code=code, status=status, type=SERVER)
+
+
+def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIError | None:
+    """OpenAI's error for an exception raised below the API, naming ``names``' parameters; ``None`` for a
+    genuine server fault."""
+    if isinstance(exc, APIError):
+        return exc
+    names = names or ParamNames()
+    if isinstance(exc, ModelNotServed):
+        return model_not_available(exc.model_id)
+    if isinstance(exc, ModelUnavailable):
+        return APIError(exc.detail, code="model_not_available", status=503, type=SERVER)
+    if isinstance(exc, CapabilityMissing):
+        return _capability_missing(exc, names)
+    if isinstance(exc, ContextLengthExceeded):
+        return _context_length_exceeded(exc, names)
+    if isinstance(exc, SchemaNotEnforceable):
+        param = names.output_schema if exc.tool is None else names.tool_schemas.get(exc.tool, names.tools)
+        return APIError(
+            f"The model {exc.model_id!r} cannot enforce the schema in {param}: {exc.problem}",
+            code="invalid_value",
+            param=param,
+        )
+    if isinstance(exc, TooManyTopLogprobs):
+        return invalid_request(
+            f"The model {exc.model_id!r} returns at most {exc.most} top_logprobs.",
+            param=names.top_logprobs,
+            code="invalid_value",
+        )
+    if isinstance(exc, ChatTemplateRefused):
+        return invalid_request(
+            f"The model's chat template cannot render these messages: {exc.detail}", param=names.prompt
+        )
+    if isinstance(exc, InvalidAPIKey):
+        return invalid_api_key()
+    if isinstance(exc, LimitExceeded):
+        return APIError(
+            exc.detail,
+            code="rate_limited",
+            status=429,
+            type=RATE_LIMIT,
+            headers={**exc.headers, "Retry-After": str(exc.retry_after)},
+        )
+    return None
+
+
+def _capability_missing(exc: CapabilityMissing, names: ParamNames) -> APIError:
+    model = exc.model_id
+    if exc.capability == "tools":
+        return unsupported_parameter(names.tools, f"the model {model!r} does not support tool calls")
+    if exc.capability == "reasoning":
+        return unsupported_parameter(
+            names.reasoning, f"the model {model!r} does not reason: leave {names.reasoning} unset, or send none"
+        )
+    if exc.capability == "json_schema":
+        return unsupported_parameter(names.output_format, f"the model {model!r} does not support structured output")
+    return invalid_request(
+        f"The model {model!r} does not accept image input.", param=names.image, code="unsupported_content"
+    )
+
+
+def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> APIError:
+    if exc.prompt_too_long or exc.requested_output is None:
+        return invalid_request(
+            f"This model's maximum context length is {exc.context_length} tokens. However, your messages resulted "
+            f"in {exc.prompt_tokens} tokens. Please reduce the length of the messages.",
+            param=names.prompt,
+            code="context_length_exceeded",
+        )
+    return invalid_request(
+        f"This model's maximum context length is {exc.context_length} tokens. However, you requested "
+        f"{exc.prompt_tokens + exc.requested_output} tokens ({exc.prompt_tokens} in the messages, "
+        f"{exc.requested_output} in the completion). Please reduce the length of the messages or completion.",
+        param=names.output_limit,
+        code="context_length_exceeded",
+    )

@@ -1,0 +1,190 @@
+"""What chat completions, Responses and the agent runtime's wire format share.
+
+The base request models and how a body is parsed (an invalid one names the exact parameter), the
+JSON-schema and function-name rules, metadata bounds, the models API's objects, and the one home of
+the builders both response families use: usage objects, logprobs, stream options.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, TypeVar
+
+import orjson
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+
+from .errors import APIError, invalid_request
+
+MAX_TOOLS = 128
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+LogprobItems = list[tuple[str, float, list[tuple[str, float]]]]  # token, its logprob, the top alternatives
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+
+class LooseModel(BaseModel):
+    """Objects whose unknown fields are tolerated (clients echo back what they received)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# --- parsing a body -------------------------------------------------------------------------------
+
+
+def _param(loc: tuple[Any, ...], data: Any) -> str:
+    """The dotted path of a validation error in the request body (``messages.1.content``).
+
+    Pydantic's locations also hold union members and discriminator tags; walking the body keeps only
+    the parts that address it.
+    """
+    parts: list[str] = []
+    node = data
+    for index, part in enumerate(loc):
+        last = index == len(loc) - 1
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or last):
+            parts.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            parts.append(str(part))
+            node = node[part]
+    return ".".join(parts)
+
+
+def validation_error(exc: ValidationError, data: Any) -> APIError:
+    first = exc.errors(include_url=False)[0]
+    param = _param(tuple(first["loc"]), data)
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+    if kind == "missing":
+        return invalid_request(
+            f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def parse(model: type[Model], data: Any) -> Model:
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, data) from None
+
+
+# --- rules both request families apply -------------------------------------------------------------
+
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema valid under its own ``$schema`` draft (2020-12 when it names none)."""
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise ValueError(f"not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    return schema
+
+
+JSONSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if len(value) > 16:
+        raise ValueError("metadata holds at most 16 pairs")
+    for key, item in value.items():
+        if len(key) > 64 or len(item) > 512:
+            raise ValueError("metadata keys are at most 64 characters and values at most 512")
+    return value
+
+
+class StreamOptions(WireModel):
+    """``stream_options`` as Responses takes it; chat completions' adds ``include_usage``."""
+
+    include_obfuscation: bool | None = None
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+def model_object(*, model_id: str, created: int, owned_by: str, capabilities: dict[str, bool]) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "b3os": capabilities}
+
+
+def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": models}
+
+
+# --- usage and logprobs in responses ----------------------------------------------------------------
+
+
+def completion_usage(
+    *, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
+    """Chat completions' ``CompletionUsage``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": reasoning_tokens,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+def response_usage(
+    *, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int
+) -> dict[str, Any]:
+    """Responses' ``ResponseUsage``."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
+    """Logprobs with their bytes: a chat completion's ``content`` logprobs, a Responses ``output_text``'s."""
+    return [
+        {
+            "token": token,
+            "logprob": logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+        }
+        for token, logprob, top in items
+    ]
+
+
+def delta_logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
+    """Logprobs of a Responses text delta event (``ResponseLogProb``: without bytes)."""
+    return [
+        {"token": token, "logprob": logprob, "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}
+        for token, logprob, top in items
+    ]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def dumps(payload: Any) -> str:
+    return orjson.dumps(payload).decode()

@@ -1,0 +1,295 @@
+"""Chat completions: from a validated request to a generation, and back to a ``chat.completion`` or its chunks."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from inference.engine import capabilities
+from inference.engine.decoding import (
+    ForcedFunction,
+    FunctionTool,
+    ReasoningPiece,
+    TextPiece,
+    ToolCallPiece,
+    ToolChoice,
+)
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
+from inference.engine.prompting import Message
+from inference.models import CatalogEntry
+from inference.openai import chat as wire
+from inference.openai.errors import APIError, generation_failed, invalid_request, unsupported_parameter
+from inference.openai.shared import LogprobItems, completion_usage, dumps, now
+from inference.usage.records import Meter
+from orgs.admission import Grant
+
+from .caller import Caller, Result, run_admitted
+from .metered import Ending, generation_outcome, metered
+
+ENDPOINT = "chat.completions"
+EXTRA = {"b3os": {"route": "node"}}
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + secrets.token_urlsafe(22).replace("-", "x").replace("_", "y")
+
+
+# --- the request as a generation -------------------------------------------------------------------
+
+
+def _text(content: str | list[Any] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(getattr(part, "text", None) or getattr(part, "refusal", "") or "" for part in content)
+
+
+def _user_content(message: wire.UserMessage, index: int) -> str | list[dict[str, Any]]:
+    """Text, or with images the text and images in the chat template's form."""
+    if isinstance(message.content, str):
+        return message.content
+    parts: list[dict[str, Any]] = []
+    for part_index, part in enumerate(message.content):
+        if isinstance(part, wire.AudioPart | wire.FilePart):
+            raise invalid_request(
+                f"{part.type} content is not supported.",
+                param=f"messages.{index}.content.{part_index}",
+                code="unsupported_content",
+            )
+        if isinstance(part, wire.ImagePart):
+            parts.append({"type": "image", "url": part.image_url.url})
+        else:
+            parts.append({"type": "text", "text": part.text})
+    if any(part["type"] == "image" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def messages(request: wire.ChatCompletionRequest) -> list[Message]:
+    """The request's messages in the chat template's form; a tool message must answer an earlier call."""
+    known_calls: set[str] = set()
+    out: list[Message] = []
+    for index, message in enumerate(request.messages):
+        if isinstance(message, wire.UserMessage):
+            out.append({"role": "user", "content": _user_content(message, index)})
+        elif isinstance(message, wire.FunctionMessage):
+            raise unsupported_parameter(f"messages.{index}.role", "the function role is deprecated; use tool messages")
+        elif isinstance(message, wire.AssistantMessage):
+            item: Message = {"role": "assistant", "content": _text(message.content) or message.refusal or ""}
+            if message.tool_calls:
+                item["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in message.tool_calls
+                ]
+                known_calls.update(c.id for c in message.tool_calls)
+            out.append(item)
+        elif isinstance(message, wire.ToolMessage):
+            if message.tool_call_id not in known_calls:
+                raise invalid_request(
+                    f"tool message answers tool_call_id {message.tool_call_id!r}, but no assistant message before it "
+                    "has a tool call with that id",
+                    param=f"messages.{index}.tool_call_id",
+                )
+            out.append({"role": "tool", "content": _text(message.content), "tool_call_id": message.tool_call_id})
+        else:
+            out.append({"role": message.role, "content": _text(message.content)})
+    return out
+
+
+def _tool_choice(request: wire.ChatCompletionRequest) -> ToolChoice:
+    choice = request.tool_choice
+    if isinstance(choice, wire.NamedToolChoice):
+        return ForcedFunction(choice.function.name)
+    return choice or "auto"
+
+
+def to_generation_request(request: wire.ChatCompletionRequest, entry: CatalogEntry) -> GenerationRequest:
+    """Check the request against the model's capabilities and translate it."""
+    request.refuse_unsupported()
+    fmt = request.response_format
+    kind = "text" if fmt is None else fmt.type
+    capabilities.check(
+        model_id=entry.public_id,
+        offers=entry.capabilities(),
+        tools=bool(request.tools),
+        reasoning_effort=request.reasoning_effort,
+        structured_output=kind != "text",
+        images=request.param_names().image is not None,
+    )
+    schema = fmt.json_schema.schema_ if isinstance(fmt, wire.ResponseFormatJSONSchema) else None
+    return GenerationRequest(
+        messages=messages(request),
+        tools=tuple(
+            FunctionTool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+            for t in request.tools or ()
+        ),
+        tool_choice=_tool_choice(request),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        reasoning=capabilities.reasoning_on(model_reasons=entry.reasoning, effort=request.reasoning_effort),
+        response_format=kind,
+        json_schema=schema if schema is not None else ({} if kind == "json_schema" else None),
+        max_output_tokens=request.output_limit,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=wire.normalize_stop(request.stop),
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs or 0,
+    )
+
+
+# --- generation events to completion objects ---------------------------------------------------------
+
+
+def _logprob_items(event: Logprobs) -> LogprobItems:
+    return [(lp.token, lp.logprob, list(lp.top)) for lp in event.items]
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    return completion_usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        cached_tokens=done.cached_tokens,
+        reasoning_tokens=done.reasoning_tokens,
+    )
+
+
+def _ended_without_result() -> APIError:
+    return APIError("Generation ended without a result.", code="generation_failed", status=500, type="server_error")
+
+
+async def complete(*, generation: Generation, model: str, want_logprobs: bool) -> tuple[dict[str, Any], Done]:
+    """Run to the end and build one ``chat.completion``."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    logprobs: LogprobItems = []
+    async for event in generation.run():
+        if isinstance(event, TextPiece):
+            text.append(event.text)
+        elif isinstance(event, ReasoningPiece):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallPiece):
+            calls.append(
+                {
+                    "id": event.call_id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": event.arguments},
+                }
+            )
+        elif isinstance(event, Logprobs):
+            logprobs.extend(_logprob_items(event))
+        elif isinstance(event, Failed):
+            raise generation_failed(event.code, event.message)
+        elif isinstance(event, Done):
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": "".join(text) if (text or not calls) else None,
+                "refusal": None,
+                "annotations": [],
+            }
+            if calls:
+                message["tool_calls"] = calls
+            if reasoning:
+                message["reasoning_content"] = "".join(reasoning)
+            body = wire.chat_completion(
+                completion_id=completion_id(),
+                created=now(),
+                model=model,
+                message=message,
+                finish_reason=event.finish_reason,
+                usage=_usage(event),
+                logprobs=wire.logprobs_object(logprobs) if want_logprobs else None,
+                extra=EXTRA,
+            )
+            return body, event
+    raise _ended_without_result()
+
+
+async def stream_chunks(
+    *, generation: Generation, model: str, include_usage: bool, want_logprobs: bool, ending: Ending
+) -> AsyncGenerator[str, None]:
+    """Server-sent ``chat.completion.chunk`` events ending with ``data: [DONE]``, as OpenAI sends them.
+
+    ``ending`` receives the terminal event (``Done`` or ``Failed``) for usage accounting.
+    """
+    cid = completion_id()
+    created = now()
+
+    def chunk(delta: dict[str, Any] | None, usage: dict[str, Any] | None = None, **kwargs: Any) -> str:
+        payload = wire.chat_chunk(completion_id=cid, created=created, model=model, delta=delta, extra=EXTRA, **kwargs)
+        if include_usage:
+            # With include_usage, OpenAI sends "usage": null on every chunk but the last.
+            payload["usage"] = usage
+        return f"data: {dumps(payload)}\n\n"
+
+    yield chunk({"role": "assistant", "content": "", "refusal": None})
+    pending_logprobs: LogprobItems = []
+    async with aclosing(generation.run()) as events:
+        async for event in events:
+            if isinstance(event, Logprobs):
+                pending_logprobs.extend(_logprob_items(event))
+                continue
+            logprobs = None
+            if want_logprobs and pending_logprobs and isinstance(event, TextPiece):
+                logprobs = wire.logprobs_object(pending_logprobs)
+                pending_logprobs = []
+            if isinstance(event, TextPiece):
+                yield chunk({"content": event.text}, logprobs=logprobs)
+            elif isinstance(event, ReasoningPiece):
+                yield chunk({"reasoning_content": event.text})
+            elif isinstance(event, ToolCallPiece):
+                call = {"name": event.name, "arguments": event.arguments}
+                yield chunk(
+                    {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": call}]}
+                )
+            elif isinstance(event, Failed):
+                ending.event = event
+                yield f"data: {dumps(generation_failed(event.code, event.message).body())}\n\n"
+                return
+            elif isinstance(event, Done):
+                ending.event = event
+                yield chunk({}, finish_reason=event.finish_reason)
+                if include_usage:
+                    yield chunk(None, usage=_usage(event))
+                yield "data: [DONE]\n\n"
+                return
+
+
+# --- the workflow ------------------------------------------------------------------------------------
+
+
+async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: Caller) -> Result:
+    async def build(entry: CatalogEntry) -> Generation:
+        return await prepare(entry=entry, request=to_generation_request(params, entry))
+
+    async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
+        want_logprobs = bool(params.logprobs)
+        if params.stream:
+            ending = Ending()
+            chunks = stream_chunks(
+                generation=generation,
+                model=params.model,
+                include_usage=bool(params.stream_options and params.stream_options.include_usage),
+                want_logprobs=want_logprobs,
+                ending=ending,
+            )
+            stream = metered(
+                chunks, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
+            )
+            return Result(headers=grant.headers, stream=stream)
+        body, done = await complete(generation=generation, model=params.model, want_logprobs=want_logprobs)
+        grant.release()
+        generation_outcome(generation, done).record(meter)
+        return Result(headers=grant.headers, body=body)
+
+    return await run_admitted(caller=caller, model=params.model, endpoint=ENDPOINT, build=build, respond=respond)

@@ -1,0 +1,91 @@
+"""The one metered stream: however a stream ends, its in-flight slot is released and its usage recorded.
+
+Chat completions, Responses, the gateway and agent turns all stream through ``metered``. A stream ends in
+one of three ways: it runs to its end (done, or with a failure it reported in the stream itself), or the
+client goes away mid-stream; the caller's ``outcome`` tells which, as a ``StreamOutcome``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+from inference.engine.generation import Done, Failed, Generation
+from inference.usage.records import Meter
+from orgs.admission import Grant
+
+Chunk = TypeVar("Chunk", str, bytes)
+
+CLIENT_DISCONNECTED = 499
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutcome:
+    """How a request ended, as its usage record tells it."""
+
+    status: int
+    error_code: str
+    input_tokens: int
+    output_tokens: int
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    time_to_first_token_ms: int | None = None
+
+    def record(self, meter: Meter) -> None:
+        meter.record(
+            status=self.status,
+            error_code=self.error_code,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            reasoning_tokens=self.reasoning_tokens,
+            cached_tokens=self.cached_tokens,
+            time_to_first_token_ms=self.time_to_first_token_ms,
+        )
+
+
+@dataclass
+class Ending:
+    """The terminal event a stream encoder saw: ``Done``, ``Failed``, or ``None`` while it has not ended."""
+
+    event: Done | Failed | None = None
+
+
+def generation_outcome(generation: Generation, end: Done | Failed | None) -> StreamOutcome:
+    """The outcome of one generation: done (the runner's exact counts), failed (what was produced), or, with no
+    terminal event, cut off by the client (what was produced)."""
+    ttft = generation.time_to_first_token_ms
+    if isinstance(end, Done):
+        return StreamOutcome(
+            200, "", end.prompt_tokens, end.completion_tokens, end.reasoning_tokens, end.cached_tokens, ttft
+        )
+    produced = {"input_tokens": generation.prompt_tokens, "output_tokens": generation.completion_tokens}
+    if isinstance(end, Failed):
+        return StreamOutcome(status=200, error_code=end.code, time_to_first_token_ms=ttft, **produced)
+    return StreamOutcome(
+        status=CLIENT_DISCONNECTED, error_code="client_disconnected", time_to_first_token_ms=ttft, **produced
+    )
+
+
+async def metered(
+    chunks: AsyncGenerator[Chunk, None],
+    *,
+    grant: Grant,
+    meter: Meter,
+    outcome: Callable[[bool], StreamOutcome],
+) -> AsyncIterator[Chunk]:
+    """Relays ``chunks``; when they end, however, releases ``grant`` and records ``outcome(ran_to_end)``.
+
+    The source is closed at once when the client goes away, so the model's job is cancelled then, not
+    whenever the garbage collector gets to it.
+    """
+    ran_to_end = False
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+        ran_to_end = True
+    finally:
+        grant.release()
+        outcome(ran_to_end).record(meter)

@@ -1,0 +1,615 @@
+"""The Responses API: from a validated request to a generation, and back to a Response or its event stream.
+
+The node stores nothing, so the input items are the whole conversation: they become the chat-template
+messages every model is rendered from, after checks that each function_call_output answers a
+function_call before it. ``ResponseEncoder`` turns the generation's pieces into output items and
+stream events; the one-JSON response is the encoder's final state, so both forms always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from inference.engine import capabilities
+from inference.engine.decoding import (
+    ForcedFunction,
+    FunctionTool,
+    ReasoningPiece,
+    TextPiece,
+    ToolCallPiece,
+    ToolChoice,
+)
+from inference.engine.generation import (
+    Done,
+    Failed,
+    Generation,
+    GenerationEvent,
+    GenerationRequest,
+    Logprobs,
+    prepare,
+)
+from inference.engine.prompting import Message
+from inference.models import CatalogEntry
+from inference.openai import responses as wire
+from inference.openai.errors import APIError, generation_failed, invalid_request, unsupported_parameter
+from inference.openai.shared import (
+    LogprobItems,
+    delta_logprob_objects,
+    dumps,
+    logprob_objects,
+    now,
+    response_usage,
+)
+from inference.usage.records import Meter
+from orgs.admission import Grant
+
+from .caller import Caller, Result, run_admitted
+from .metered import Ending, generation_outcome, metered
+
+logger = logging.getLogger("inference.serving.responses")
+
+ENDPOINT = "responses"
+
+# An input item, and where the client sent it: ``input.3``, or ``previous_response_id`` for stored history.
+LocatedItem = tuple[str, wire.InputItem]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+# --- input items to a conversation ------------------------------------------------------------------
+
+
+def _at(where: str, part: str) -> str:
+    """A part of an item, as a parameter; stored history is named by the id that brought it, as a whole."""
+    return where if where == "previous_response_id" else f"{where}.{part}"
+
+
+def _part_text(part: wire.InputText | wire.OutputText | wire.Refusal) -> str:
+    return part.refusal if isinstance(part, wire.Refusal) else part.text
+
+
+def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict[str, Any]]:
+    """Text, or with images a user message's text and images in the chat template's form."""
+    if isinstance(item.content, str):
+        return item.content
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(item.content):
+        at = _at(where, f"content.{index}")
+        if isinstance(part, wire.InputImage):
+            if item.role != "user":
+                raise invalid_request(
+                    f"input_image content is only allowed in user messages, not in {item.role} messages.",
+                    param=at,
+                    code="invalid_value",
+                )
+            if part.image_url is None:
+                raise invalid_request(
+                    "input_image needs an image_url: images by file_id need the Files API, "
+                    "which this node does not serve.",
+                    param=_at(where, f"content.{index}.image_url"),
+                    code="unsupported_content",
+                )
+            parts.append({"type": "image", "url": part.image_url})
+        elif isinstance(part, wire.InputFile | wire.InputAudio):
+            raise invalid_request(f"{part.type} content is not supported.", param=at, code="unsupported_content")
+        else:
+            parts.append({"type": "text", "text": _part_text(part)})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _output_text(item: wire.FunctionCallOutput, where: str) -> str:
+    if isinstance(item.output, str):
+        return item.output
+    texts = []
+    for index, part in enumerate(item.output):
+        if not isinstance(part, wire.InputText | wire.OutputText):
+            raise invalid_request(
+                f"{part.type} content in a function_call_output is not supported; send the output as text.",
+                param=_at(where, f"output.{index}"),
+                code="unsupported_content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+@dataclass
+class _Conversation:
+    """Input items folded into chat-template messages, with the bookkeeping the integrity checks need."""
+
+    messages: list[Message] = field(default_factory=list)
+    calls: dict[str, str] = field(default_factory=dict)  # call_id: where its function_call is
+    answered: dict[str, str] = field(default_factory=dict)  # call_id: where its output is
+    reasoning: list[str] = field(default_factory=list)  # replayed reasoning, for the next assistant message
+
+    def assistant(self, content: str | list[dict[str, Any]], *, join: bool) -> Message:
+        """The assistant message items belong to: a function_call joins the turn it follows."""
+        last = self.messages[-1] if self.messages else None
+        if join and last is not None and last["role"] == "assistant":
+            message = last
+        else:
+            message = {"role": "assistant", "content": content}
+            self.messages.append(message)
+        if self.reasoning:
+            message.setdefault("reasoning_content", "".join(self.reasoning))
+            self.reasoning = []
+        return message
+
+    def function_call(self, item: wire.FunctionCall, where: str) -> None:
+        if item.call_id in self.calls:
+            raise invalid_request(
+                f"call_id {json.dumps(item.call_id)} is already used by the function_call at "
+                f"{self.calls[item.call_id]}",
+                param=_at(where, "call_id"),
+            )
+        try:
+            json.loads(item.arguments)
+        except ValueError:
+            raise invalid_request(
+                f"the arguments of function_call {json.dumps(item.call_id)} are not valid JSON",
+                param=_at(where, "arguments"),
+            ) from None
+        self.calls[item.call_id] = where
+        message = self.assistant("", join=True)
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        message.setdefault("tool_calls", []).append(call)
+
+    def function_call_output(self, item: wire.FunctionCallOutput, where: str) -> None:
+        if item.call_id not in self.calls:
+            raise invalid_request(
+                f"no function_call with call_id {json.dumps(item.call_id)} comes before this output",
+                param=_at(where, "call_id"),
+            )
+        if item.call_id in self.answered:
+            raise invalid_request(
+                f"the function_call with call_id {json.dumps(item.call_id)} already has its output at "
+                f"{self.answered[item.call_id]}",
+                param=_at(where, "call_id"),
+            )
+        self.answered[item.call_id] = where
+        self.messages.append({"role": "tool", "content": _output_text(item, where), "tool_call_id": item.call_id})
+
+    def unanswered(self) -> None:
+        for call_id, where in self.calls.items():
+            if call_id not in self.answered:
+                raise invalid_request(
+                    f"no function_call_output with call_id {json.dumps(call_id)} comes after this call",
+                    param=_at(where, "call_id"),
+                )
+
+
+def _refuse_item(item: wire.OtherItem, where: str) -> APIError:
+    param = _at(where, "type")
+    if item.type == "item_reference":
+        return unsupported_parameter(param, f"item_reference needs stored items: {wire.STATELESS}")
+    tool = item.type.removesuffix("_output").removesuffix("_call")
+    if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
+        return unsupported_parameter(
+            param, f"{item.type} items come from tools that run on OpenAI's side; this node serves function tools only"
+        )
+    return unsupported_parameter(param, f"input items of type {item.type!r} are not supported on this node")
+
+
+def conversation(items: Sequence[LocatedItem], *, instructions: str | None) -> list[Message]:
+    """The instructions and input items as chat-template messages; raises on items that do not fit together.
+
+    Errors name each item where the client sent it, so the agent runtime passes stored history and its own
+    output under the names the client knows them by.
+    """
+    state = _Conversation()
+    if instructions:
+        state.messages.append({"role": "system", "content": instructions})
+    for where, item in items:
+        if isinstance(item, wire.EasyInputMessage):
+            content = _message_content(item, where)
+            if item.role == "assistant":
+                state.assistant(content, join=False)
+            else:
+                state.messages.append({"role": item.role, "content": content})
+        elif isinstance(item, wire.FunctionCall):
+            state.function_call(item, where)
+        elif isinstance(item, wire.FunctionCallOutput):
+            state.function_call_output(item, where)
+        elif isinstance(item, wire.ReasoningItem):
+            # Only readable reasoning can go back to the model; encrypted_content from elsewhere cannot.
+            state.reasoning.extend(part.text for part in item.content or ())
+        else:
+            raise _refuse_item(item, where)
+    state.unanswered()
+    if not any(m["role"] != "system" for m in state.messages):
+        raise invalid_request(
+            "input holds no message for the model to respond to.", param="input", code="invalid_value"
+        )
+    return state.messages
+
+
+def input_items(request: wire.ResponseCreateRequest) -> list[LocatedItem]:
+    """The request's input as located items (a string is one user message)."""
+    if isinstance(request.input, str):
+        return [("input.0", wire.EasyInputMessage(role="user", content=request.input))]
+    return [(f"input.{index}", item) for index, item in enumerate(request.input)]
+
+
+# --- the request as a generation -----------------------------------------------------------------
+
+
+def _tool_choice(request: wire.ResponseCreateRequest) -> ToolChoice:
+    choice = request.tool_choice
+    if isinstance(choice, wire.ToolChoiceFunction):
+        return ForcedFunction(choice.name)
+    if isinstance(choice, wire.ToolChoiceAllowed):
+        return choice.mode
+    return choice if isinstance(choice, str) else "auto"
+
+
+def _callable_tools(request: wire.ResponseCreateRequest) -> list[wire.FunctionTool]:
+    """The function tools the model may call: all, or those ``allowed_tools`` allows."""
+    choice = request.tool_choice
+    allowed = None
+    if isinstance(choice, wire.ToolChoiceAllowed):
+        allowed = {t.name for t in choice.tools if isinstance(t, wire.ToolChoiceFunction)}
+    return [tool for tool in request.function_tools if allowed is None or tool.name in allowed]
+
+
+def function_tools(tools: Sequence[wire.FunctionTool]) -> tuple[FunctionTool, ...]:
+    return tuple(FunctionTool(t.name, t.description, t.parameters, t.strict) for t in tools)
+
+
+def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEntry) -> GenerationRequest:
+    """Check the request against the model's capabilities and translate it."""
+    request.refuse_unsupported()
+    tools = function_tools(_callable_tools(request))
+    fmt = request.text_format
+    kind: Literal["text", "json_object", "json_schema"] = "text" if fmt is None else fmt.type
+    capabilities.check(
+        model_id=entry.public_id,
+        offers=entry.capabilities(),
+        tools=bool(tools),
+        reasoning_effort=request.reasoning_effort,
+        structured_output=kind != "text",
+        images=request.param_names().image is not None,
+    )
+    return GenerationRequest(
+        messages=conversation(input_items(request), instructions=request.instructions),
+        tools=tools,
+        tool_choice=_tool_choice(request),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        reasoning=capabilities.reasoning_on(model_reasons=entry.reasoning, effort=request.reasoning_effort),
+        response_format=kind,
+        json_schema=fmt.schema_ if isinstance(fmt, wire.FormatJSONSchema) else None,
+        max_output_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        logprobs=request.wants_logprobs,
+        top_logprobs=(request.top_logprobs or 0) if request.wants_logprobs else 0,
+    )
+
+
+def echo(request: wire.ResponseCreateRequest) -> dict[str, Any]:
+    """The request's settings as the Response repeats them."""
+    choice = request.tool_choice
+    if isinstance(choice, wire.ToolChoiceFunction | wire.ToolChoiceAllowed):
+        return wire.request_echo(request, tool_choice=choice.model_dump(exclude_unset=True))
+    return wire.request_echo(request, tool_choice=choice if isinstance(choice, str) else "auto")
+
+
+# --- generation events to output items and stream events -------------------------------------------
+
+
+@dataclass
+class _OpenItem:
+    """The output item being streamed: a message or reasoning, whose text arrives in pieces."""
+
+    kind: Literal["message", "reasoning"]
+    item_id: str
+    output_index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: LogprobItems = field(default_factory=list)
+
+    @property
+    def ref(self) -> wire.ContentRef:
+        return {"item_id": self.item_id, "output_index": self.output_index, "content_index": 0}
+
+    def part(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        if self.kind == "message":
+            return wire.output_text_part(text, logprob_objects(self.logprobs))
+        return wire.reasoning_text_part(text)
+
+    def item(self, status: wire.ItemStatus, content: list[dict[str, Any]]) -> dict[str, Any]:
+        build = wire.message_item if self.kind == "message" else wire.reasoning_item
+        return build(item_id=self.item_id, status=status, content=content)
+
+
+class ResponseEncoder:
+    """Turns generation events into Responses stream events and keeps the Response they add up to.
+
+    Every method returns the events to send, numbered; ``response`` is the Response so far.
+    ``annotate``, when given, maps a finished message's text to its annotations (citations): they are
+    sent as ``response.output_text.annotation.added`` and repeated in ``response.output_text.done``.
+    """
+
+    def __init__(self, *, echo: dict[str, Any], annotate: Callable[[str], list[dict[str, Any]]] | None = None) -> None:
+        self.response_id = _new_id("resp")
+        self.created_at = now()
+        self.output: list[dict[str, Any]] = []
+        self.annotate = annotate
+        self._echo = echo
+        self._open: _OpenItem | None = None
+        self._pending_logprobs: LogprobItems = []
+        self._sequence = 0
+        self.response = self._response("in_progress")
+
+    def _response(
+        self, status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"], **kwargs: Any
+    ) -> dict[str, Any]:
+        return wire.response_object(
+            response_id=self.response_id,
+            created_at=self.created_at,
+            status=status,
+            output=list(self.output),
+            echo=self._echo,
+            **kwargs,
+        )
+
+    def numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Gives events their places in the stream (also events built outside the encoder)."""
+        for event in events:
+            event["sequence_number"] = self._sequence
+            self._sequence += 1
+        return events
+
+    def start(self) -> list[dict[str, Any]]:
+        return self.numbered(
+            [wire.lifecycle_event("created", self.response), wire.lifecycle_event("in_progress", self.response)]
+        )
+
+    def feed(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        if isinstance(event, Logprobs):
+            self._pending_logprobs.extend((lp.token, lp.logprob, list(lp.top)) for lp in event.items)
+            return []
+        if isinstance(event, TextPiece):
+            return self.numbered(self._text("message", event.text))
+        if isinstance(event, ReasoningPiece):
+            return self.numbered(self._text("reasoning", event.text))
+        if isinstance(event, ToolCallPiece):
+            return self.numbered([*self._close("completed"), *self._function_call(event)])
+        raise TypeError(f"not a piece of output: {event!r}")
+
+    @property
+    def open_text(self) -> str:
+        """The text of the message being streamed so far; empty when no message is open."""
+        return self._open_text("message")
+
+    @property
+    def open_reasoning(self) -> str:
+        """The text of the reasoning being streamed so far; empty when no reasoning is open."""
+        return self._open_text("reasoning")
+
+    def _open_text(self, kind: str) -> str:
+        item = self._open
+        return "".join(item.text) if item is not None and item.kind == kind else ""
+
+    def open_item(self, item: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+        """Adds an item built elsewhere (a tool the server runs), in progress, after closing the open one.
+
+        Returns its ``output_index`` and the events; ``close_item`` finishes it.
+        """
+        events = self._close("completed")
+        index = len(self.output)
+        self.output.append(item)
+        events.append(wire.output_item_event("added", output_index=index, item=item))
+        return index, self.numbered(events)
+
+    def close_item(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output[index] = item
+        return self.numbered([wire.output_item_event("done", output_index=index, item=item)])
+
+    def refuse(self, refusal: str) -> list[dict[str, Any]]:
+        """Ends the answer with a refusal: the message's text part is finished empty (a client replaces what it
+        showed) and a refusal part with the message for the user follows it."""
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open.kind != "message":
+            events += [*self._close("completed"), *self._open_item("message")]
+        item, self._open = self._open, None
+        assert item is not None
+        text = wire.output_text_part("")
+        events += [
+            wire.output_text_done_event(item.ref, "", [], [] if self.annotate is not None else None),
+            wire.content_part_event("done", item.ref, text),
+        ]
+        at: wire.ContentRef = {**item.ref, "content_index": 1}
+        events += [
+            wire.content_part_event("added", at, wire.refusal_part("")),
+            wire.refusal_delta_event(at, refusal),
+            wire.refusal_done_event(at, refusal),
+            wire.content_part_event("done", at, wire.refusal_part(refusal)),
+        ]
+        finished = item.item("completed", [text, wire.refusal_part(refusal)])
+        self.output.append(finished)
+        events.append(wire.output_item_event("done", output_index=item.output_index, item=finished))
+        return self.numbered(events)
+
+    def finish(self, done: Done, *, always_completed: bool = False) -> list[dict[str, Any]]:
+        """``always_completed``: a response cut short by ``max_output_tokens`` still ends with
+        ``response.completed`` (its status says ``incomplete``), for clients that know only completed and failed."""
+        truncated = done.finish_reason == "length"
+        events = self._close("incomplete" if truncated else "completed")
+        if not self.output:
+            # A turn always answers with an item, even when the model said nothing.
+            events += [*self._open_item("message"), *self._close("incomplete" if truncated else "completed")]
+        usage = response_usage(
+            input_tokens=done.prompt_tokens,
+            output_tokens=done.completion_tokens,
+            cached_tokens=done.cached_tokens,
+            reasoning_tokens=done.reasoning_tokens,
+        )
+        if truncated:
+            self.response = self._response("incomplete", usage=usage, incomplete_reason="max_output_tokens")
+            events.append(wire.lifecycle_event("completed" if always_completed else "incomplete", self.response))
+        else:
+            self.response = self._response("completed", usage=usage, completed_at=now())
+            events.append(wire.lifecycle_event("completed", self.response))
+        return self.numbered(events)
+
+    def cancel(self) -> None:
+        """The client went away: the Response is what was produced, ``cancelled``; there is nobody to send events to."""
+        self._close("incomplete")
+        self.response = self._response("cancelled")
+
+    def fail(self, message: str, *, error_code: str | None = None) -> list[dict[str, Any]]:
+        """``error_code``, when given, sends an ``error`` event with it just before ``response.failed``."""
+        events = self._close("incomplete")
+        if error_code is not None:
+            events.append(wire.error_event(code=error_code, message=message))
+        self.response = self._response("failed", error={"code": "server_error", "message": message})
+        events.append(wire.lifecycle_event("failed", self.response))
+        return self.numbered(events)
+
+    def _text(self, kind: Literal["message", "reasoning"], text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open.kind != kind:
+            events += [*self._close("completed"), *self._open_item(kind)]
+        item = self._open
+        assert item is not None
+        item.text.append(text)
+        if kind == "reasoning":
+            events.append(wire.reasoning_text_delta_event(item.ref, text))
+        else:
+            # Logprobs arrive before the text they belong to, which the decoder may have held back.
+            logprobs, self._pending_logprobs = self._pending_logprobs, []
+            item.logprobs.extend(logprobs)
+            events.append(wire.output_text_delta_event(item.ref, text, delta_logprob_objects(logprobs)))
+        return events
+
+    def _open_item(self, kind: Literal["message", "reasoning"]) -> list[dict[str, Any]]:
+        item = _OpenItem(kind, _new_id("msg" if kind == "message" else "rs"), len(self.output))
+        self._open = item
+        return [
+            wire.output_item_event("added", output_index=item.output_index, item=item.item("in_progress", [])),
+            wire.content_part_event("added", item.ref, _empty(kind)),
+        ]
+
+    def _close(self, status: wire.ItemStatus) -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        part = item.part()
+        events: list[dict[str, Any]] = []
+        if item.kind == "message":
+            annotations = self.annotate(part["text"]) if self.annotate is not None else None
+            for index, annotation in enumerate(annotations or ()):
+                events.append(wire.annotation_added_event(item.ref, index, annotation))
+            part["annotations"] = annotations or []
+            done = wire.output_text_done_event(
+                item.ref, part["text"], delta_logprob_objects(item.logprobs), annotations
+            )
+        else:
+            done = wire.reasoning_text_done_event(item.ref, part["text"])
+        finished = item.item(status, [part])
+        self.output.append(finished)
+        return [
+            *events,
+            done,
+            wire.content_part_event("done", item.ref, part),
+            wire.output_item_event("done", output_index=item.output_index, item=finished),
+        ]
+
+    def _function_call(self, piece: ToolCallPiece) -> list[dict[str, Any]]:
+        item_id, index = _new_id("fc"), len(self.output)
+        call = {"item_id": item_id, "call_id": piece.call_id, "name": piece.name}
+        finished = wire.function_call_item(**call, status="completed", arguments=piece.arguments)
+        self.output.append(finished)
+        return [
+            wire.output_item_event(
+                "added", output_index=index, item=wire.function_call_item(**call, status="in_progress", arguments="")
+            ),
+            wire.function_call_arguments_delta_event(item_id=item_id, output_index=index, delta=piece.arguments),
+            wire.function_call_arguments_done_event(
+                item_id=item_id, output_index=index, name=piece.name, arguments=piece.arguments
+            ),
+            wire.output_item_event("done", output_index=index, item=finished),
+        ]
+
+
+def _empty(kind: Literal["message", "reasoning"]) -> dict[str, Any]:
+    return wire.output_text_part("") if kind == "message" else wire.reasoning_text_part("")
+
+
+async def complete(*, generation: Generation, encoder: ResponseEncoder) -> tuple[dict[str, Any], Done]:
+    """Run to the end and build one Response."""
+    async for event in generation.run():
+        if isinstance(event, Failed):
+            raise generation_failed(event.code, event.message)
+        if isinstance(event, Done):
+            encoder.finish(event)
+            return encoder.response, event
+        encoder.feed(event)
+    raise APIError("Generation ended without a result.", code="generation_failed", status=500, type="server_error")
+
+
+def sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
+
+
+async def stream_events(
+    *, generation: Generation, encoder: ResponseEncoder, ending: Ending
+) -> AsyncGenerator[str, None]:
+    """The Responses event stream, ending in ``response.completed``, ``.incomplete`` or ``.failed``.
+
+    ``ending`` receives the terminal event (``Done`` or ``Failed``) for usage accounting.
+    """
+    for event in encoder.start():
+        yield sse(event)
+    try:
+        async with aclosing(generation.run()) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, Failed):
+                    ending.event = piece
+                    events = encoder.fail(generation_failed(piece.code, piece.message).message)
+                elif isinstance(piece, Done):
+                    ending.event = piece
+                    events = encoder.finish(piece)
+                else:
+                    events = encoder.feed(piece)
+                for event in events:
+                    yield sse(event)
+    except Exception:
+        # Once the stream has begun, the only way left to report a fault is the stream's own end.
+        logger.exception("response stream %s failed", encoder.response_id)
+        failed = ending.event = Failed("internal_error", "The server had an error while generating the response.")
+        for event in encoder.fail(failed.message):
+            yield sse(event)
+
+
+# --- the workflow ------------------------------------------------------------------------------------
+
+
+async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller) -> Result:
+    async def build(entry: CatalogEntry) -> Generation:
+        return await prepare(entry=entry, request=to_generation_request(params, entry))
+
+    async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
+        encoder = ResponseEncoder(echo=echo(params))
+        if params.stream:
+            ending = Ending()
+            events = stream_events(generation=generation, encoder=encoder, ending=ending)
+            stream = metered(
+                events, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
+            )
+            return Result(headers=grant.headers, stream=stream)
+        body, done = await complete(generation=generation, encoder=encoder)
+        grant.release()
+        generation_outcome(generation, done).record(meter)
+        return Result(headers=grant.headers, body=body)
+
+    return await run_admitted(caller=caller, model=params.model, endpoint=ENDPOINT, build=build, respond=respond)

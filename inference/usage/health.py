@@ -1,0 +1,178 @@
+"""Whether this deployment can serve: the database, Redis (when configured), and each model's workers.
+
+Embedded mode: a model is healthy when this process has its runner loaded, or can load it (its
+weights are where the catalog says). Distributed mode: when some Celery worker consumes its queue,
+asked with a short broadcast. Nothing here loads a model or runs a job.
+
+The overall status is ``down`` when the database or Redis fails (nothing can be served),
+``degraded`` when only some models have no worker, and ``ok`` otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from celery import current_app
+from django.conf import settings
+from django.db import connection
+
+from inference.engine import execution
+from inference.engine.runners.base import RunnerError
+from inference.engine.runners.llama_cpp import model_path as llama_cpp_model_path
+from inference.models import CatalogEntry
+
+Status = Literal["ok", "error", "absent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    status: Status
+    latency_ms: float | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelHealth:
+    id: str
+    status: Literal["ok", "error"]
+    workers: str  # embedded: "loaded" / "loadable" / "unavailable"; distributed: "N worker(s)" / "none"
+    queue: str
+    detail: str = ""
+    hosts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    status: Literal["ok", "degraded", "down"]
+    mode: Literal["embedded", "distributed"]
+    database: Check
+    redis: Check
+    models: list[ModelHealth]
+
+    @property
+    def http_status(self) -> int:
+        return 503 if self.status == "down" else 200
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _timed(probe: Any, timeout: float) -> Check:
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(probe, timeout)
+    except Exception as exc:  # noqa: BLE001  (any failure is the answer)
+        return Check("error", detail=(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300])
+    return Check("ok", latency_ms=round((time.perf_counter() - started) * 1000, 2))
+
+
+def _ping_database() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        cursor.fetchone()
+
+
+async def check_database(timeout: float = 3.0) -> Check:
+    return await _timed(sync_to_async(_ping_database, thread_sensitive=False)(), timeout)
+
+
+async def check_redis(timeout: float = 2.0) -> Check:
+    if not settings.REDIS_URL:
+        return Check("absent", detail="REDIS_URL is not set (embedded mode)")
+    client = aioredis.from_url(settings.REDIS_URL, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        return await _timed(client.ping(), timeout)
+    finally:
+        await client.aclose()
+
+
+def _runner_available(entry: CatalogEntry) -> None:
+    """Raise ``RunnerError`` unless this process could load the entry's runner, without loading it."""
+    if entry.runner == "llama_cpp":
+        path = Path(llama_cpp_model_path(entry.runner_settings))
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise RunnerError("llama-cpp-python is not installed", code="runner_unavailable")
+        if not path.is_file():
+            raise RunnerError(f"no model file at {path}", code="runner_unavailable")
+    elif entry.runner == "tensorrt_llm":
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            raise RunnerError("TensorRT-LLM is not installed here", code="runner_unavailable")
+    else:
+        raise RunnerError(f"unknown runner {entry.runner!r}", code="runner_unavailable")
+
+
+def embedded_model(entry: CatalogEntry) -> ModelHealth:
+    def health(status: Literal["ok", "error"], workers: str, detail: str) -> ModelHealth:
+        return ModelHealth(id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail)
+
+    # The runner cache is the process's own record of what it has loaded.
+    if execution._cache_key(entry.runner, entry.runner_settings) in execution._runners:
+        return health("ok", "loaded", "the runner is loaded in this process")
+    try:
+        _runner_available(entry)
+    except RunnerError as exc:
+        return health("error", "unavailable", str(exc))
+    return health("ok", "loadable", "the runner is not loaded yet; it loads on first use")
+
+
+def distributed_models(
+    entries: list[CatalogEntry], active_queues: Mapping[str, list[dict[str, Any]]] | None
+) -> list[ModelHealth]:
+    """Each model's workers, from Celery's ``inspect().active_queues()`` reply (None: no worker answered)."""
+    consumers: dict[str, list[str]] = {}
+    for host, queues in (active_queues or {}).items():
+        for queue in queues or []:
+            consumers.setdefault(queue.get("name", ""), []).append(host)
+    models = []
+    for entry in entries:
+        hosts = sorted(consumers.get(entry.queue, []))
+        if hosts:
+            models.append(ModelHealth(entry.public_id, "ok", f"{len(hosts)} worker(s)", entry.queue, "", hosts))
+        else:
+            detail = f"no worker consumes the queue {entry.queue}"
+            models.append(ModelHealth(entry.public_id, "error", "none", entry.queue, detail))
+    return models
+
+
+def _active_queues(timeout: float) -> Mapping[str, list[dict[str, Any]]] | None:
+    return current_app.control.inspect(timeout=timeout).active_queues()
+
+
+async def check_models(*, broker_answers: bool) -> list[ModelHealth]:
+    entries = [entry async for entry in CatalogEntry.objects.enabled()]
+    if not settings.DISTRIBUTED:
+        return await asyncio.to_thread(lambda: [embedded_model(entry) for entry in entries])
+    replies = None
+    if broker_answers:
+        timeout = float(settings.HEALTH_WORKER_TIMEOUT_SECONDS)
+        try:
+            replies = await asyncio.wait_for(asyncio.to_thread(_active_queues, timeout), timeout + 2)
+        except Exception:  # noqa: BLE001  (a broker that does not answer means no worker is known)
+            replies = None
+    return distributed_models(entries, replies)
+
+
+async def check() -> Health:
+    database, redis = await asyncio.gather(check_database(), check_redis())
+    models = await check_models(broker_answers=redis.status == "ok") if database.status == "ok" else []
+    if database.status == "error" or redis.status == "error":
+        status: Literal["ok", "degraded", "down"] = "down"
+    elif any(model.status != "ok" for model in models):
+        status = "degraded"
+    else:
+        status = "ok"
+    return Health(
+        status=status,
+        mode="distributed" if settings.DISTRIBUTED else "embedded",
+        database=database,
+        redis=redis,
+        models=models,
+    )
