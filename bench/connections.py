@@ -67,22 +67,40 @@ class Streams:
 
 
 async def short_requests(host: str, port: int, key: str, clients: int, duration: float) -> Results:
-    body = {"model": GATEWAY_MODEL, "route": "gateway", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    body = {
+        "model": GATEWAY_MODEL,
+        "route": "gateway",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+    }
     return await run(
-        host=host, port=port, path=PATH, body=json.dumps(body).encode(), headers={"Authorization": f"Bearer {key}"},
-        clients=clients, duration=duration, warmup=1.0,
+        host=host,
+        port=port,
+        path=PATH,
+        body=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}"},
+        clients=clients,
+        duration=duration,
+        warmup=1.0,
     )
 
 
-async def measure(host: str, port: int, key: str, pid: int, args: argparse.Namespace) -> list[tuple[int, Results, float]]:
+async def measure(
+    host: str, port: int, key: str, pid: int, args: argparse.Namespace
+) -> list[tuple[int, Results, float]]:
     await short_requests(host, port, key, args.clients, 3.0)  # warm: connection pools, caches, allocator
     idle = await short_requests(host, port, key, args.clients, args.duration)
     before = rss_bytes(pid)
     trickle = {
-        "model": "trickle", "route": "gateway", "stream": True, "messages": [{"role": "user", "content": "Hi"}],
+        "model": "trickle",
+        "route": "gateway",
+        "stream": True,
+        "messages": [{"role": "user", "content": "Hi"}],
         "metadata": {"chunks": "600", "interval": "1"},
     }
-    streams = Streams(host, port, build_request(host, port, PATH, json.dumps(trickle).encode(), {"Authorization": f"Bearer {key}"}))
+    streams = Streams(
+        host, port, build_request(host, port, PATH, json.dumps(trickle).encode(), {"Authorization": f"Bearer {key}"})
+    )
     tasks = []
     started = time.monotonic()
     for _ in range(0, args.streams, 100):  # in steps, as clients arrive: the listen backlog is not the test
@@ -90,7 +108,10 @@ async def measure(host: str, port: int, key: str, pid: int, args: argparse.Names
         await asyncio.sleep(0.1)
     while streams.opened + sum(streams.failed.values()) < args.streams and time.monotonic() - started < 300:
         await asyncio.sleep(0.5)
-    print(f"  {streams.opened} streams open after {time.monotonic() - started:.1f} s; failed: {streams.failed}", flush=True)
+    print(
+        f"  {streams.opened} streams open after {time.monotonic() - started:.1f} s; failed: {streams.failed}",
+        flush=True,
+    )
     loaded = await short_requests(host, port, key, args.clients, args.duration)
     during = rss_bytes(pid)
     still_open = streams.opened - sum(v for k, v in streams.failed.items() if k == "ended early")
@@ -135,7 +156,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for open_streams, results, rss in rows[:2]:
         print(
-            f"| {open_streams} | {args.clients} | {results.rps:.0f} | {ms(results.percentile(results.latencies, 50))} | "
+            f"| {open_streams} | {args.clients} | {results.rps:.0f} | "
+            f"{ms(results.percentile(results.latencies, 50))} | "
             f"{ms(results.percentile(results.latencies, 99))} | {results.errors} | {rss:.0f} |"
         )
     print()

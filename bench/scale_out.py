@@ -98,17 +98,25 @@ def main() -> None:
         key = topology.organization("bench")
         for name in ("api1", "lb", "smollm2"):
             topology.start(name)
-        layouts = [("1 API + 1 worker", lambda: None), ("2 API + 2 workers", lambda: (topology.start("api2"), topology.start("smollm2", copy=2)))]
+        layouts = [
+            ("1 API + 1 worker", lambda: None),
+            ("2 API + 2 workers", lambda: (topology.start("api2"), topology.start("smollm2", copy=2))),
+        ]
         for layout, grow in layouts:
             grow()
             wait_balanced(topology)
             # Each worker loads its model with its first job: not part of what is measured.
             warm = measure(topology, key, gateway=False, clients=8, duration=4)
             print(f"  warmed the workers up: {warm.statuses}", flush=True)
-            for route, gateway, clients in (("gateway", True, args.gateway_clients), ("node", False, args.node_clients)):
+            for route, gateway, clients in (
+                ("gateway", True, args.gateway_clients),
+                ("node", False, args.node_clients),
+            ):
                 results = measure(topology, key, gateway=gateway, clients=clients, duration=args.duration)
                 rows.append((layout, route, clients, results))
-                print(f"  measured {layout:18} {route:8} rps={results.rps:8.1f} statuses={results.statuses}", flush=True)
+                print(
+                    f"  measured {layout:18} {route:8} rps={results.rps:8.1f} statuses={results.statuses}", flush=True
+                )
         race_key = topology.organization("race", "--rpm", str(args.rpm))
         statuses = asyncio.run(limits_race(topology, race_key, args.race))
     finally:
@@ -134,7 +142,10 @@ def main() -> None:
     print("| limit | concurrent requests | admitted | refused (429) | other | over-admissions |")
     print("|---|---|---|---|---|---|")
     other = sum(count for status, count in statuses.items() if status not in (200, 429))
-    print(f"| {args.rpm} per minute | {args.race} | {admitted} | {statuses.get(429, 0)} | {other} | {max(0, admitted - args.rpm)} |")
+    print(
+        f"| {args.rpm} per minute | {args.race} | {admitted} | {statuses.get(429, 0)} | {other} | "
+        f"{max(0, admitted - args.rpm)} |"
+    )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def slope_per_hour(samples: list[tuple[float, float]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic (default 10 minutes)")
-    parser.add_argument("--clients", type=int, default=16, help="closed-loop clients of the organization without limits")
+    parser.add_argument(
+        "--clients", type=int, default=16, help="closed-loop clients of the organization without limits"
+    )
     parser.add_argument("--limited-clients", type=int, default=4, help="clients of an organization over its limits")
     parser.add_argument("--sample-every", type=float, default=5.0)
     args = parser.parse_args()
@@ -78,8 +80,24 @@ def main() -> None:
 
         async def traffic() -> list[Outcome]:
             runs = await asyncio.gather(
-                closed_loop(base_url=topology.url, key=free, mix=MIX, clients=args.clients, duration=args.duration, hang_up_share=0.2, timeout=120),
-                closed_loop(base_url=topology.url, key=limited, mix=MIX, clients=args.limited_clients, duration=args.duration, seed=1, timeout=120),
+                closed_loop(
+                    base_url=topology.url,
+                    key=free,
+                    mix=MIX,
+                    clients=args.clients,
+                    duration=args.duration,
+                    hang_up_share=0.2,
+                    timeout=120,
+                ),
+                closed_loop(
+                    base_url=topology.url,
+                    key=limited,
+                    mix=MIX,
+                    clients=args.limited_clients,
+                    duration=args.duration,
+                    seed=1,
+                    timeout=120,
+                ),
             )
             return runs[0] + runs[1]
 
@@ -99,7 +117,9 @@ def main() -> None:
             for name, pid in pids.items():
                 samples[name]["rss"].append((elapsed, rss_bytes(pid) / 2**20))
                 samples[name]["fds"].append((elapsed, float(open_fds(pid))))
-            print(f"  {elapsed:6.0f}s  {len(outcomes)} answers so far", flush=True) if int(elapsed) % 60 < args.sample_every else None
+            print(f"  {elapsed:6.0f}s  {len(outcomes)} answers so far", flush=True) if int(
+                elapsed
+            ) % 60 < args.sample_every else None
     finally:
         topology.close()
         upstream.terminate()
@@ -111,11 +131,16 @@ def main() -> None:
     codes = Counter(f"{o.status} {o.error_code}".strip() for o in outcomes if o.status != 200 or o.error_code)
     problems = Counter(o.problem for o in outcomes if o.problem)
     print()
-    print(f"{len(outcomes)} requests in {args.duration:.0f} s ({len(outcomes) / args.duration:.1f}/s), "
-          f"{args.clients} + {args.limited_clients} clients; statuses {dict(sorted(statuses.items()))}")
+    print(
+        f"{len(outcomes)} requests in {args.duration:.0f} s ({len(outcomes) / args.duration:.1f}/s), "
+        f"{args.clients} + {args.limited_clients} clients; statuses {dict(sorted(statuses.items()))}"
+    )
     print(f"errors and hang-ups by code: {dict(codes.most_common())}")
-    print(f"responses of 500 or above: {sum(c for s, c in statuses.items() if s >= 500)}; no answer: {statuses.get(0, 0)}; "
-          f"other problems: {dict(problems) or 'none'}")
+    print(
+        f"responses of 500 or above: {sum(c for s, c in statuses.items() if s >= 500)}; "
+        f"no answer: {statuses.get(0, 0)}; "
+        f"other problems: {dict(problems) or 'none'}"
+    )
     print()
     print("| process | RSS first MB | RSS last MB | RSS slope MB/h | fds first | fds last | fds slope /h |")
     print("|---|---|---|---|---|---|---|")

@@ -28,4 +28,6 @@ def test_every_migration_unapplies_and_applies_again() -> None:
     call_command("migrate", verbosity=0)
 
     assert left == set()
-    assert {"orgs_apikey", "inference_usagerecord", "agents_storedresponse"} <= set(connection.introspection.table_names())
+    assert {"orgs_apikey", "inference_usagerecord", "agents_storedresponse"} <= set(
+        connection.introspection.table_names()
+    )

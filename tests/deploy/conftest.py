@@ -21,11 +21,16 @@ def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     except MissingProgram as exc:
         pytest.fail(str(exc))
     upstream, upstream_url = start_upstream(directory)
-    topology = Topology(directory, postgres=postgres, redis=redis, overrides={
-        "GATEWAY_BASE_URL": upstream_url,
-        # Beat's schedule every few seconds instead of hourly, so a test sees it run.
-        "USAGE_ROLLUP_INTERVAL_SECONDS": "5",
-    })
+    topology = Topology(
+        directory,
+        postgres=postgres,
+        redis=redis,
+        overrides={
+            "GATEWAY_BASE_URL": upstream_url,
+            # Beat's schedule every few seconds instead of hourly, so a test sees it run.
+            "USAGE_ROLLUP_INTERVAL_SECONDS": "5",
+        },
+    )
     try:
         topology.migrate()
         for name in ("api1", "api2", "lb", "beat", "housekeeping"):

@@ -53,7 +53,9 @@ def usage_of(topology: Topology, request_id: str) -> list[tuple[int, str]]:
 class Traffic:
     """Closed-loop clients through the load balancer on a thread of their own, while the test breaks things."""
 
-    def __init__(self, topology: Topology, key: str, mix: list[tuple[Request, float]], *, clients: int, duration: float) -> None:
+    def __init__(
+        self, topology: Topology, key: str, mix: list[tuple[Request, float]], *, clients: int, duration: float
+    ) -> None:
         self.outcomes: list[Outcome] = []
         self.started = time.monotonic()
 
@@ -153,7 +155,9 @@ def test_redis_stopped_mid_traffic_is_a_503_with_retry_after_until_it_is_back(to
     assert_outage_was_handled(Phases.split(outcomes, fault_at=fault_at, repaired_at=repaired_at), pids, topology)
 
 
-def test_postgres_restarted_mid_traffic_is_a_503_with_retry_after_and_keeps_every_usage_record(topology: Topology) -> None:
+def test_postgres_restarted_mid_traffic_is_a_503_with_retry_after_and_keeps_every_usage_record(
+    topology: Topology,
+) -> None:
     # The key check, the limits and the catalog are each cached for seconds: traffic reaches the database anyway.
     key = topology.organization("pg-outage", "--rpm", "1000000")
     pids = {name: running.pid for name, running in topology.running.items()}
@@ -209,7 +213,9 @@ def test_two_hundred_clients_hanging_up_mid_stream_free_every_slot_job_and_seque
     # Every sequence and queue place of both workers' runners is free: as many jobs as they hold, all served.
     capacity = 2 * int(topology.values["SMOLLM2_CONCURRENCY"])
     quick = asyncio.run(
-        closed_loop(base_url=topology.url, key=key, mix=[(chat(max_tokens=2), 1.0)], clients=capacity, duration=0.1, timeout=60)
+        closed_loop(
+            base_url=topology.url, key=key, mix=[(chat(max_tokens=2), 1.0)], clients=capacity, duration=0.1, timeout=60
+        )
     )
     assert [(o.status, o.error_code) for o in quick] == [(200, "")] * len(quick), summary(quick)
     grown = {name: (second[name] - first[name]) // 2**20 for name in processes}

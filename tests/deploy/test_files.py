@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,16 +44,29 @@ def test_the_procfile_runs_the_api_workers_beat_and_the_balancer() -> None:
 def test_haproxy_accepts_its_configuration_with_the_example_environment() -> None:
     if shutil.which("haproxy") is None:
         pytest.fail("haproxy is not installed: `make test` installs it")
-    example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines() if re.match(r"^[A-Z_0-9]+=", line))
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "env.example").read_text().splitlines()
+        if re.match(r"^[A-Z_0-9]+=", line)
+    )
 
-    checked = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy.cfg")], env={"PATH": os.environ["PATH"], **example}, capture_output=True, text=True)
+    checked = subprocess.run(
+        ["haproxy", "-c", "-f", str(DEPLOY / "haproxy.cfg")],
+        env={"PATH": os.environ["PATH"], **example},
+        capture_output=True,
+        text=True,
+    )
 
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_prometheus_scrapes_each_api_process_of_the_example() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    example = dict(line.split("=", 1) for line in (DEPLOY / "env.example").read_text().splitlines() if re.match(r"^[A-Z_0-9]+=", line))
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "env.example").read_text().splitlines()
+        if re.match(r"^[A-Z_0-9]+=", line)
+    )
 
     api = next(job for job in config["scrape_configs"] if job["job_name"] == "b3os-api")
 
@@ -81,7 +93,7 @@ def queried_series(query: str) -> list[tuple[str, set[str]]]:
     found = []
     for match in re.finditer(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{([^}]*)\}|\[|,|\))", query):
         name = match.group(1)
-        if name in PROMQL_WORDS or name in grouped or not ("_" in name):
+        if name in PROMQL_WORDS or name in grouped or "_" not in name:
             continue
         selected = set(re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", match.group(3) or ""))
         found.append((name, selected | grouped))
@@ -126,5 +138,12 @@ def test_every_metric_the_dashboard_queries_is_exported_with_its_labels(topology
     }
     missing = sorted({name for name, _ in queried if name not in series})
     assert missing == []
-    unlabelled = sorted({(name, label) for name, labels in queried for label in labels - PROMETHEUS_LABELS - {"le"} if label not in series[name]})
+    unlabelled = sorted(
+        {
+            (name, label)
+            for name, labels in queried
+            for label in labels - PROMETHEUS_LABELS - {"le"}
+            if label not in series[name]
+        }
+    )
     assert unlabelled == []

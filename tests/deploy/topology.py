@@ -61,7 +61,11 @@ def procfile_names() -> list[str]:
 
 
 def env_example_names() -> list[str]:
-    return [line.split("=", 1)[0] for line in (DEPLOY / "env.example").read_text().splitlines() if re.match(r"^[A-Z_0-9]+=", line)]
+    return [
+        line.split("=", 1)[0]
+        for line in (DEPLOY / "env.example").read_text().splitlines()
+        if re.match(r"^[A-Z_0-9]+=", line)
+    ]
 
 
 def descendants(pid: int) -> list[int]:
@@ -111,7 +115,11 @@ class Running:
         """The program the Procfile line runs (daphne, celery, haproxy), under honcho and its shell."""
         for pid in descendants(self.honcho.pid):
             args = cmdline(pid)
-            if args and Path(args[0]).name not in {"sh", "dash", "bash"} and not any(a.endswith("/honcho") for a in args):
+            if (
+                args
+                and Path(args[0]).name not in {"sh", "dash", "bash"}
+                and not any(a.endswith("/honcho") for a in args)
+            ):
                 return pid
         raise RuntimeError(f"{self.name} has no running program (honcho exited with {self.honcho.poll()})")
 
@@ -216,13 +224,13 @@ class Topology:
             return self._answers(self.api_url(int(name[-1])) + "/v1/infer/models")
         if name == "lb":
             # Ready once HAProxy found an API process up: before that it answers 503 itself.
-            return self._answers(self.url + "/v1/infer/models", refuse={503})
+            return self._answers(self.url + "/v1/infer/models", refuse=frozenset({503}))
         if name == "beat":
             return "beat: Starting" in running.output()
         return " ready." in running.output()  # Celery workers
 
     @staticmethod
-    def _answers(url: str, refuse: set[int] = set()) -> bool:
+    def _answers(url: str, refuse: frozenset[int] = frozenset()) -> bool:
         try:
             return httpx.get(url, timeout=2).status_code not in refuse
         except httpx.HTTPError:
@@ -282,7 +290,5 @@ def sum_samples(samples: Mapping[str, float], name: str, **labels: str) -> float
     """The sum of ``name``'s samples whose labels include ``labels``."""
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(
-        value
-        for key, value in samples.items()
-        if key.split("{", 1)[0] == name and all(part in key for part in wanted)
+        value for key, value in samples.items() if key.split("{", 1)[0] == name and all(part in key for part in wanted)
     )

@@ -116,7 +116,9 @@ async def send(
     started = time.monotonic()
     headers = {"Authorization": f"Bearer {key}"}
 
-    def outcome(status: int, ended: bool, code: str = "", retry: str | None = None, problem: str = "", rid: str = "") -> Outcome:
+    def outcome(
+        status: int, ended: bool, code: str = "", retry: str | None = None, problem: str = "", rid: str = ""
+    ) -> Outcome:
         return Outcome(request.kind, status, started, time.monotonic() - started, ended, code, retry, problem, rid)
 
     try:
@@ -162,7 +164,7 @@ async def closed_loop(
     """``clients`` clients, each sending its next request as soon as the last one ended, for ``duration`` seconds;
     each request drawn from ``mix`` by weight, and a share of the streamed ones hung up after a few events."""
     rng = random.Random(seed)
-    requests, weights = zip(*mix)
+    requests, weights = zip(*mix, strict=True)
     outcomes: list[Outcome] = []
     stop_at = time.monotonic() + duration
     limits = httpx.Limits(max_connections=clients + 10, max_keepalive_connections=clients + 10)
@@ -201,5 +203,7 @@ class Phases:
     def split(cls, outcomes: list[Outcome], *, fault_at: float, repaired_at: float) -> Phases:
         phases = cls()
         for o in outcomes:
-            (phases.before if o.started < fault_at else phases.during if o.started < repaired_at else phases.after).append(o)
+            (
+                phases.before if o.started < fault_at else phases.during if o.started < repaired_at else phases.after
+            ).append(o)
         return phases
