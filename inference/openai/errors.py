@@ -13,6 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
+from core.outages import unavailable_service
 from inference.engine.exceptions import (
     CapabilityMissing,
     ChatTemplateRefused,
@@ -137,10 +138,29 @@ def status_error(status: int) -> APIError:
     return APIError("The request was refused.", code="invalid_request", status=status)
 
 
+def service_unavailable() -> APIError:
+    """Redis or the database cannot be reached for now: the request may succeed when retried."""
+    retry = settings.OUTAGE_RETRY_AFTER_SECONDS
+    return APIError(
+        f"The service is temporarily unavailable. Try again in {retry} seconds.",
+        code="service_unavailable",
+        status=503,
+        type=SERVER,
+        headers={"Retry-After": str(retry)},
+    )
+
+
+# Generation failures that are the deployment's state, not the request's: worth retrying later.
+UNAVAILABLE_CODES = ("no_worker", "model_not_available", "service_unavailable")
+
+
 def generation_failed(code: str, message: str) -> APIError:
-    """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost)."""
-    status = 503 if code in ("no_worker", "model_not_available") else 500
-    return APIError(f"Generation failed: {message}", code=code, status=status, type=SERVER)
+    """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost, Redis
+    went away under it)."""
+    if code in UNAVAILABLE_CODES:
+        headers = {"Retry-After": str(settings.OUTAGE_RETRY_AFTER_SECONDS)}
+        return APIError(f"Generation failed: {message}", code=code, status=503, type=SERVER, headers=headers)
+    return APIError(f"Generation failed: {message}", code=code, status=500, type=SERVER)
 
 
 def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIError | None:
@@ -176,6 +196,8 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
         )
     if isinstance(exc, InvalidAPIKey):
         return invalid_api_key()
+    if unavailable_service(exc) is not None:
+        return service_unavailable()
     if isinstance(exc, LimitExceeded):
         return APIError(
             exc.detail,

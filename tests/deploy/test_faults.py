@@ -89,7 +89,9 @@ MIXED = [
 
 def assert_outage_was_handled(phases: Phases, pids_before: dict[str, int], topology: Topology) -> None:
     everything = phases.before + phases.during + phases.after
-    assert [o.problem for o in everything if o.problem] == [], summary(everything)
+    assert [o.problem for o in everything if o.problem] == [], (
+        f"before: {summary(phases.before)}\nduring: {summary(phases.during)}\nafter: {summary(phases.after)}"
+    )
     # While a part is away requests may fail, but only with 503 and a time to retry: never a 500, never a hang.
     assert {o.status for o in everything} <= {200, 503}, summary(everything)
     assert all(o.retry_after for o in everything if o.status == 503)

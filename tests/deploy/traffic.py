@@ -187,13 +187,13 @@ async def closed_loop(
 
 def summary(outcomes: list[Outcome]) -> str:
     statuses = Counter((o.status, o.error_code) for o in outcomes)
-    problems = Counter(o.problem for o in outcomes if o.problem)
+    problems = Counter(f"{o.kind}: {o.problem}" for o in outcomes if o.problem)
     return f"statuses {dict(statuses)}; problems {dict(problems)}"
 
 
 @dataclass
 class Phases:
-    """Outcomes split by when the request started: before a fault, during it, after it was repaired."""
+    """Outcomes split by when the request ran: over before the fault, started once it was repaired, and the rest."""
 
     before: list[Outcome] = field(default_factory=list)
     during: list[Outcome] = field(default_factory=list)
@@ -203,7 +203,10 @@ class Phases:
     def split(cls, outcomes: list[Outcome], *, fault_at: float, repaired_at: float) -> Phases:
         phases = cls()
         for o in outcomes:
-            (
-                phases.before if o.started < fault_at else phases.during if o.started < repaired_at else phases.after
-            ).append(o)
+            if o.started + o.elapsed < fault_at:
+                phases.before.append(o)
+            elif o.started >= repaired_at:
+                phases.after.append(o)
+            else:
+                phases.during.append(o)
         return phases
