@@ -72,8 +72,10 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# The whole suite on SQLite (the default database), then the tests marked database on a throwaway PostgreSQL cluster.
 test: lint system-test-deps codex-cli
 	$(PY) -m pytest
+	$(PY) -m pytest -p tests.postgres -m database
 
 bench: install-test system-test-deps
 	$(PY) bench/runner_throughput.py

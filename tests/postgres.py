@@ -10,8 +10,11 @@ of their own still give them SQLite files (``tests.conftest.start_server``).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from django.db import connection
 
 from tests.services import MissingProgram, Postgres
 
@@ -27,6 +30,18 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     except MissingProgram as exc:
         raise pytest.UsageError(str(exc)) from None
     os.environ["DATABASE_URL"] = _cluster.url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_other_sessions(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """The async views' worker threads and the usage writer keep connections open: they are ended before the test
+    database is dropped, which PostgreSQL refuses while anyone is connected."""
+    yield
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -27,7 +27,7 @@ from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, m
 from tests.conftest import read_stream
 from tests.inference.test_responses import THOUGHTFUL, WEATHER, toy_model  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 SHORT = {"max_output_tokens": 16}
 SPARE_PARTS_QUESTION = "Which spare parts are compatible with machine 4711?"
