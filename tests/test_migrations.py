@@ -13,6 +13,7 @@ pytestmark = pytest.mark.database
 APPS = ("orgs", "inference", "agents")
 
 
+@pytest.mark.django_db
 def test_the_models_need_no_new_migration() -> None:
     output = StringIO()
 

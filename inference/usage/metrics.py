@@ -81,6 +81,11 @@ USAGE_RECORDS_PENDING = Gauge(
     "Usage records waiting to be written; they pile up, and are retried, while the database is away.",
     registry=REGISTRY,
 )
+# Known label values start at 0, so that an outage shows as a rise on a graph rather than as a series appearing.
+for _service in ("redis", "database"):
+    UNAVAILABLE.labels(_service)
+for _reason in ("database_unavailable", "refused", "shutdown"):
+    USAGE_RECORDS_DROPPED.labels(_reason)
 
 
 def observe_request(
