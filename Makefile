@@ -9,7 +9,7 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' p
 CODEX_VERSION := 0.171.0
 CODEX_DIR := var/codex
 
-.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,13 @@ bench: install-test system-test-deps
 	$(PY) bench/runner_throughput.py
 	$(PY) bench/admission_overhead.py
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/scale_out.py
+	$(PY) bench/connections.py
+
+# Ten minutes of mixed traffic against deploy/'s topology (SOAK_SECONDS to change it).
+SOAK_SECONDS ?= 600
+soak: install-test system-test-deps
+	$(PY) bench/soak.py --duration $(SOAK_SECONDS)
 
 clean:
 	rm -rf $(VENV) var
