@@ -78,8 +78,9 @@ def main() -> None:
         topology.start("smollm2", copy=2)
         pids = {name: topology.running[name].pid for name in PROCESSES}
 
-        async def traffic() -> list[Outcome]:
-            runs = await asyncio.gather(
+        async def traffic() -> None:
+            # Each answer lands in ``outcomes`` as it comes, so progress shows while the clients run.
+            await asyncio.gather(
                 closed_loop(
                     base_url=topology.url,
                     key=free,
@@ -87,6 +88,8 @@ def main() -> None:
                     clients=args.clients,
                     duration=args.duration,
                     hang_up_share=0.2,
+                    honour_retry_after=True,
+                    on_outcome=outcomes.append,
                     timeout=120,
                 ),
                 closed_loop(
@@ -96,15 +99,16 @@ def main() -> None:
                     clients=args.limited_clients,
                     duration=args.duration,
                     seed=1,
+                    honour_retry_after=True,
+                    on_outcome=outcomes.append,
                     timeout=120,
                 ),
             )
-            return runs[0] + runs[1]
 
         done = threading.Event()
 
         def run() -> None:
-            outcomes.extend(asyncio.run(traffic()))
+            asyncio.run(traffic())
             done.set()
 
         threading.Thread(target=run, daemon=True).start()

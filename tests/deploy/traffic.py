@@ -159,10 +159,12 @@ async def closed_loop(
     timeout: float = 30.0,
     hang_up_share: float = 0.0,
     seed: int = 0,
+    honour_retry_after: bool = False,
     on_outcome: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
     """``clients`` clients, each sending its next request as soon as the last one ended, for ``duration`` seconds;
-    each request drawn from ``mix`` by weight, and a share of the streamed ones hung up after a few events."""
+    each request drawn from ``mix`` by weight, and a share of the streamed ones hung up after a few events. With
+    ``honour_retry_after`` a client refused with ``Retry-After`` waits that long (at most 5 s), as the SDKs do."""
     rng = random.Random(seed)
     requests, weights = zip(*mix, strict=True)
     outcomes: list[Outcome] = []
@@ -180,6 +182,8 @@ async def closed_loop(
                     on_outcome(result)
                 if result.status == 0:
                     await asyncio.sleep(0.2)  # as a client with back-off does
+                elif honour_retry_after and result.retry_after:
+                    await asyncio.sleep(min(5.0, float(result.retry_after)))
 
         await asyncio.gather(*(one_client() for _ in range(clients)))
     return outcomes
