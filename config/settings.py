@@ -204,6 +204,10 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
+# answers 503 now, instead of blocking one of the few threads that publish for everyone. Workers reconnect on their
+# own terms (broker_connection_retry).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}
 
 # --- inference ---------------------------------------------------------------------------------
 # Longest a stream may run before it is ended cleanly.

@@ -175,13 +175,22 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
             await layer.send(reply, {"type": MESSAGE_TYPE, "events": wire})
         except ChannelFull:
             cancelled.set()  # nobody is reading any more
+        except REDIS_ERRORS as exc:
+            # The events have nowhere to go, and the API side has ended the stream already (it watches Redis too).
+            if not cancelled.is_set():
+                logger.warning("job %s stopped: Redis is unavailable: %s: %s", job.job_id, type(exc).__name__, exc)
+            cancelled.set()
         last_sent = time.monotonic()
 
     async def watch() -> None:
         key = CANCEL_KEY.format(job_id=job.job_id)
         while not cancelled.is_set():
             await asyncio.sleep(CANCEL_POLL_SECONDS)
-            if await client.exists(key):
+            try:
+                asked_to_stop = await client.exists(key)
+            except REDIS_ERRORS:
+                asked_to_stop = True  # as in send: nobody can read the events any more
+            if asked_to_stop:
                 cancelled.set()
             elif time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
                 await send([])
