@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -52,7 +53,7 @@ print(json.dumps(results))
 """
 
 
-def measure(lib_path: Path | None, tokens: int) -> dict[str, object]:
+def measure(lib_path: Path | None, tokens: int) -> dict[str, Any]:
     env = dict(os.environ)
     if lib_path is not None:
         env["LLAMA_CPP_LIB_PATH"] = str(lib_path)
@@ -69,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     native = build(NATIVE, ("llama",))
     builds: dict[str, Path | None] = {"portable (the runner's)": None, "native (-march=native)": native}
-    runs: dict[str, list[dict[str, object]]] = {name: [] for name in builds}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in builds}
     for _ in range(args.rounds):
         for name, path in builds.items():
             runs[name].append(measure(path, args.tokens))

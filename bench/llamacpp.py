@@ -38,8 +38,19 @@ def sources() -> Path:
     if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
         WORK.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
-             f"llama-cpp-python=={version}", "-d", str(WORK)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                f"llama-cpp-python=={version}",
+                "-d",
+                str(WORK),
+            ],
             check=True,
         )
         with tarfile.open(WORK / f"llama_cpp_python-{version}.tar.gz") as archive:
@@ -57,12 +68,24 @@ def build(flags: tuple[str, ...], targets: tuple[str, ...]) -> Path:
         return binaries
     print(f"building llama.cpp {' '.join(targets)} with {' '.join(flags)} (a few minutes)", file=sys.stderr, flush=True)
     subprocess.run(
-        ["cmake", "-S", str(source), "-B", str(folder), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *flags],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            "cmake",
+            "-S",
+            str(source),
+            "-B",
+            str(folder),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DBUILD_SHARED_LIBS=ON",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            *flags,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     subprocess.run(
         ["cmake", "--build", str(folder), "--parallel", str(os.cpu_count() or 1), "--target", *targets],
-        check=True, stdout=subprocess.DEVNULL,
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     return binaries

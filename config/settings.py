@@ -215,6 +215,8 @@ STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
 JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
+# The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
+OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups

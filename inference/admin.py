@@ -5,6 +5,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
+from inference.engine.execution import get_capacity
 from inference.models import CatalogEntry, UsageRecord
 
 
@@ -49,10 +50,10 @@ class CatalogEntryAdmin(admin.ModelAdmin):
     ]
     list_filter = ["runner", "enabled"]
     search_fields = ["public_id"]
-    readonly_fields = ["queue", "created"]
+    readonly_fields = ["queue", "created", "capacity"]
     fieldsets = [
         (None, {"fields": ["public_id", "enabled", "owned_by", "created"]}),
-        ("Runner", {"fields": ["runner", "runner_settings", "queue"]}),
+        ("Runner", {"fields": ["runner", "runner_settings", "queue", "capacity"]}),
         ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
         (
             "Gateway upstream",
@@ -63,6 +64,21 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         ),
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]
+
+
+    @admin.display(description="Capacity of one loaded copy")
+    def capacity(self, entry: CatalogEntry) -> str:
+        """For the CPU runner: its sequence slots (``parallel`` in the settings), their context, its queue
+        (``queue``), and the KV cache they take in memory."""
+        if not entry.pk:
+            return "—"
+        held = get_capacity(entry.runner, entry.runner_settings)
+        if held is None:
+            return "—"
+        return (
+            f"{held.sequences} sequences of {held.context_per_sequence} tokens, {held.queue} more waiting; "
+            f"KV cache {held.kv_cache_bytes / 2**20:.0f} MiB"
+        )
 
 
 @admin.register(UsageRecord)

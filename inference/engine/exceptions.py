@@ -83,3 +83,12 @@ class TooManyTopLogprobs(EngineError):
         super().__init__(f"the model {model_id!r} returns at most {most} top logprobs")
         self.model_id = model_id
         self.most = most
+
+
+class Overloaded(EngineError):
+    """Every sequence of the model is busy and its queue is full: try again after ``retry_after`` seconds."""
+
+    def __init__(self, model_id: str, *, retry_after: int) -> None:
+        super().__init__(f"the model {model_id!r} is busy")
+        self.model_id = model_id
+        self.retry_after = retry_after

@@ -64,6 +64,22 @@ def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
         return _runners[key]
 
 
+_capacities: dict[str, Any] = {}
+
+
+def get_capacity(runner: str, settings: dict[str, Any]) -> Any | None:
+    """What a model's settings let one loaded copy hold (sequences, queue, KV cache), for runners that say;
+    None for the others, and for settings that do not load."""
+    key = _cache_key(runner, settings)
+    if key not in _capacities:
+        try:
+            estimate = getattr(_module(runner), "capacity", None)
+            _capacities[key] = estimate(settings) if estimate is not None else None
+        except RunnerError:
+            return None
+    return _capacities[key]
+
+
 def get_renderer(runner: str, settings: dict[str, Any]) -> PromptRenderer:
     key = _cache_key(runner, settings)
     if (loaded := _renderers.get(key)) is not None:
@@ -82,7 +98,13 @@ class JobFailed:
     message: str
 
 
-JobEvent = RawEvent | JobFailed
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """First event of every job the runner took: it is generating or waiting in the runner's queue. A runner
+    refuses a job it cannot hold (its queue is full) before this, with ``JobFailed`` code ``overloaded``."""
+
+
+JobEvent = RawEvent | JobFailed | Accepted
 _DONE = object()
 
 
@@ -92,12 +114,17 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def put(item: Any) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is gone: nobody will read the rest
+            cancelled.set()
 
     def work() -> None:
         try:
             runner = get_runner(job.runner, job.runner_settings)
-            for event in runner.stream(job, cancelled.is_set):
+            events = runner.stream(job, cancelled.is_set)
+            put(Accepted())
+            for event in events:
                 put(event)
         except RunnerError as exc:
             put(JobFailed(exc.code, str(exc)))
@@ -134,6 +161,8 @@ def encode(events: list[JobEvent]) -> list[list[Any]]:
             out.append(["t", event.text, event.tokens, logprobs])
         elif isinstance(event, Finished):
             out.append(["f", event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens])
+        elif isinstance(event, Accepted):
+            out.append(["a"])
         else:
             out.append(["e", event.code, event.message])
     return out
@@ -148,6 +177,8 @@ def decode(wire: list[list[Any]]) -> list[JobEvent]:
             out.append(TextChunk(item[1], item[2], logprobs))
         elif kind == "f":
             out.append(Finished(item[1], item[2], item[3], item[4]))
+        elif kind == "a":
+            out.append(Accepted())
         else:
             out.append(JobFailed(item[1], item[2]))
     return out

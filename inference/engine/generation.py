@@ -7,9 +7,10 @@ tool calls) and one terminal ``Done`` or ``Failed``, cancelling the job if the c
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,9 +29,9 @@ from .decoding import (
     ToolChoice,
     plan_decoding,
 )
-from .dispatch import start_job
-from .exceptions import ChatTemplateRefused, ModelUnavailable, SchemaNotEnforceable, TooManyTopLogprobs
-from .execution import JobFailed, get_renderer
+from .dispatch import Job, start_job
+from .exceptions import ChatTemplateRefused, ModelUnavailable, Overloaded, SchemaNotEnforceable, TooManyTopLogprobs
+from .execution import Accepted, JobEvent, JobFailed, get_renderer
 from .prompting import Message, check_context, render_prompt
 from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
 
@@ -67,22 +68,70 @@ class Generation:
     first_token_at: float | None = None
     completion_tokens: int = 0
     finished: bool = False
+    _job: Job | None = field(default=None, repr=False)
+    _events: AsyncIterator[list[JobEvent]] | None = field(default=None, repr=False)
+    _first: list[JobEvent] = field(default_factory=list, repr=False)
+    _accepted: bool = field(default=False, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
         return self.job.prompt_tokens
 
     @property
+    def accepted(self) -> bool:
+        """Whether a runner took the job (to generate now, or to queue)."""
+        return self._accepted
+
+    @property
     def time_to_first_token_ms(self) -> int | None:
         return None if self.first_token_at is None else int((self.first_token_at - self.started) * 1000)
 
+    async def start(self) -> None:
+        """Hands the job to its runner and waits until the runner has taken it (to generate now, or to queue),
+        so that a refusal is an error before any response begins: raises ``Overloaded``."""
+        if self._job is not None:
+            return
+        self._job = job = start_job(self.job, queue=self.entry.queue)
+        self._events = aiter(job.events())
+        try:
+            first = await anext(self._events)
+        except StopAsyncIteration:
+            first = []
+        except BaseException:
+            await job.cancel()
+            raise
+        self._accepted = any(isinstance(event, Accepted) for event in first)
+        if not self._accepted and first and isinstance(first[0], JobFailed) and first[0].code == "overloaded":
+            self.finished = True
+            raise Overloaded(self.entry.public_id, retry_after=settings.OVERLOADED_RETRY_AFTER_SECONDS)
+        self._first = [event for event in first if not isinstance(event, Accepted)]
+
+    async def _batches(self) -> AsyncGenerator[list[JobEvent], None]:
+        """The job's events in batches; an empty batch when the stream's time is up while nothing arrives
+        (a job waiting in its runner's queue counts against it too)."""
+        assert self._events is not None
+        if self._first:
+            yield self._first
+        deadline = self.started + settings.STREAM_MAX_SECONDS
+        while True:
+            try:
+                batch = await asyncio.wait_for(anext(self._events), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield []
+                return
+            yield [event for event in batch if not isinstance(event, Accepted)]
+
     async def run(self) -> AsyncGenerator[GenerationEvent, None]:
-        job = start_job(self.job, queue=self.entry.queue)
+        await self.start()
+        job = self._job
+        assert job is not None
         decoder = StreamDecoder(self.plan)
         reasoning_chars = 0
         deadline = self.started + settings.STREAM_MAX_SECONDS
         try:
-            async for batch in job.events():
+            async for batch in self._batches():
                 for event in _coalesce(batch):
                     if isinstance(event, TextChunk):
                         if self.first_token_at is None:
@@ -111,7 +160,7 @@ class Generation:
                         self.finished = True
                         yield Failed(event.code, event.message)
                         return
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     # The stream's time is up: end it cleanly as a length stop.
                     await job.cancel()
                     for piece in decoder.finish():

@@ -20,6 +20,7 @@ from inference.engine.exceptions import (
     ContextLengthExceeded,
     ModelNotServed,
     ModelUnavailable,
+    Overloaded,
     SchemaNotEnforceable,
     TooManyTopLogprobs,
 )
@@ -193,6 +194,15 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ChatTemplateRefused):
         return invalid_request(
             f"The model's chat template cannot render these messages: {exc.detail}", param=names.prompt
+        )
+    if isinstance(exc, Overloaded):
+        # 429 is the caller's own limits; a server without room for more work answers 503, as OpenAI's does.
+        return APIError(
+            f"The model {exc.model_id!r} is serving as many requests as it can hold; try again shortly.",
+            code="overloaded",
+            status=503,
+            type=SERVER,
+            headers={"Retry-After": str(exc.retry_after)},
         )
     if isinstance(exc, InvalidAPIKey):
         return invalid_api_key()

@@ -7,6 +7,7 @@ is released.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from inference.usage.records import Meter
 from orgs.admission import Grant, admit
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
+
+from .metered import CLIENT_DISCONNECTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,17 @@ def meter_for(caller: Caller, *, model: str, endpoint: str, route: str = "node")
 
 
 def record_error(meter: Meter, generation: Generation | None, exc: BaseException) -> None:
-    """The usage record of a request that failed before it could answer."""
-    error = from_exception(exc)
+    """The usage record of a request that failed before it could answer; ``generation`` is None when no runner
+    took it, so it consumed nothing."""
+    if isinstance(exc, asyncio.CancelledError):
+        status, code = CLIENT_DISCONNECTED, "client_disconnected"
+    elif (error := from_exception(exc)) is not None:
+        status, code = error.status, error.code
+    else:
+        status, code = 500, "internal_error"
     meter.record(
-        status=error.status if error else 500,
-        error_code=error.code if error else "internal_error",
+        status=status,
+        error_code=code,
         input_tokens=generation.prompt_tokens if generation else 0,
         output_tokens=generation.completion_tokens if generation else 0,
         time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
@@ -95,8 +104,10 @@ async def run_admitted(
     tokens = generation.prompt_tokens + generation.job.sampling.max_tokens
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=tokens)
     try:
+        # The runner takes the job (or refuses it, overloaded) before any response begins.
+        await generation.start()
         return await respond(generation, grant, meter)
     except BaseException as exc:
         grant.release()
-        record_error(meter, generation, exc)
+        record_error(meter, generation if generation.accepted else None, exc)
         raise

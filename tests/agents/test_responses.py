@@ -243,13 +243,13 @@ async def test_an_instances_defaults_apply_to_requests_that_set_none(
 async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal(
     tenant: Tenant, plain_agent: AgentInstance
 ) -> None:
-    # Blocks any answer of two words or more: the first word has been streamed by then.
+    # Blocks any answer of four words or more: the first words have been streamed by then.
     await Guardrail.objects.acreate(
         instance=plain_agent,
-        name="one word only",
+        name="three words at most",
         applies_to=Stage.OUTPUT,
         kind=MatchKind.REGEX,
-        patterns=r"\w+\W+\w+",
+        patterns=r"(\w+\W+){3}\w+",
         refusal="That answer was withheld.",
     )
 

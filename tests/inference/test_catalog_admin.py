@@ -52,3 +52,15 @@ def test_the_upstream_key_is_kept_but_never_shown(staff_client: Client) -> None:
     staff_client.post(url, form_data(entry, clear_upstream_api_key="on"))
     entry.refresh_from_db()
     assert entry.upstream_api_key == ""
+
+
+def test_a_cpu_model_shows_its_sequences_queue_and_the_memory_of_its_kv_cache(
+    staff_client: Client, catalog_model: CatalogEntry
+) -> None:
+    catalog_model.runner_settings = {**catalog_model.runner_settings, "parallel": 2, "queue": 5, "n_ctx": 4096}
+    catalog_model.save()
+
+    page = staff_client.get(f"/admin/inference/catalogentry/{catalog_model.pk}/change/").content.decode()
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-bit keys and values: 22.5 KiB a token.
+    assert "2 sequences of 4096 tokens, 5 more waiting; KV cache 180 MiB" in page

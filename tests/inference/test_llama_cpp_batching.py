@@ -220,43 +220,35 @@ def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
 def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_refused(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
-    busy_done, queued_done = threading.Event(), threading.Event()
-    starts: list[tuple[int, float]] = []
+    done = [threading.Event() for _ in range(6)]
+    started = [threading.Event() for _ in range(6)]
 
-    def one(index: int, done: threading.Event) -> None:
-        result = run(
-            runner,
-            job(render(QUESTIONS[index % 4]), max_tokens=300, temperature=0.8, seed=index),
-            lambda _: done.is_set(),
-        )
-        if result.first_token_at is not None:
-            starts.append((index, result.first_token_at))
+    def one(index: int) -> None:
+        work = job(render(QUESTIONS[index % 4]), max_tokens=300, temperature=0.8, seed=index)
+        for event in runner.stream(work, done[index].is_set):
+            if isinstance(event, TextChunk):
+                started[index].set()
 
-    busy = [threading.Thread(target=one, args=(index, busy_done)) for index in range(4)]
-    for thread in busy:
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(6)]
+    for index, thread in enumerate(threads):
         thread.start()
-    while runner.stats().active < 4:
-        time.sleep(0.01)
-    queued = []
-    for index in (4, 5):
-        queued.append(threading.Thread(target=one, args=(index, queued_done)))
-        queued[-1].start()
-        while runner.stats().queued < index - 3:
-            time.sleep(0.01)
+        if index < 4:
+            started[index].wait(timeout=120)
+        else:  # the slots are taken: the job waits in the queue, in the order it came
+            while runner.stats().queued < index - 3:
+                time.sleep(0.01)
 
     with pytest.raises(RunnerError) as refused:
         runner.stream(job(render(QUESTIONS[0])), lambda: False)
     assert refused.value.code == "overloaded"
 
-    # Slots free up (here: the busy jobs are cancelled); the waiting ones start, first come first served.
-    busy_done.set()
-    for thread in busy:
+    # One slot frees up: the job that came first takes it, the other keeps waiting.
+    done[0].set()
+    assert started[4].wait(timeout=120)
+    assert not started[5].is_set() and runner.stats().queued == 1
+
+    for event in done:
+        event.set()
+    for thread in threads:
         thread.join(timeout=60)
-    deadline = time.monotonic() + 120
-    while len([s for s in starts if s[0] >= 4]) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    queued_done.set()
-    for thread in queued:
-        thread.join(timeout=60)
-    assert [index for index, _ in sorted((s for s in starts if s[0] >= 4), key=lambda s: s[1])] == [4, 5]
     assert runner.stats().active == runner.stats().queued == 0

@@ -483,12 +483,46 @@ class _Slot:
     sequence: _Sequence | None = None
 
 
-def _kv_cache_bytes(model: Any, cells: int) -> int:
-    """The KV cache's size: a key and a value (16-bit floats) per layer, KV head and cell."""
-    from llama_cpp import llama_cpp as lib
+def _kv_cache_bytes(metadata: dict[str, str], cells: int) -> int:
+    """The KV cache's size from the GGUF's description of the model: a key and a value (16-bit floats) per
+    layer, KV head and cell. Read from the metadata, so that it is known without loading the weights."""
+    arch = metadata.get("general.architecture", "llama")
 
-    head_size = lib.llama_model_n_embd(model.model) // lib.llama_model_n_head(model.model)
-    return cells * lib.llama_model_n_layer(model.model) * 2 * lib.llama_model_n_head_kv(model.model) * head_size * 2
+    def number(key: str, default: int | None = None) -> int:
+        value = metadata.get(f"{arch}.{key}")
+        if value is None:
+            if default is None:
+                raise KeyError(key)
+            return default
+        return int(value)
+
+    heads = number("attention.head_count")
+    head_size = number("embedding_length") // heads
+    per_cell = number("attention.head_count_kv", heads) * (
+        number("attention.key_length", head_size) + number("attention.value_length", head_size)
+    )
+    return cells * number("block_count") * per_cell * 2
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What one loaded model holds: its sequences, their context, its queue, and the KV cache they take."""
+
+    sequences: int
+    context_per_sequence: int
+    queue: int
+    kv_cache_bytes: int
+
+
+def capacity(settings: dict[str, Any]) -> Capacity:
+    """The capacity a catalog entry's settings give, without loading the weights."""
+    config = RunnerSettings.of(settings)
+    model = _load_model(config.path, vocab_only=True)
+    try:
+        kv = _kv_cache_bytes(model.metadata(), config.context * config.parallel)
+    finally:
+        model.close()
+    return Capacity(config.parallel, config.context, config.queue, kv)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -540,7 +574,7 @@ class LlamaCppRunner:
         self._ctx = self._context.ctx
         self._memory = lib.llama_get_memory(self._ctx)
         self.context_per_sequence = int(lib.llama_n_ctx_seq(self._ctx))
-        self.kv_cache_bytes = _kv_cache_bytes(self._model, int(lib.llama_n_ctx(self._ctx)))
+        self.kv_cache_bytes = _kv_cache_bytes(self._model.metadata(), int(lib.llama_n_ctx(self._ctx)))
         self._batch_size = int(params.n_batch)
         self._batch = lib.llama_batch_init(self._batch_size, 0, 1)
         self._slots = [_Slot(seq_id) for seq_id in range(config.parallel)]
