@@ -77,7 +77,13 @@ test: lint system-test-deps codex-cli
 	$(PY) -m pytest
 	$(PY) -m pytest -p tests.postgres -m database
 
-bench: install-test system-test-deps
+$(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-test
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+bench: install-test $(VENV)/.installed-bench system-test-deps
+	$(PY) bench/cpu_build.py
+	$(PY) bench/omp_teams.py
 	$(PY) bench/runner_throughput.py
 	$(PY) bench/admission_overhead.py
 	$(PY) bench/gateway_overhead.py

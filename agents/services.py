@@ -209,11 +209,13 @@ def _echo(params: AgentResponseRequest, agent: Agent) -> dict[str, Any]:
     """The request's settings as applied: with the instance's defaults where the request set none."""
     echo = responses.echo(params)
     applied = runtime.temperature(params, agent)
+    defaults = agent.entry.sampling_defaults
     echo.update(
         store=params.keeps,
         previous_response_id=params.previous_response_id,
         max_output_tokens=runtime.output_limit(params, agent),
-        temperature=1.0 if applied is None else applied,
+        temperature=float(defaults.get("temperature", 1.0)) if applied is None else applied,
+        top_p=float(defaults.get("top_p", 1.0)) if params.top_p is None else params.top_p,
     )
     return echo
 

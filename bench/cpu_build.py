@@ -82,7 +82,9 @@ def main() -> None:
         one = statistics.median(float(r["1"]) for r in results)
         four = statistics.median(float(r["4"]) for r in results)
         base = base or (one, four)
-        features = ", ".join(f.split("=")[0].strip() for f in results[0]["features"] if f.strip().endswith("= 1"))
+        features = ", ".join(
+            f.split("=")[0].replace("CPU :", "").strip() for f in results[0]["features"] if f.strip().endswith("= 1")
+        )
         print(f"| {name} | {features} | {one:.1f} | {four:.1f} | {one / base[0]:.2f}× / {four / base[1]:.2f}× |")
 
 

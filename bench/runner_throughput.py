@@ -285,9 +285,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's threads, by thread name."""
+    """CPU seconds of a process's threads: the model's (its scheduler and the OpenMP threads it started,
+    which inherit its name), the event loop's (the main thread) and the others."""
     clock = os.sysconf("SC_CLK_TCK")
-    by_name: dict[str, float] = {}
+    by_role: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
@@ -295,8 +296,14 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / clock
-    return by_name
+        if name.startswith("llama-sched"):
+            role = "model (scheduler and its OpenMP threads)"
+        elif int(task.name) == pid:
+            role = "event loop (HTTP, SSE encoding)"
+        else:
+            role = "other threads (database, usage writer)"
+        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / clock
+    return by_role
 
 
 def main() -> None:

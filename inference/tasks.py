@@ -13,7 +13,7 @@ from celery.signals import worker_init, worker_process_init
 from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, serve_job
-from inference.engine.execution import get_runner
+from inference.engine.execution import get_capacity, get_runner
 from inference.engine.runners.base import GenerationJob
 from inference.models import CatalogEntry
 from inference.usage.reports import roll_up_and_prune
@@ -83,6 +83,17 @@ def _runs_jobs_in_main_process(worker: Any) -> bool:
     return any(kind in name.lower() for kind in ("thread", "gevent", "eventlet"))
 
 
+def jobs_held(queues: Collection[str]) -> int:
+    """How many jobs the models of ``queues`` hold at once, generating and queued, for runners that say: a
+    worker needs a thread for each, or jobs wait in the broker while its models have room."""
+    try:
+        entries = [entry for entry in CatalogEntry.objects.enabled() if entry.queue in queues]
+    except DatabaseError:
+        return 0
+    held = (get_capacity(entry.runner, entry.runner_settings) for entry in entries)
+    return sum(capacity.sequences + capacity.queue for capacity in held if capacity is not None)
+
+
 @worker_init.connect
 def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
     global _served_queues
@@ -91,6 +102,15 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
     _served_queues = frozenset(queues or ())
     if _runs_jobs_in_main_process(sender):
         logger.info("loaded %s", load_served_models(_served_queues))
+        concurrency = getattr(sender, "concurrency", None)
+        if isinstance(concurrency, int) and concurrency < (needed := jobs_held(_served_queues)):
+            logger.warning(
+                "this worker runs %d jobs at a time, but its models hold %d (sequences and queues): "
+                "start it with --concurrency %d",
+                concurrency,
+                needed,
+                needed,
+            )
 
 
 @worker_process_init.connect

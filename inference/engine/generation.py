@@ -261,15 +261,22 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
         prompt_tokens=prompt.tokens,
         sampling=Sampling(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=_or_default(request.temperature, entry, "temperature", 1.0),
+            top_p=_or_default(request.top_p, entry, "top_p", 1.0),
             seed=request.seed,
             stop=request.stop,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=_or_default(request.frequency_penalty, entry, "frequency_penalty", 0.0),
+            presence_penalty=_or_default(request.presence_penalty, entry, "presence_penalty", 0.0),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
         ),
         constraint=plan.constraint,
     )
     return Generation(entry=entry, job=job, plan=plan)
+
+
+def _or_default(asked: float | None, entry: CatalogEntry, name: str, openai_default: float) -> float:
+    """What the request asked; else the catalog entry's default for the model; else OpenAI's."""
+    if asked is not None:
+        return asked
+    return float(entry.sampling_defaults.get(name, openai_default))

@@ -599,7 +599,9 @@ async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller)
         return await prepare(entry=entry, request=to_generation_request(params, entry))
 
     async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
-        encoder = ResponseEncoder(echo=echo(params))
+        sampling = generation.job.sampling
+        # As applied: what the request set, else the model's sampling defaults, else OpenAI's.
+        encoder = ResponseEncoder(echo={**echo(params), "temperature": sampling.temperature, "top_p": sampling.top_p})
         if params.stream:
             ending = Ending()
             events = stream_events(generation=generation, encoder=encoder, ending=ending)

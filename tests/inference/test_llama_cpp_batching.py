@@ -8,12 +8,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
+from inference import tasks
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
+from inference.models import CatalogEntry
 
 from ..conftest import DEFAULT_MODEL
 
@@ -252,3 +255,19 @@ def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_re
     for thread in threads:
         thread.join(timeout=60)
     assert runner.stats().active == runner.stats().queued == 0
+
+
+@pytest.mark.django_db
+def test_a_worker_with_fewer_threads_than_its_models_hold_says_how_many_to_give_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    entry = CatalogEntry.objects.create(public_id="b3os/batching", runner="llama_cpp", runner_settings=SETTINGS)
+    queues = SimpleNamespace(consume_from={entry.queue: None})
+    worker = SimpleNamespace(
+        pool_cls="threads", concurrency=2, app=SimpleNamespace(amqp=SimpleNamespace(queues=queues))
+    )
+
+    tasks._load_models_at_worker_init(sender=worker)
+
+    assert tasks.jobs_held({entry.queue}) == 6  # 4 sequences and 2 queued, as SETTINGS say
+    assert "start it with --concurrency 6" in caplog.text

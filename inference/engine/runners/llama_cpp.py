@@ -22,10 +22,12 @@ from __future__ import annotations
 import atexit
 import codecs
 import collections
+import contextlib
 import ctypes
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -525,6 +527,13 @@ def capacity(settings: dict[str, Any]) -> Capacity:
     return Capacity(config.parallel, config.context, config.queue, kv)
 
 
+def _name_native_thread(name: str) -> None:
+    """Names the OS thread (what ``top -H`` shows); the OpenMP threads llama.cpp starts from it inherit the name."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -659,6 +668,7 @@ class LlamaCppRunner:
         return any(slot.sequence is None for slot in self._slots)
 
     def _loop(self) -> None:
+        _name_native_thread("llama-scheduler")
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._active:
