@@ -394,7 +394,7 @@ async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_mod
     )
 
     _, response = await tenant.stream(
-        model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=64
+        model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=128
     )
 
     assert [item["type"] for item in response["output"]] == [AGENT_CALL, "message"]
