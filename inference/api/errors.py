@@ -15,6 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.defaults import page_not_found
 from rest_framework import exceptions as drf_exceptions
 
+from core.outages import unavailable_service
 from inference.openai.errors import (
     PERMISSION,
     APIError,
@@ -27,6 +28,7 @@ from inference.openai.errors import (
     method_not_allowed,
     not_found,
 )
+from inference.usage import metrics
 
 from .context import RequestContext, context_of
 
@@ -70,6 +72,10 @@ def render(error: APIError) -> JsonResponse:
 
 def render_exception(exc: BaseException, context: RequestContext | None) -> JsonResponse:
     """The response for ``exc``, in the terms of the request's API when the view has parsed it."""
+    if (service := unavailable_service(exc)) is not None:
+        # An outage, not a bug: one line each, no traceback (there would be one per request while it lasts).
+        logger.warning("%s unavailable: %s: %s", service, type(exc).__name__, exc)
+        metrics.unavailable(service)
     error = to_api_error(exc, context.params if context else None)
     if error is None:
         logger.error("unhandled error in request %s", context.request_id if context else "-", exc_info=exc)

@@ -13,6 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
+from core.outages import unavailable_service
 from inference.engine.exceptions import (
     CapabilityMissing,
     ChatTemplateRefused,
@@ -139,11 +140,27 @@ def status_error(status: int) -> APIError:
     return APIError("The request was refused.", code="invalid_request", status=status)
 
 
+def service_unavailable() -> APIError:
+    """Redis or the database cannot be reached for now: the request may succeed when retried."""
+    retry = settings.OUTAGE_RETRY_AFTER_SECONDS
+    return APIError(
+        f"The service is temporarily unavailable. Try again in {retry} seconds.",
+        code="service_unavailable",
+        status=503,
+        type=SERVER,
+        headers={"Retry-After": str(retry)},
+    )
+
+
+# Generation failures that are the deployment's state, not the request's: worth retrying later.
+UNAVAILABLE_CODES = ("no_worker", "model_not_available", "service_unavailable", "overloaded")
+
 # What a failed generation is called in front of the client, by the failure's code. The runner's own words
 # (file paths, a library's message, a queue's name) are for the log, never for the client.
 GENERATION_FAILURES: Mapping[str, str] = {
     "no_worker": "no model worker took the job in time",
     "overloaded": "the model is serving as many requests as it can hold",
+    "service_unavailable": "the service became temporarily unavailable",
     "worker_lost": "the model worker stopped responding mid-generation",
     "runner_unavailable": "the model could not be loaded",
     "model_not_available": "the model is not available on this node",
@@ -153,15 +170,14 @@ GENERATION_FAILURES: Mapping[str, str] = {
 
 
 def generation_failed(code: str, *, request_id: str) -> APIError:
-    """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost)."""
-    status = 503 if code in ("no_worker", "model_not_available", "overloaded") else 500
+    """A generation that failed once it ran (the runner raised, no worker took the job, the worker was lost, Redis
+    went away under it)."""
     what = GENERATION_FAILURES.get(code, "the model failed while generating the response")
-    return APIError(
-        f"Generation failed: {what}. Quote the request id {request_id} when you report it.",
-        code=code,
-        status=status,
-        type=SERVER,
-    )
+    message = f"Generation failed: {what}. Quote the request id {request_id} when you report it."
+    if code in UNAVAILABLE_CODES:
+        headers = {"Retry-After": str(settings.OUTAGE_RETRY_AFTER_SECONDS)}
+        return APIError(message, code=code, status=503, type=SERVER, headers=headers)
+    return APIError(message, code=code, status=500, type=SERVER)
 
 
 def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIError | None:
@@ -212,6 +228,8 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
         )
     if isinstance(exc, InvalidAPIKey):
         return invalid_api_key()
+    if unavailable_service(exc) is not None:
+        return service_unavailable()
     if isinstance(exc, LimitExceeded):
         return APIError(
             exc.detail,

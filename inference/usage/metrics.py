@@ -64,6 +64,30 @@ REJECTED = Counter(
 )
 
 
+UNAVAILABLE = Counter(
+    "b3os_unavailable_responses",
+    "Requests answered 503 because a service the node depends on (redis, database) could not be reached.",
+    ["service"],
+    registry=REGISTRY,
+)
+USAGE_RECORDS_DROPPED = Counter(
+    "b3os_usage_records_dropped",
+    "Usage records never written: the database stayed away past the pending bound, or the row was refused.",
+    ["reason"],
+    registry=REGISTRY,
+)
+USAGE_RECORDS_PENDING = Gauge(
+    "b3os_usage_records_pending",
+    "Usage records waiting to be written; they pile up, and are retried, while the database is away.",
+    registry=REGISTRY,
+)
+# Known label values start at 0, so that an outage shows as a rise on a graph rather than as a series appearing.
+for _service in ("redis", "database"):
+    UNAVAILABLE.labels(_service)
+for _reason in ("database_unavailable", "refused", "shutdown"):
+    USAGE_RECORDS_DROPPED.labels(_reason)
+
+
 def observe_request(
     *,
     model: str,
@@ -101,6 +125,11 @@ def in_flight(model: str) -> Gauge:
 def rejected(*, model: str, organization: str, limit: str) -> None:
     """Count a request refused at admission; ``limit`` names the limit (``requests_per_minute``, …)."""
     REJECTED.labels(model, organization, limit).inc()
+
+
+def unavailable(service: str) -> None:
+    """Count a request answered 503 because ``service`` (``redis``, ``database``) could not be reached."""
+    UNAVAILABLE.labels(service).inc()
 
 
 def exposition(accept: str = "") -> tuple[bytes, str]:

@@ -14,9 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
+from core.outages import DATABASE_ERRORS
 from inference.models import UsageRecord
 from inference.usage import metrics
 
@@ -24,6 +26,7 @@ logger = logging.getLogger("inference.usage.records")
 
 BATCH_SIZE = 200
 BATCH_SECONDS = 0.25
+RETRY_SECONDS = 1.0
 
 
 @dataclass
@@ -94,14 +97,21 @@ class _Writer:
 
     The request path only appends under an uncontended lock: no wake-up per record, and the model
     instances are built here, off the event loop.
+
+    While the database cannot be reached, records wait and the writer tries again every ``RETRY_SECONDS``, however
+    long the outage lasts, holding at most ``USAGE_MAX_PENDING_RECORDS``: past that the oldest are dropped, counted
+    in ``b3os_usage_records_dropped_total`` and in the log. A batch the database refuses for what is in it is written
+    again row by row, so that one bad row costs only itself.
     """
 
     def __init__(self) -> None:
         self._records: list[dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []  # written by the writer thread only
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._written = threading.Condition()
         self._writing = False
+        self._outage_since: float | None = None
         self._thread: threading.Thread | None = None
 
     def put(self, record: dict[str, Any]) -> None:
@@ -115,31 +125,85 @@ class _Writer:
         """Wait until everything queued so far is written."""
         self._wake.set()
         with self._written:
-            self._written.wait_for(lambda: not self._records and not self._writing, timeout=timeout)
+            self._written.wait_for(
+                lambda: not self._records and not self._pending and not self._writing, timeout=timeout
+            )
+
+    def close(self) -> None:
+        """At exit: what could not be written in a few seconds is lost, and said so."""
+        self.flush(5.0)
+        if lost := len(self._records) + len(self._pending):
+            metrics.USAGE_RECORDS_DROPPED.labels("shutdown").inc(lost)
+            logger.error("%d usage records were not written before the process ended", lost)
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(BATCH_SECONDS)
+            self._wake.wait(RETRY_SECONDS if self._pending else BATCH_SECONDS)
             self._wake.clear()
             with self._lock:
                 batch, self._records = self._records, []
-                self._writing = bool(batch)
-            for start in range(0, len(batch), BATCH_SIZE):
-                self._write(batch[start : start + BATCH_SIZE])
+                self._writing = bool(batch or self._pending)
+            self._pending = self._write_all(self._pending + batch)
+            self._bound_pending()
+            metrics.USAGE_RECORDS_PENDING.set(len(self._pending))
             with self._written:
                 self._writing = False
                 self._written.notify_all()
 
-    @staticmethod
-    def _write(batch: list[dict[str, Any]]) -> None:
-        for attempt in range(3):
+    def _write_all(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Writes ``records`` in batches; the ones left when the database went away."""
+        for start in range(0, len(records), BATCH_SIZE):
+            batch = records[start : start + BATCH_SIZE]
             try:
                 close_old_connections()
                 _insert(batch)
-                return
+            except DATABASE_ERRORS as exc:
+                self._database_away(exc, waiting=len(records) - start)
+                return records[start:]
+            except Exception:  # noqa: BLE001  (the batch holds a row the database refuses: find it)
+                if (left := self._write_one_by_one(batch)) is not None:
+                    return left + records[start + BATCH_SIZE :]
+        if self._outage_since is not None:
+            logger.warning("usage records are written again, after %.0f s", time.monotonic() - self._outage_since)
+            self._outage_since = None
+        return []
+
+    def _write_one_by_one(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        for index, row in enumerate(batch):
+            try:
+                close_old_connections()
+                _insert([row])
+            except DATABASE_ERRORS as exc:
+                self._database_away(exc, waiting=len(batch) - index)
+                return batch[index:]
             except Exception:
-                logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
-                time.sleep(0.5 * (attempt + 1))
+                metrics.USAGE_RECORDS_DROPPED.labels("refused").inc()
+                logger.exception("a usage record was refused by the database and dropped: %s", row.get("request_id"))
+        return None
+
+    def _database_away(self, exc: BaseException, *, waiting: int) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            logger.warning(
+                "the database is unavailable (%s: %s): %d usage records wait, retried every %.0f s",
+                type(exc).__name__,
+                exc,
+                waiting,
+                RETRY_SECONDS,
+            )
+
+    def _bound_pending(self) -> None:
+        excess = len(self._pending) - settings.USAGE_MAX_PENDING_RECORDS
+        if excess > 0:
+            del self._pending[:excess]
+            metrics.USAGE_RECORDS_DROPPED.labels("database_unavailable").inc(excess)
+            away = time.monotonic() - (self._outage_since or time.monotonic())
+            logger.error(
+                "dropped %d usage records, the oldest: the database has been unavailable for %.0f s and %d more wait",
+                excess,
+                away,
+                len(self._pending),
+            )
 
 
 def _insert(rows: list[dict[str, Any]]) -> None:
@@ -162,4 +226,4 @@ def _insert(rows: list[dict[str, Any]]) -> None:
 
 _writer = _Writer()
 flush = _writer.flush
-atexit.register(flush, 5.0)
+atexit.register(_writer.close)

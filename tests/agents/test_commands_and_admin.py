@@ -19,7 +19,7 @@ from inference.models import CatalogEntry
 from orgs.models import Organization
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 
 def run(*args: str) -> str:

@@ -31,7 +31,7 @@ from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, m
 from tests.conftest import read_stream
 from tests.inference.test_responses import THOUGHTFUL, WEATHER, toy_model  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 SHORT = {"max_output_tokens": 16}
 SPARE_PARTS_QUESTION = "Which spare parts are compatible with machine 4711?"
@@ -579,7 +579,7 @@ async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_mod
     )
 
     _, response = await tenant.stream(
-        model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=64
+        model=instance.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="required", max_output_tokens=128
     )
 
     assert [item["type"] for item in response["output"]] == [AGENT_CALL, "message"]

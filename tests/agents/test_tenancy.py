@@ -16,7 +16,7 @@ from agents.services import prune_responses
 from orgs.models import Organization
 from tests.agents.conftest import Tenant
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 ENDPOINTS = [("post", "/v1/responses"), ("get", "/v1/instances"), ("post", "/v1/feedback")]
 

@@ -2,7 +2,8 @@
 
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
 picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-500-text`` fail, ``stall``
-streams a little and then goes silent. ``GET /last`` tells what the last request carried.
+streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks ``metadata.interval`` seconds
+apart (a long generation). ``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -100,7 +101,7 @@ class Upstream:
             return True
         if path.endswith("/chat/completions"):
             if data.get("stream"):
-                await self.stream_chat(reader, writer, model, data, stall=model == "stall")
+                await self.stream_chat(reader, writer, model, data, stall=model == "stall", trickle=model == "trickle")
             else:
                 self.write_json(writer, 200, self.chat(model))
             return True
@@ -158,7 +159,11 @@ class Upstream:
         data: dict[str, Any],
         *,
         stall: bool,
+        trickle: bool = False,
     ) -> None:
+        metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+        chunks = int(metadata.get("chunks", self.chunks)) if trickle else self.chunks
+        interval = float(metadata.get("interval", 1)) if trickle else 0.0
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         base = {
             "id": "chatcmpl-upstream",
@@ -169,7 +174,7 @@ class Upstream:
         events = [
             {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
         ]
-        for i in range(self.chunks):
+        for i in range(chunks):
             events.append(
                 {
                     **base,
@@ -184,11 +189,14 @@ class Upstream:
                 {
                     **base,
                     "choices": [],
-                    "usage": {"prompt_tokens": 11, "completion_tokens": self.chunks, "total_tokens": 11 + self.chunks},
+                    "usage": {"prompt_tokens": 11, "completion_tokens": chunks, "total_tokens": 11 + chunks},
                 }
             )
         for index, event in enumerate(events):
             self.chunk(writer, b"data: " + json.dumps(event).encode() + b"\n\n")
+            if interval and 1 <= index <= chunks:
+                await writer.drain()
+                await asyncio.sleep(interval)
             if stall and index == 2:
                 await writer.drain()
                 await reader.read()  # until the client hangs up

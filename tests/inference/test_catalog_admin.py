@@ -8,7 +8,7 @@ from django.test import Client
 
 from inference.models import CatalogEntry
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 
 @pytest.fixture

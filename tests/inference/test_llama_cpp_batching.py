@@ -271,3 +271,24 @@ def test_a_worker_with_fewer_threads_than_its_models_hold_says_how_many_to_give_
 
     assert tasks.jobs_held({entry.queue}) == 6  # 4 sequences and 2 queued, as SETTINGS say
     assert "start it with --concurrency 6" in caplog.text
+
+
+def test_a_fault_in_the_scheduler_ends_the_jobs_it_touched_and_the_runner_goes_on(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = runner._step
+    faults = iter([True])
+
+    def faulty_step() -> None:
+        if next(faults, False):
+            raise RuntimeError("a fault in a step")
+        step()
+
+    monkeypatch.setattr(runner, "_step", faulty_step)
+
+    with pytest.raises(RunnerError) as failed:
+        run(runner, job(render(QUESTIONS[0])))
+    after = run(runner, job(render(QUESTIONS[0]), max_tokens=4))
+
+    assert failed.value.code == "generation_failed"
+    assert after.finished is not None and after.finished.completion_tokens == 4

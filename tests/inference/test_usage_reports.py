@@ -22,7 +22,7 @@ from orgs.models import APIKey, Organization
 from orgs.services import create_api_key
 from tests.conftest import API
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 USAGE = "/v1/infer/usage"
 MODEL_A = "b3os/model-a"

@@ -11,7 +11,7 @@ from orgs import admission
 from orgs.models import Limit, Organization
 from tests.conftest import API, MODEL_ID, read_stream
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 CHAT = "/v1/infer/chat/completions"
 

@@ -13,7 +13,7 @@ from orgs.models import APIKey, Limit, Organization
 from orgs.services import authenticate_key
 from tests.conftest import MODEL_ID, ROOT
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 
 def run(*args: str) -> str:

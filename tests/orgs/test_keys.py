@@ -16,7 +16,7 @@ from orgs.models import APIKey, Organization, hash_key
 from orgs.services import authenticate_key, create_api_key
 from tests.conftest import API, MODEL_ID
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
 
 def assert_invalid_key(response, raw_key: str | None = None) -> None:

@@ -24,6 +24,7 @@ import codecs
 import collections
 import contextlib
 import ctypes
+import logging
 import os
 import queue
 import secrets
@@ -49,6 +50,8 @@ from .base import (
     TextChunk,
     TokenLogprob,
 )
+
+logger = logging.getLogger(__name__)
 
 # Tokens kept at the end of a budget to close a value that must be whole JSON (``Constraint.close_before_limit``).
 CLOSING_RESERVE = 32
@@ -670,15 +673,19 @@ class LlamaCppRunner:
     def _loop(self) -> None:
         _name_native_thread("llama-scheduler")
         while True:
-            with self._cond:
-                while not self._closed and not self._waiting and not self._active:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._drop_gone_waiting()
-                self._admit()
-            if self._active:
-                self._step()
+            try:
+                with self._cond:
+                    while not self._closed and not self._waiting and not self._active:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    self._drop_gone_waiting()
+                    self._admit()
+                if self._active:
+                    self._step()
+            except Exception as exc:  # a fault here must end the jobs it touched, not leave them waiting forever
+                logger.exception("the scheduler of %s failed", self.settings.path)
+                self._fail_active(RunnerError(f"generation failed: {type(exc).__name__}"))
 
     def _drop_gone_waiting(self) -> None:
         if any(sequence.gone for sequence in self._waiting):
@@ -774,6 +781,14 @@ class LlamaCppRunner:
         if sequence in self._active:
             self._active.remove(sequence)
         sequence.close()
+
+    def _fail_active(self, error: RunnerError) -> None:
+        for sequence in list(self._active):
+            if sequence.slot is not None:
+                self._lib.llama_memory_seq_rm(self._memory, sequence.slot.seq_id, 0, -1)
+                sequence.slot.tokens.clear()
+            sequence.fail(error)
+            self._release(sequence, None)
 
     def _fail_batch(self, entries: list[tuple[_Sequence, bool]], result: int) -> None:
         for sequence in dict.fromkeys(sequence for sequence, _ in entries):

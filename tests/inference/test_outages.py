@@ -1,0 +1,139 @@
+"""Redis or the database away: requests are refused with 503 and a time to retry, and usage records wait for the
+database instead of being lost. (tests/deploy/test_faults.py takes the real servers away mid-traffic.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import OperationalError
+from django.test import override_settings
+
+from core import redis as core_redis
+from inference.models import UsageRecord
+from inference.usage import metrics, records
+from orgs.models import Organization
+from tests.conftest import API, MODEL_ID
+from tests.services import free_port
+
+pytestmark = pytest.mark.database
+
+CHAT = "/v1/infer/chat/completions"
+ASK = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+
+def sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def redis_away() -> Iterator[None]:
+    """Distributed mode with nothing listening where Redis should be."""
+    core_redis._async_clients.clear()
+    with override_settings(DISTRIBUTED=True, REDIS_URL=f"redis://127.0.0.1:{free_port()}/0"):
+        yield
+    core_redis._async_clients.clear()
+
+
+async def test_a_request_while_redis_cannot_be_reached_is_a_503_with_retry_after(api: API, redis_away: None) -> None:
+    before = sample("b3os_unavailable_responses_total", service="redis")
+    started = time.monotonic()
+
+    response = await api.post(CHAT, ASK)
+
+    assert response.status_code == 503
+    assert response.json()["error"] == {
+        "message": "The service is temporarily unavailable. Try again in 2 seconds.",
+        "type": "server_error",
+        "param": None,
+        "code": "service_unavailable",
+    }
+    assert response["Retry-After"] == "2"
+    assert time.monotonic() - started < 1.0
+    assert sample("b3os_unavailable_responses_total", service="redis") == before + 1
+
+
+# --- usage records while the database is away ------------------------------------------------------------
+
+
+def meter(organization: Organization, request_id: str) -> records.Meter:
+    return records.Meter(
+        organization_id=organization.pk,
+        organization=organization.slug,
+        api_key_id=None,
+        model=MODEL_ID,
+        endpoint="chat.completions",
+        route="node",
+        request_id=request_id,
+    )
+
+
+@pytest.fixture
+def database_away(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    """Switches the usage writer's database away (every insert fails to connect) and back."""
+    insert = records._insert
+    away = {"now": False}
+
+    def flaky(rows: list[dict[str, Any]]) -> None:
+        if away["now"]:
+            raise OperationalError("connection to server failed: Connection refused")
+        insert(rows)
+
+    monkeypatch.setattr(records, "_insert", flaky)
+    return lambda state: away.__setitem__("now", state)
+
+
+def written(*request_ids: str) -> set[str]:
+    return set(UsageRecord.objects.filter(request_id__in=request_ids).values_list("request_id", flat=True))
+
+
+def test_usage_records_wait_for_the_database_and_are_written_once_it_is_back(
+    organization: Organization, database_away: Callable[[bool], None]
+) -> None:
+    dropped = sample("b3os_usage_records_dropped_total", reason="database_unavailable")
+    database_away(True)
+    for request_id in ("req_a", "req_b", "req_c"):
+        meter(organization, request_id).record(status=200)
+    records.flush(timeout=1.0)
+    assert written("req_a", "req_b", "req_c") == set()
+    assert sample("b3os_usage_records_pending") == 3
+
+    database_away(False)
+    records.flush(timeout=5.0)
+
+    assert written("req_a", "req_b", "req_c") == {"req_a", "req_b", "req_c"}
+    assert sample("b3os_usage_records_pending") == 0
+    assert sample("b3os_usage_records_dropped_total", reason="database_unavailable") == dropped
+
+
+@override_settings(USAGE_MAX_PENDING_RECORDS=2)
+def test_past_the_pending_bound_the_oldest_records_are_dropped_and_counted(
+    organization: Organization, database_away: Callable[[bool], None]
+) -> None:
+    dropped = sample("b3os_usage_records_dropped_total", reason="database_unavailable")
+    database_away(True)
+    for request_id in ("req_1", "req_2", "req_3", "req_4", "req_5"):
+        meter(organization, request_id).record(status=200)
+    records.flush(timeout=1.0)
+
+    database_away(False)
+    records.flush(timeout=5.0)
+
+    assert written("req_1", "req_2", "req_3", "req_4", "req_5") == {"req_4", "req_5"}
+    assert sample("b3os_usage_records_dropped_total", reason="database_unavailable") == dropped + 3
+
+
+def test_a_row_the_database_refuses_costs_only_itself(organization: Organization) -> None:
+    refused = sample("b3os_usage_records_dropped_total", reason="refused")
+    meter(organization, "req_good_1").record(status=200)
+    bad = meter(organization, "req_bad")
+    bad.organization_id = organization.pk + 1000  # no such organization: the foreign key refuses the row
+    bad.record(status=200)
+    meter(organization, "req_good_2").record(status=200)
+
+    records.flush(timeout=5.0)
+
+    assert written("req_good_1", "req_bad", "req_good_2") == {"req_good_1", "req_good_2"}
+    assert sample("b3os_usage_records_dropped_total", reason="refused") == refused + 1
