@@ -165,6 +165,8 @@ STATIC_ROOT = VAR_DIR / "static"
 # Request bodies are bounded: a chat with long context and images fits, a runaway upload does not.
 MAX_REQUEST_BODY_BYTES = _int("MAX_REQUEST_BODY_BYTES", 8 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+# ...and so is their nesting: deeper bodies are refused before anything walks them.
+MAX_JSON_DEPTH = _int("MAX_JSON_DEPTH", 64)
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
@@ -207,6 +209,13 @@ STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
 JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
+
+# What one request may ask of the CPU runner's grammars: larger schemas are refused with a 400 naming them, since
+# their grammar would take unbounded time and memory to build, or crash llama.cpp's parser. See the README.
+SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32)
+SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000)
+SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256)
+GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups

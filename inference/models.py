@@ -4,6 +4,7 @@ import re
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.validators import RegexValidator
 from django.db import models
 
 RUNNER_CHOICES = [
@@ -11,6 +12,15 @@ RUNNER_CHOICES = [
     ("tensorrt_llm", "GPU: TensorRT-LLM"),
 ]
 CAPABILITIES = ("json_schema", "image_input", "tools", "reasoning")
+# A model id (``b3os/smollm2-135m-instruct``, ``ft:gpt-4o:acme::x1``): catalog entries are named this way, and a
+# client's ``model`` is refused unless it is, before it reaches a lookup, a usage record or a metric label.
+MODEL_ID = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}\Z"
+MODEL_ID_RULE = "a model id is 1 to 200 letters, digits and . _ : / @ + -, starting with a letter or digit"
+_MODEL_ID = re.compile(MODEL_ID)
+
+
+def is_model_id(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= 200 and _MODEL_ID.match(value) is not None
 
 
 class HTTPSURLField(models.URLField):
@@ -29,7 +39,10 @@ class CatalogEntry(models.Model):
     """A model this node serves, and how."""
 
     public_id = models.CharField(
-        max_length=200, unique=True, help_text="The id clients send as 'model', e.g. b3os/smollm2-135m-instruct."
+        max_length=200,
+        unique=True,
+        validators=[RegexValidator(MODEL_ID, MODEL_ID_RULE.capitalize() + ".")],
+        help_text="The id clients send as 'model', e.g. b3os/smollm2-135m-instruct.",
     )
     runner = models.CharField(max_length=32, choices=RUNNER_CHOICES, default="llama_cpp")
     runner_settings = models.JSONField(

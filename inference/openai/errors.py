@@ -158,7 +158,10 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ContextLengthExceeded):
         return _context_length_exceeded(exc, names)
     if isinstance(exc, SchemaNotEnforceable):
-        param = names.output_schema if exc.tool is None else names.tool_schemas.get(exc.tool, names.tools)
+        if exc.all_tools:
+            param = names.tools
+        else:
+            param = names.output_schema if exc.tool is None else names.tool_schemas.get(exc.tool, names.tools)
         return APIError(
             f"The model {exc.model_id!r} cannot enforce the schema in {param}: {exc.problem}",
             code="invalid_value",

@@ -17,7 +17,7 @@ from inference.models import CatalogEntry
 from inference.openai.errors import from_exception
 from inference.usage import metrics
 from inference.usage.records import Meter
-from orgs.admission import Grant, admit
+from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
@@ -55,15 +55,33 @@ def meter_for(caller: Caller, *, model: str, endpoint: str, route: str = "node")
 
 
 def record_error(meter: Meter, generation: Generation | None, exc: BaseException) -> None:
-    """The usage record of a request that failed before it could answer."""
+    """The usage record of a request that failed before it could answer. One that failed before the model wrote a
+    token (refused by a limit, a full queue, no worker) consumed nothing: its tokens are zero, so that what is
+    billed from the records is what was served."""
     error = from_exception(exc)
+    served = generation is not None and generation.first_token_at is not None
     meter.record(
         status=error.status if error else 500,
         error_code=error.code if error else "internal_error",
-        input_tokens=generation.prompt_tokens if generation else 0,
-        output_tokens=generation.completion_tokens if generation else 0,
+        input_tokens=generation.prompt_tokens if served and generation else 0,
+        output_tokens=generation.completion_tokens if served and generation else 0,
         time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
     )
+
+
+def _refused(meter: Meter, exc: LimitExceeded) -> None:
+    metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
+    record_error(meter, None, exc)
+
+
+async def precheck_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> None:
+    """Refuses, with the same accounting as admission, a request that cannot be admitted even at ``tokens`` (a
+    lower bound of its charge), before the work of rendering and counting it."""
+    try:
+        await precheck(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
+    except LimitExceeded as exc:
+        _refused(meter, exc)
+        raise
 
 
 async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:
@@ -71,8 +89,7 @@ async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, t
     try:
         grant = await admit(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
     except LimitExceeded as exc:
-        metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
-        record_error(meter, None, exc)
+        _refused(meter, exc)
         raise
     gauge = metrics.in_flight(meter.model)
     gauge.inc()
@@ -80,18 +97,28 @@ async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, t
     return grant
 
 
+def least_charge(entry: CatalogEntry, output_limit: int | None) -> int:
+    """The fewest tokens admission can charge a request to ``entry``: a prompt of one token and the output it asks
+    for (the model's maximum when it sets none), within the model's context."""
+    output = min(output_limit or entry.max_output_tokens, entry.max_output_tokens)
+    return min(1 + output, entry.context_length)
+
+
 async def run_admitted(
     *,
     caller: Caller,
     model: str,
     endpoint: str,
+    output_limit: int | None,
     build: Callable[[CatalogEntry], Awaitable[Generation]],
     respond: Callable[[Generation, Grant, Meter], Awaitable[Result]],
 ) -> Result:
-    """The node API's path after validation: prepare (the context check), admit, respond; usage in every case."""
+    """The node API's path after validation: a cheap refusal of callers over their limits, prepare (rendering, the
+    context check), admit, respond; usage in every case."""
     entry = await get_enabled_model(model)
-    generation = await build(entry)
     meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
+    await precheck_request(caller, meter, model_pk=entry.pk, tokens=least_charge(entry, output_limit))
+    generation = await build(entry)
     tokens = generation.prompt_tokens + generation.job.sampling.max_tokens
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=tokens)
     try:

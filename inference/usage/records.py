@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import close_old_connections, connection, transaction
+from django.db import DatabaseError, DataError, IntegrityError, close_old_connections, connection, transaction
 from django.utils import timezone
 
 from inference.models import UsageRecord
@@ -137,6 +137,11 @@ class _Writer:
                 close_old_connections()
                 _insert(batch)
                 return
+            except (DataError, IntegrityError):
+                # A row the database refuses fails the whole statement: the others are written one by one, so
+                # that one bad record never takes every organization's records of the batch with it.
+                _insert_each(batch)
+                return
             except Exception:
                 logger.exception("writing %d usage records failed (attempt %d)", len(batch), attempt + 1)
                 time.sleep(0.5 * (attempt + 1))
@@ -158,6 +163,14 @@ def _insert(rows: list[dict[str, Any]]) -> None:
     params = [[field.get_db_prep_save(row[field.attname], connection) for field in fields] for row in rows]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(sql, params)
+
+
+def _insert_each(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        try:
+            _insert([row])
+        except DatabaseError:
+            logger.exception("usage record %s could not be written and is dropped", row.get("request_id"))
 
 
 _writer = _Writer()
