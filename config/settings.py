@@ -268,6 +268,11 @@ GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60)
 GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512)
 # Charged at admission for a gateway request that sets no output limit.
 GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
+# Longest a gateway stream may run, however the upstream paces it.
+GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600)
+# Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
+# past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
+HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
 
 LOGGING = {
     "version": 1,

@@ -5,7 +5,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
-from inference.models import CatalogEntry, UsageRecord
+from inference.models import GATEWAY_PARAMETERS, CatalogEntry, UsageRecord
 
 
 class CatalogEntryForm(forms.ModelForm):
@@ -17,6 +17,12 @@ class CatalogEntryForm(forms.ModelForm):
         help_text="Sent to the upstream; never shown. Leave blank to keep the current key.",
     )
     clear_upstream_api_key = forms.BooleanField(required=False, label="Remove the stored upstream key")
+    gateway_parameters = forms.MultipleChoiceField(
+        choices=GATEWAY_PARAMETERS,
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        help_text="What the node refuses that requests to this model may send through the gateway.",
+    )
 
     class Meta:
         model = CatalogEntry
@@ -57,7 +63,13 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         (
             "Gateway upstream",
             {
-                "fields": ["upstream_base_url", "upstream_api_key", "clear_upstream_api_key", "upstream_model"],
+                "fields": [
+                    "upstream_base_url",
+                    "upstream_api_key",
+                    "clear_upstream_api_key",
+                    "upstream_model",
+                    "gateway_parameters",
+                ],
                 "classes": ["collapse"],
             },
         ),

@@ -124,6 +124,12 @@ def method_not_allowed(detail: str = "Method not allowed.") -> APIError:
     return APIError(detail, code="method_not_allowed", status=405)
 
 
+def response_timeout(seconds: float) -> APIError:
+    return APIError(
+        f"The server did not begin its answer within {seconds:g} s.", code="timeout", status=504, type=SERVER
+    )
+
+
 def status_error(status: int) -> APIError:
     """The error for a bare HTTP status produced outside the API's own code."""
     if status == 404:

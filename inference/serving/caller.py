@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
+from inference.engine.exceptions import ModelNotServed
 from inference.engine.generation import Generation
 from inference.models import CatalogEntry
 from inference.openai.errors import from_exception
@@ -116,6 +117,8 @@ async def run_admitted(
     """The node API's path after validation: a cheap refusal of callers over their limits, prepare (rendering, the
     context check), admit, respond; usage in every case."""
     entry = await get_enabled_model(model)
+    if not entry.served_here:
+        raise ModelNotServed(model)
     meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
     await precheck_request(caller, meter, model_pk=entry.pk, tokens=least_charge(entry, output_limit))
     generation = await build(entry)

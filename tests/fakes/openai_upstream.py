@@ -2,7 +2,8 @@
 
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
 picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-500-text`` fail, ``stall``
-streams a little and then goes silent. ``GET /last`` tells what the last request carried.
+streams a little and then goes silent, ``trickle`` streams a chunk every half second for a minute.
+``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -100,7 +101,7 @@ class Upstream:
             return True
         if path.endswith("/chat/completions"):
             if data.get("stream"):
-                await self.stream_chat(reader, writer, model, data, stall=model == "stall")
+                await self.stream_chat(reader, writer, model, data, stall=model == "stall", trickle=model == "trickle")
             else:
                 self.write_json(writer, 200, self.chat(model))
             return True
@@ -158,6 +159,7 @@ class Upstream:
         data: dict[str, Any],
         *,
         stall: bool,
+        trickle: bool,
     ) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         base = {
@@ -169,7 +171,7 @@ class Upstream:
         events = [
             {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
         ]
-        for i in range(self.chunks):
+        for i in range(120 if trickle else self.chunks):
             events.append(
                 {
                     **base,
@@ -180,6 +182,8 @@ class Upstream:
             )
         events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if (data.get("stream_options") or {}).get("include_usage"):
+            # As OpenAI sends it: "usage": null on every chunk, and the usage in a last chunk without choices.
+            events = [{**event, "usage": None} for event in events]
             events.append(
                 {
                     **base,
@@ -189,6 +193,9 @@ class Upstream:
             )
         for index, event in enumerate(events):
             self.chunk(writer, b"data: " + json.dumps(event).encode() + b"\n\n")
+            if trickle:
+                await writer.drain()
+                await asyncio.sleep(0.5)
             if stall and index == 2:
                 await writer.drain()
                 await reader.read()  # until the client hangs up
