@@ -325,6 +325,8 @@ class ResponseCreateRequest(WireModel):
     background: bool | None = None
     context_management: Any = None
     moderation: Any = None
+    # This platform's: which way the request goes (a request for the gateway is forwarded, not parsed here).
+    route: Literal["node", "gateway"] | None = None
 
     @field_validator("metadata")
     @classmethod

@@ -13,9 +13,9 @@ from typing import Annotated, Any, TypeVar
 import orjson
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
-from inference.models import MODEL_ID_RULE, is_model_id
+from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
 from .errors import APIError, invalid_request
 
@@ -108,7 +108,11 @@ def _model_id(value: str) -> str:
     return value
 
 
-ModelId = Annotated[str, AfterValidator(_model_id)]
+ModelId = Annotated[
+    str,
+    AfterValidator(_model_id),
+    WithJsonSchema({"type": "string", "pattern": MODEL_ID.replace("\\Z", "$"), "maxLength": 200}),
+]
 
 
 def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:

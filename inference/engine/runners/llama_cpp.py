@@ -219,7 +219,11 @@ def schema_problem(schema: dict[str, Any], *, vocab: Any = None) -> str | None:
         if key in _problems:
             _problems.move_to_end(key)
             return _problems[key]
-    problem = _find_problem(schema, vocab, limits)
+    if b"\\u0000" in text:
+        # llama.cpp reads a grammar as a C string: it would end at the NUL and fail, printing the whole grammar.
+        problem: str | None = "it holds a NUL character, which this model's grammars cannot"
+    else:
+        problem = _find_problem(schema, vocab, limits)
     with _problems_lock:
         _problems[key] = problem
         while len(_problems) > PROBLEMS_REMEMBERED:
@@ -273,6 +277,8 @@ def size_problem(schema: Any, limits: SchemaLimits) -> str | None:
             for keyword in _REPETITIONS:
                 count = node.get(keyword)
                 if isinstance(count, int | float) and not isinstance(count, bool):
+                    if count != int(count):
+                        return f"{keyword} {count:g} is not a whole number"
                     if count > limits.repetition:
                         return f"{keyword} {count:g} is more than the {limits.repetition} this model enforces"
                     estimate += int(count) * (name + _REPETITION_BYTES)
