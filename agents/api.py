@@ -11,7 +11,6 @@ from rest_framework.response import Response
 from core.db import db_task
 from inference.api.base import AsyncAPIView
 from inference.openai.errors import PERMISSION, APIError
-from inference.openai.shared import parse
 from orgs.models import Organization
 
 from . import protocol, services
@@ -44,7 +43,7 @@ class ResponsesView(AsyncAPIView):
 
     async def post(self, request: Request) -> HttpResponseBase:
         tenant(request)
-        params = parse(protocol.AgentResponseRequest, request.data)
+        params = await self.parse(request, protocol.AgentResponseRequest)
         self.names(request, params.param_names())
         caller = self.caller(request, route=services.ROUTE)
         return self.render_result(request, await services.create_response(params=params, caller=caller))
@@ -78,7 +77,7 @@ class FeedbackView(AsyncAPIView):
 
     async def post(self, request: Request) -> Response:
         organization = tenant(request)
-        params = parse(protocol.FeedbackRequest, request.data)
+        params = await self.parse(request, protocol.FeedbackRequest)
         rated = await db_task(services.rate_response)(
             organization_id=organization.pk,
             api_key_id=request.auth.pk,

@@ -79,6 +79,8 @@ class AgentInstance(models.Model):
             raise ValidationError({"tools": "A list of tool names."})
         if unknown := sorted(set(self.tools) - set(REGISTRY)):
             raise ValidationError({"tools": f"Unknown tools: {', '.join(unknown)}."})
+        if self.model_id is not None and not self.model.served_here:
+            raise ValidationError({"model": f"The catalog model {self.model} is reached only through the gateway."})
         if self.tools and self.model_id is not None and not self.model.tools:
             raise ValidationError({"tools": f"The catalog model {self.model} cannot call tools."})
         if self.reasons and self.model_id is not None and not self.model.reasoning:

@@ -31,6 +31,7 @@ class AgentResponseRequest(wire.ResponseCreateRequest):
         "context_management": "server-side context management is not supported",
         "moderation": "moderation is configured per instance, as its guardrails",
         "background": "background mode is not supported: responses stream",
+        "route": "the agent runtime runs its instances itself: route is for /v1/infer",
     }
 
     # An instance's server tools can meet ``required`` (see ``AgentTurn._step_tools``); the service checks it has some.

@@ -20,7 +20,7 @@ from inference.openai import responses as wire
 from inference.openai.errors import NOT_FOUND, APIError, invalid_request
 from inference.openai.shared import declared_fields
 from inference.serving import responses
-from inference.serving.caller import Caller, Result, admit_request, meter_for
+from inference.serving.caller import Caller, Result, admit_request, least_charge, meter_for, precheck_request
 from inference.serving.metered import metered
 
 from . import runtime
@@ -327,8 +327,10 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         tool_ran=tool_ran,
         request_id=caller.request_id,
     )
-    first = await turn.prepare_first()
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
+    least = least_charge(agent.entry, runtime.output_limit(params, agent))
+    await precheck_request(caller, meter, model_pk=agent.entry.pk, tokens=least)
+    first = await turn.prepare_first()
     # Admitted as any request, on the first step's prompt and the whole output budget; later steps' prompts,
     # which hold tool results, are charged as they are built.
     grant = await admit_request(

@@ -60,6 +60,7 @@ def end_to_end(work: Path, upstream: str, redis_url: str, n: int) -> dict[str, l
     var.mkdir()
     env = platform_env(var, upstream, redis_url)
     manage("migrate", "--noinput", "-v0", env=env)
+    manage("add_gateway_model", "upstream/gpt-x", env=env)
     keys = {}
     for org in ("no-limits", "limits"):
         manage("create_org", org, env=env)

@@ -127,6 +127,7 @@ def start_platform(
     var_dir.mkdir()
     env = platform_env(var_dir, upstream, redis_url)
     manage("migrate", "--noinput", "-v0", env=env)
+    manage("add_gateway_model", MODEL, env=env)
     manage("create_org", "bench", env=env)
     key = manage("create_key", "bench", env=env).strip()
     # Real limits, generous enough never to refuse: admission runs on every request.

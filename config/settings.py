@@ -178,6 +178,8 @@ STATIC_ROOT = VAR_DIR / "static"
 # Request bodies are bounded: a chat with long context and images fits, a runaway upload does not.
 MAX_REQUEST_BODY_BYTES = _int("MAX_REQUEST_BODY_BYTES", 8 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+# ...and so is their nesting: deeper bodies are refused before anything walks them.
+MAX_JSON_DEPTH = _int("MAX_JSON_DEPTH", 64)
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
@@ -249,6 +251,13 @@ JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
 # The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
 OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2)
+
+# What one request may ask of the CPU runner's grammars: larger schemas are refused with a 400 naming them, since
+# their grammar would take unbounded time and memory to build, or crash llama.cpp's parser. See the README.
+SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32)
+SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000)
+SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256)
+GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups
@@ -327,6 +336,11 @@ GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60)
 GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512)
 # Charged at admission for a gateway request that sets no output limit.
 GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
+# Longest a gateway stream may run, however the upstream paces it.
+GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600)
+# Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
+# past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
+HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
 
 LOGGING = {
     "version": 1,

@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from config import openapi
 from inference.api import operations
 from inference.reporting import views as reporting
 
@@ -9,6 +10,7 @@ urlpatterns = [
     path("admin/usage/report/", admin.site.admin_view(reporting.usage_report), name="usage-report"),
     path("admin/", admin.site.urls),
     path("v1/infer/", include("inference.urls")),
+    path("v1/openapi.json", openapi.openapi, name="openapi"),
     path("v1/", include("agents.urls")),
     path("metrics", operations.metrics, name="metrics"),
     path("health", operations.health, name="health"),

@@ -6,7 +6,7 @@ from django import forms
 from django.contrib import admin
 
 from inference.engine.execution import get_capacity
-from inference.models import CatalogEntry, UsageRecord
+from inference.models import GATEWAY_PARAMETERS, CatalogEntry, UsageRecord
 
 
 class CatalogEntryForm(forms.ModelForm):
@@ -18,6 +18,12 @@ class CatalogEntryForm(forms.ModelForm):
         help_text="Sent to the upstream; never shown. Leave blank to keep the current key.",
     )
     clear_upstream_api_key = forms.BooleanField(required=False, label="Remove the stored upstream key")
+    gateway_parameters = forms.MultipleChoiceField(
+        choices=GATEWAY_PARAMETERS,
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        help_text="What the node refuses that requests to this model may send through the gateway.",
+    )
 
     class Meta:
         model = CatalogEntry
@@ -59,7 +65,13 @@ class CatalogEntryAdmin(admin.ModelAdmin):
         (
             "Gateway upstream",
             {
-                "fields": ["upstream_base_url", "upstream_api_key", "clear_upstream_api_key", "upstream_model"],
+                "fields": [
+                    "upstream_base_url",
+                    "upstream_api_key",
+                    "clear_upstream_api_key",
+                    "upstream_model",
+                    "gateway_parameters",
+                ],
                 "classes": ["collapse"],
             },
         ),

@@ -4,13 +4,32 @@ import re
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.validators import RegexValidator
 from django.db import models
 
+GATEWAY = "gateway"
 RUNNER_CHOICES = [
     ("llama_cpp", "CPU: llama-cpp-python (GGUF)"),
     ("tensorrt_llm", "GPU: TensorRT-LLM"),
+    (GATEWAY, 'None: only through the gateway ("route": "gateway")'),
+]
+# Parameters the node refuses that a gateway entry may let through to its upstream.
+GATEWAY_PARAMETERS = [
+    ("n", "n other than 1"),
+    ("store", "store: true (the upstream keeps the response)"),
+    ("background", "background mode"),
+    ("hosted_tools", "tools that run on the upstream's side (web search, file search, …)"),
 ]
 CAPABILITIES = ("json_schema", "image_input", "tools", "reasoning")
+# A model id (``b3os/smollm2-135m-instruct``, ``ft:gpt-4o:acme::x1``): catalog entries are named this way, and a
+# client's ``model`` is refused unless it is, before it reaches a lookup, a usage record or a metric label.
+MODEL_ID = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}\Z"
+MODEL_ID_RULE = "a model id is 1 to 200 letters, digits and . _ : / @ + -, starting with a letter or digit"
+_MODEL_ID = re.compile(MODEL_ID)
+
+
+def is_model_id(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= 200 and _MODEL_ID.match(value) is not None
 
 
 class HTTPSURLField(models.URLField):
@@ -45,12 +64,19 @@ class CatalogEntryQuerySet(models.QuerySet["CatalogEntry"]):
     def enabled(self) -> CatalogEntryQuerySet:
         return self.filter(enabled=True)
 
+    def served_here(self) -> CatalogEntryQuerySet:
+        """Enabled entries with a runner on this node's workers (not those reached only through the gateway)."""
+        return self.enabled().exclude(runner=GATEWAY)
+
 
 class CatalogEntry(models.Model):
     """A model this node serves, and how."""
 
     public_id = models.CharField(
-        max_length=200, unique=True, help_text="The id clients send as 'model', e.g. b3os/smollm2-135m-instruct."
+        max_length=200,
+        unique=True,
+        validators=[RegexValidator(MODEL_ID, MODEL_ID_RULE.capitalize() + ".")],
+        help_text="The id clients send as 'model', e.g. b3os/smollm2-135m-instruct.",
     )
     runner = models.CharField(max_length=32, choices=RUNNER_CHOICES, default="llama_cpp")
     runner_settings = models.JSONField(
@@ -90,6 +116,11 @@ class CatalogEntry(models.Model):
     upstream_model = models.CharField(
         max_length=200, blank=True, help_text="The model's id at the upstream (default: the public id)."
     )
+    gateway_parameters = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="What the node refuses that requests to this model may send through the gateway.",
+    )
     owned_by = models.CharField(max_length=100, default="b3os")
     created = models.DateTimeField(auto_now_add=True)
 
@@ -107,6 +138,11 @@ class CatalogEntry(models.Model):
         """The Celery queue of the workers that serve this model."""
         return "model." + re.sub(r"[^A-Za-z0-9_.-]+", ".", self.public_id)
 
+    @property
+    def served_here(self) -> bool:
+        """Whether a runner on this node serves the model (else it is reached only through the gateway)."""
+        return self.runner != GATEWAY
+
     def capabilities(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in CAPABILITIES}
 
@@ -117,6 +153,10 @@ class CatalogEntry(models.Model):
             raise ValidationError({"sampling_defaults": problem})
         if self.max_output_tokens > self.context_length:
             raise ValidationError({"max_output_tokens": "Cannot exceed the context length."})
+        known = {name for name, _ in GATEWAY_PARAMETERS}
+        parameters = self.gateway_parameters
+        if not isinstance(parameters, list) or not all(isinstance(name, str) and name in known for name in parameters):
+            raise ValidationError({"gateway_parameters": f"A list of: {', '.join(sorted(known))}."})
 
 
 class UsageRecord(models.Model):

@@ -61,7 +61,7 @@ def load_served_models(queues: Collection[str]) -> list[str]:
     if not queues:
         return []
     try:
-        entries = [entry for entry in CatalogEntry.objects.enabled() if entry.queue in queues]
+        entries = [entry for entry in CatalogEntry.objects.served_here() if entry.queue in queues]
     except DatabaseError:
         # The worker still starts; each model then loads with its first job.
         logger.exception("could not read the catalog to load this worker's models")

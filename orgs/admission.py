@@ -69,12 +69,21 @@ class Grant:
     _release: Any = None
     _charge: Any = None
     released: bool = False
+    charged: int = 0  # tokens counted against tokens per minute for this request so far
     _callbacks: list[Any] = field(default_factory=list)
 
     async def charge(self, tokens: int) -> None:
         """Counts ``tokens`` more against tokens per minute: input that only became known after admission."""
         if self._charge is not None and tokens > 0:
             await self._charge(tokens)
+            self.charged += tokens
+
+    async def settle(self, tokens: int) -> None:
+        """Corrects the charge to ``tokens``, what the request is known to have used: more is charged, or the
+        difference refunded, so an estimate made at admission does not stand in for the real count."""
+        if self._charge is not None and tokens != self.charged:
+            await self._charge(tokens - self.charged)
+            self.charged = tokens
 
     def on_release(self, callback: Any) -> None:
         self._callbacks.append(callback)
@@ -133,7 +142,8 @@ class MemoryStore:
         self._windows: dict[str, _Window] = {}
         self._lock = threading.Lock()
 
-    def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float) -> Decision:
+    def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float, *, dry: bool = False) -> Decision:
+        """Admits and charges, or refuses; ``dry`` only tells whether it would admit, and charges nothing."""
         with self._lock:
             w = self._windows.setdefault(key, _Window())
             while w.requests and w.requests[0] <= now - WINDOW:
@@ -151,6 +161,8 @@ class MemoryStore:
                 return Decision(False, "tokens_per_minute", _token_retry(list(w.tokens), w.token_sum, tokens, tpm, now))
             if inflight is not None and len(w.slots) + 1 > inflight:
                 return Decision(False, "requests_in_flight", 1.0)
+            if dry:
+                return Decision(True)
             w.requests.append(now)
             if tokens:
                 w.tokens.append((now, tokens))
@@ -203,9 +215,11 @@ def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limi
 # --- the Redis store ---------------------------------------------------------------------------
 
 # KEYS: requests zset, tokens zset, slots zset, tokens-in-window sum.
-# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce. Limits of -1 mean unlimited.
+# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry. Limits of -1 mean unlimited; with
+# dry "1" it only tells whether it would admit, and charges nothing.
 # Token entries are members "nonce:tokens" scored by time; their running sum is kept beside them, so
 # admission touches only the entries that leave the window, not all of them.
+# A refund is an entry of negative tokens.
 _ADMIT_LUA = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rpm, tpm, inflight = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -215,7 +229,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', horizon)
 local leaving = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', horizon)
 if #leaving > 0 then
   local gone = 0
-  for i = 1, #leaving do gone = gone + tonumber(string.match(leaving[i], ':(%d+)$')) end
+  for i = 1, #leaving do gone = gone + tonumber(string.match(leaving[i], ':(%-?%d+)$')) end
   redis.call('DECRBY', KEYS[4], gone)
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', horizon)
 end
@@ -236,7 +250,7 @@ if tpm >= 0 and total + wanted > tpm then
     local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
     local left = total
     for i = 1, #entries, 2 do
-      left = left - tonumber(string.match(entries[i], ':(%d+)$'))
+      left = left - tonumber(string.match(entries[i], ':(%-?%d+)$'))
       if left + wanted <= tpm then
         retry = tonumber(entries[i + 1]) + window - now
         break
@@ -247,6 +261,9 @@ if tpm >= 0 and total + wanted > tpm then
 end
 if inflight >= 0 and redis.call('ZCARD', KEYS[3]) + 1 > inflight then
   return {0, 'requests_in_flight', '1'}
+end
+if ARGV[10] == '1' then
+  return {1, '', '0', tostring(nreq), tostring(total), '0', '0'}
 end
 redis.call('ZADD', KEYS[1], now, nonce)
 if wanted > 0 then
@@ -287,7 +304,9 @@ class RedisStore:
     def _keys(key: str) -> list[str]:
         return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots", f"b3os:lim:{key}:toksum"]
 
-    async def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float) -> Decision:
+    async def try_admit(
+        self, key: str, limits: Limits, tokens: int, slot: str, now: float, *, dry: bool = False
+    ) -> Decision:
         _, script = self._client()
         unlimited = lambda v: -1 if v is None else v  # noqa: E731
         result = await script(
@@ -302,6 +321,7 @@ class RedisStore:
                 slot,
                 SLOT_TTL,
                 secrets.token_hex(8),
+                "1" if dry else "0",
             ],
         )
         if int(result[0]) == 0:
@@ -407,6 +427,42 @@ _DESCRIPTIONS = {
 }
 
 
+async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -> None:
+    """Raise ``LimitExceeded`` if a request of at least ``tokens`` would be refused now; charges nothing.
+
+    Rendering and counting a prompt cost more than admission: a client already over its limits is refused
+    before that work, on a lower bound of what the request will be charged. Passing is no promise: ``admit``
+    decides, atomically, on the real count."""
+    limits = await limits_for(organization_id, model_pk)
+    if limits.unlimited:
+        return
+    key = f"{organization_id}:{model_pk or 0}"
+    store = _store()
+    if isinstance(store, RedisStore):
+        decision = await store.try_admit(key, limits, tokens, "", clock(), dry=True)
+    else:
+        decision = store.try_admit(key, limits, tokens, "", clock(), dry=True)
+    if not decision.admitted:
+        raise _refusal(limits, decision, tokens)
+
+
+def _refusal(limits: Limits, decision: Decision, tokens: int) -> LimitExceeded:
+    retry = max(1, math.ceil(decision.retry_after))
+    value = {
+        "requests_per_minute": limits.requests_per_minute,
+        "tokens_per_minute": limits.tokens_per_minute,
+        "requests_in_flight": limits.requests_in_flight,
+    }[decision.limit]
+    detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
+    if decision.limit == "tokens_per_minute":
+        detail += f" This request needs {tokens} tokens (input estimate plus maximum output)."
+        if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
+            detail += " It can never fit: lower max_tokens or the input."
+    detail += f" Try again in {retry}s."
+    refused = Decision(False, decision.limit, retry, 0, 0, reset_requests=retry, reset_tokens=retry)
+    return LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, refused))
+
+
 async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> Grant:
     """Admit a request charging ``tokens`` (input estimate + maximum output), or raise ``LimitExceeded``."""
     limits = await limits_for(organization_id, model_pk)
@@ -421,20 +477,7 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     else:
         decision = store.try_admit(key, limits, tokens, slot, now)
     if not decision.admitted:
-        retry = max(1, math.ceil(decision.retry_after))
-        value = {
-            "requests_per_minute": limits.requests_per_minute,
-            "tokens_per_minute": limits.tokens_per_minute,
-            "requests_in_flight": limits.requests_in_flight,
-        }[decision.limit]
-        detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
-        if decision.limit == "tokens_per_minute":
-            detail += f" This request needs {tokens} tokens (input estimate plus maximum output)."
-            if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
-                detail += " It can never fit: lower max_tokens or the input."
-        detail += f" Try again in {retry}s."
-        refused = Decision(False, decision.limit, retry, 0, 0, reset_requests=retry, reset_tokens=retry)
-        raise LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, refused))
+        raise _refusal(limits, decision, tokens)
     _held.setdefault(key, set()).add(slot)
     _ensure_refresher()
 
@@ -452,4 +495,6 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
             store.charge(key, tokens, clock())
 
     metered = limits.tokens_per_minute is not None
-    return Grant(headers=_headers(limits, decision), _release=release, _charge=charge if metered else None)
+    return Grant(
+        headers=_headers(limits, decision), _release=release, _charge=charge if metered else None, charged=tokens
+    )

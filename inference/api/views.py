@@ -63,7 +63,7 @@ class ChatCompletionsView(AsyncAPIView):
             )
             return self.render_result(request, result)
         caller = self.caller(request, route="node")
-        params = shared.parse(ChatCompletionRequest, request.data)
+        params = await self.parse(request, ChatCompletionRequest)
         self.names(request, params.param_names())
         return self.render_result(request, await chat.create_chat_completion(params=params, caller=caller))
 
@@ -80,7 +80,7 @@ class ResponsesView(AsyncAPIView):
             )
             return self.render_result(request, result)
         caller = self.caller(request, route="node")
-        params = shared.parse(ResponseCreateRequest, request.data)
+        params = await self.parse(request, ResponseCreateRequest)
         self.names(request, params.param_names())
         return self.render_result(request, await responses.create_response(params=params, caller=caller))
 

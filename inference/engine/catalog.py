@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from core.db import db_task
-from inference.models import CatalogEntry
+from inference.models import CatalogEntry, is_model_id
 
 from .exceptions import ModelNotServed
 
@@ -19,6 +19,8 @@ def _lookup(model_id: str) -> CatalogEntry | None:
 
 
 async def find_enabled_model(model_id: str) -> CatalogEntry | None:
+    if not is_model_id(model_id):  # no catalog entry is named so: nothing to look up, nor to remember
+        return None
     now = time.monotonic()
     cached = _entries.get(model_id)
     if cached is not None and now - cached[0] < CACHE_SECONDS:

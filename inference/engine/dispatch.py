@@ -151,7 +151,7 @@ def start_job(job: GenerationJob, *, queue: str) -> Job:
 
 def warm_up_embedded() -> None:
     """Load every enabled model this process serves in embedded mode, so the first request is fast."""
-    for entry in CatalogEntry.objects.enabled():
+    for entry in CatalogEntry.objects.served_here():
         try:
             get_renderer(entry.runner, entry.runner_settings)
             get_runner(entry.runner, entry.runner_settings)

@@ -66,13 +66,15 @@ class ContextLengthExceeded(EngineError):
 
 
 class SchemaNotEnforceable(EngineError):
-    """The runner's constrained decoding cannot express a schema: a tool's parameters (``tool`` names it) or,
-    with ``tool`` None, the output's schema."""
+    """The runner's constrained decoding cannot express a schema: a tool's parameters (``tool`` names it), the
+    tools' schemas together (``all_tools``: each fits, all of them in one grammar do not) or, with neither, the
+    output's schema."""
 
-    def __init__(self, *, model_id: str, tool: str | None, problem: str) -> None:
+    def __init__(self, *, model_id: str, tool: str | None, problem: str, all_tools: bool = False) -> None:
         super().__init__(problem)
         self.model_id = model_id
         self.tool = tool
+        self.all_tools = all_tools
         self.problem = problem
 
 

@@ -34,7 +34,7 @@ from .dispatch import Job, start_job
 from .exceptions import ChatTemplateRefused, ModelUnavailable, Overloaded, SchemaNotEnforceable, TooManyTopLogprobs
 from .execution import Accepted, JobEvent, JobFailed, get_renderer
 from .prompting import Message, check_context, render_prompt
-from .runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk, TokenLogprob
+from .runners.base import Finished, GenerationJob, PromptRenderer, RunnerError, Sampling, TextChunk, TokenLogprob
 
 logger = logging.getLogger("inference.engine.generation")
 
@@ -226,15 +226,22 @@ class GenerationRequest:
 
 async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
     """Render, count and plan, before anything runs: raises ``ModelUnavailable``, ``ChatTemplateRefused``,
-    ``ContextLengthExceeded``, ``SchemaNotEnforceable`` or ``TooManyTopLogprobs``."""
+    ``ContextLengthExceeded``, ``SchemaNotEnforceable`` or ``TooManyTopLogprobs``.
+
+    Rendering, tokenizing and building grammars are CPU work that grows with the request: done on a thread, never
+    on the event loop that serves every other request."""
     try:
         renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
     except RunnerError as exc:
         logger.warning("the model %s cannot be served here: %s", entry.public_id, exc)
         raise ModelUnavailable(entry.public_id, str(exc)) from None
+    return await sync_to_async(_prepare, thread_sensitive=False)(entry=entry, request=request, renderer=renderer)
+
+
+def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: PromptRenderer) -> Generation:
     describe_tools = bool(request.tools) and request.tool_choice != "none"
     try:
-        prompt = await sync_to_async(render_prompt, thread_sensitive=False)(
+        prompt = render_prompt(
             renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
         )
     except TemplateError as exc:
@@ -251,9 +258,16 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
         response_format=request.response_format,
         json_schema=request.json_schema,
     )
-    for tool, schema in plan.enforced_schemas():
+    enforced = plan.enforced_schemas()
+    for tool, schema in enforced:
         if problem := renderer.schema_problem(schema):
             raise SchemaNotEnforceable(model_id=entry.public_id, tool=tool, problem=problem)
+    compiled = plan.constraint.schema if plan.constraint is not None else None
+    # Tool calls are decoded under one grammar that holds every enforced tool's schema: it must fit too.
+    wraps_tools = compiled is not None and all(schema is not compiled for _, schema in enforced)
+    if wraps_tools and compiled is not None and (problem := renderer.schema_problem(compiled)):
+        only = enforced[0][0] if len(enforced) == 1 else None
+        raise SchemaNotEnforceable(model_id=entry.public_id, tool=only, problem=problem, all_tools=only is None)
     if request.logprobs and request.top_logprobs > renderer.max_top_logprobs:
         raise TooManyTopLogprobs(model_id=entry.public_id, most=renderer.max_top_logprobs)
     job = GenerationJob(

@@ -17,6 +17,7 @@ from .shared import (
     JSONSchema,
     LogprobItems,
     LooseModel,
+    ModelId,
     StreamOptions,
     WireModel,
     check_metadata,
@@ -193,7 +194,7 @@ CHAT_UNSUPPORTED = {
 
 
 class ChatCompletionRequest(WireModel):
-    model: str
+    model: ModelId
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     stream: bool | None = False
     stream_options: ChatStreamOptions | None = None

@@ -127,6 +127,12 @@ def method_not_allowed(detail: str = "Method not allowed.") -> APIError:
     return APIError(detail, code="method_not_allowed", status=405)
 
 
+def response_timeout(seconds: float) -> APIError:
+    return APIError(
+        f"The server did not begin its answer within {seconds:g} s.", code="timeout", status=504, type=SERVER
+    )
+
+
 def status_error(status: int) -> APIError:
     """The error for a bare HTTP status produced outside the API's own code."""
     if status == 404:
@@ -201,7 +207,10 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ContextLengthExceeded):
         return _context_length_exceeded(exc, names)
     if isinstance(exc, SchemaNotEnforceable):
-        param = names.output_schema if exc.tool is None else names.tool_schemas.get(exc.tool, names.tools)
+        if exc.all_tools:
+            param = names.tools
+        else:
+            param = names.output_schema if exc.tool is None else names.tool_schemas.get(exc.tool, names.tools)
         return APIError(
             f"The model {exc.model_id!r} cannot enforce the schema in {param}: {exc.problem}",
             code="invalid_value",

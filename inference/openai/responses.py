@@ -14,7 +14,16 @@ from typing import Annotated, Any, ClassVar, Literal, TypedDict
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
-from .shared import FUNCTION_NAME, MAX_TOOLS, JSONSchema, LooseModel, StreamOptions, WireModel, check_metadata
+from .shared import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    JSONSchema,
+    LooseModel,
+    ModelId,
+    StreamOptions,
+    WireModel,
+    check_metadata,
+)
 
 
 def _text_or_list(value: Any) -> str:
@@ -281,7 +290,7 @@ STATELESS = "this node stores nothing: send the whole conversation as input on e
 
 
 class ResponseCreateRequest(WireModel):
-    model: str
+    model: ModelId
     input: Input
     instructions: str | None = None
     stream: bool | None = False
@@ -316,6 +325,8 @@ class ResponseCreateRequest(WireModel):
     background: bool | None = None
     context_management: Any = None
     moderation: Any = None
+    # This platform's: which way the request goes (a request for the gateway is forwarded, not parsed here).
+    route: Literal["node", "gateway"] | None = None
 
     @field_validator("metadata")
     @classmethod

@@ -13,7 +13,9 @@ from typing import Annotated, Any, TypeVar
 import orjson
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, WithJsonSchema
+
+from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
 from .errors import APIError, invalid_request
 
@@ -116,6 +118,20 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 JSONSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+
+
+def _model_id(value: str) -> str:
+    """A client's ``model`` reaches catalog lookups, usage records and metrics only in the catalog's form."""
+    if not is_model_id(value):
+        raise ValueError(MODEL_ID_RULE)
+    return value
+
+
+ModelId = Annotated[
+    str,
+    AfterValidator(_model_id),
+    WithJsonSchema({"type": "string", "pattern": MODEL_ID.replace("\\Z", "$"), "maxLength": 200}),
+]
 
 
 def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
+from inference.engine.exceptions import ModelNotServed
 from inference.engine.generation import Failed, Generation
 from inference.models import CatalogEntry
 from inference.openai.errors import APIError, from_exception, generation_failed
 from inference.usage import metrics
 from inference.usage.records import Meter
-from orgs.admission import Grant, admit
+from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
@@ -61,19 +62,21 @@ def meter_for(caller: Caller, *, model: str, endpoint: str, route: str = "node")
 
 
 def record_error(meter: Meter, generation: Generation | None, exc: BaseException) -> None:
-    """The usage record of a request that failed before it could answer; ``generation`` is None when no runner
-    took it, so it consumed nothing."""
+    """The usage record of a request that failed before it could answer. One that failed before the model wrote a
+    token (refused by a limit, a full queue, no worker, a client that hung up first) consumed nothing: its tokens
+    are zero, so that what is billed from the records is what was served."""
     if isinstance(exc, asyncio.CancelledError):
         status, code = CLIENT_DISCONNECTED, "client_disconnected"
     elif (error := from_exception(exc)) is not None:
         status, code = error.status, error.code
     else:
         status, code = 500, "internal_error"
+    served = generation is not None and generation.first_token_at is not None
     meter.record(
         status=status,
         error_code=code,
-        input_tokens=generation.prompt_tokens if generation else 0,
-        output_tokens=generation.completion_tokens if generation else 0,
+        input_tokens=generation.prompt_tokens if served and generation else 0,
+        output_tokens=generation.completion_tokens if served and generation else 0,
         time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
     )
 
@@ -85,13 +88,27 @@ def generation_error(failed: Failed, *, request_id: str) -> APIError:
     return generation_failed(failed.code, request_id=request_id)
 
 
+def _refused(meter: Meter, exc: LimitExceeded) -> None:
+    metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
+    record_error(meter, None, exc)
+
+
+async def precheck_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> None:
+    """Refuses, with the same accounting as admission, a request that cannot be admitted even at ``tokens`` (a
+    lower bound of its charge), before the work of rendering and counting it."""
+    try:
+        await precheck(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
+    except LimitExceeded as exc:
+        _refused(meter, exc)
+        raise
+
+
 async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> Grant:
     """Admission with its accounting: a refusal is recorded and counted, an admission shows in flight."""
     try:
         grant = await admit(organization_id=caller.organization_id, model_pk=model_pk, tokens=tokens)
     except LimitExceeded as exc:
-        metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
-        record_error(meter, None, exc)
+        _refused(meter, exc)
         raise
     gauge = metrics.in_flight(meter.model)
     gauge.inc()
@@ -99,18 +116,30 @@ async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, t
     return grant
 
 
+def least_charge(entry: CatalogEntry, output_limit: int | None) -> int:
+    """The fewest tokens admission can charge a request to ``entry``: a prompt of one token and the output it asks
+    for (the model's maximum when it sets none), within the model's context."""
+    output = min(output_limit or entry.max_output_tokens, entry.max_output_tokens)
+    return min(1 + output, entry.context_length)
+
+
 async def run_admitted(
     *,
     caller: Caller,
     model: str,
     endpoint: str,
+    output_limit: int | None,
     build: Callable[[CatalogEntry], Awaitable[Generation]],
     respond: Callable[[Generation, Grant, Meter], Awaitable[Result]],
 ) -> Result:
-    """The node API's path after validation: prepare (the context check), admit, respond; usage in every case."""
+    """The node API's path after validation: a cheap refusal of callers over their limits, prepare (rendering, the
+    context check), admit, respond; usage in every case."""
     entry = await get_enabled_model(model)
-    generation = await build(entry)
+    if not entry.served_here:
+        raise ModelNotServed(model)
     meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
+    await precheck_request(caller, meter, model_pk=entry.pk, tokens=least_charge(entry, output_limit))
+    generation = await build(entry)
     tokens = generation.prompt_tokens + generation.job.sampling.max_tokens
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=tokens)
     try:

@@ -303,4 +303,11 @@ async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: 
         generation_outcome(generation, done).record(meter)
         return Result(headers=grant.headers, body=body)
 
-    return await run_admitted(caller=caller, model=params.model, endpoint=ENDPOINT, build=build, respond=respond)
+    return await run_admitted(
+        caller=caller,
+        model=params.model,
+        endpoint=ENDPOINT,
+        output_limit=params.output_limit,
+        build=build,
+        respond=respond,
+    )

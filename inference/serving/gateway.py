@@ -1,9 +1,17 @@
 """The gateway route: requests with ``"route": "gateway"`` go to an upstream OpenAI-compatible server.
 
-The body is forwarded as the client sent it (less ``route``, with the upstream's model id), streams
-pass through as they arrive, and upstream failures become the API's own errors. One pooled aiohttp
-session per process (per event loop) keeps connections to the upstream warm; aiohttp's client costs
-a fraction of httpx's per request, which is most of what this hop adds.
+Which models an organization reaches this way is the operator's choice: each is an enabled catalog entry, and
+what the node refuses (``n`` other than 1, ``store``, ``background``, tools run on the upstream's side) is refused
+here too unless the entry allows it. The body is forwarded as the client sent it (less ``route``, with the
+upstream's model id), streams pass through event by event, and upstream failures become the API's own errors.
+
+A streamed chat always asks the upstream for its usage (``stream_options.include_usage``), so that the request is
+metered; the usage chunk is passed on only to a client that asked for it. The tokens-per-minute charge made at
+admission, an estimate, is corrected to the upstream's count when it comes. A stream ends after
+``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
+
+One pooled aiohttp session per process (per event loop) keeps connections to the upstream warm; aiohttp's client
+costs a fraction of httpx's per request, which is most of what this hop adds.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +30,16 @@ from django.conf import settings
 from multidict import CIMultiDictProxy
 
 from inference.engine.catalog import find_enabled_model
-from inference.models import CatalogEntry
-from inference.openai.errors import ERROR_TYPES, INVALID_REQUEST, SERVER, APIError, invalid_request
+from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
+from inference.openai.errors import (
+    ERROR_TYPES,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER,
+    APIError,
+    invalid_request,
+    unsupported_parameter,
+)
 
 from .caller import Caller, Result, admit_request, meter_for, record_error
 from .metered import CLIENT_DISCONNECTED, StreamOutcome, metered
@@ -35,6 +51,7 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 CONNECT_TIMEOUT = 5.0
 MAX_PENDING_EVENT = 1 << 20
+
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
 UpstreamFailure = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -72,9 +89,10 @@ class Upstream:
         return headers
 
 
-def upstream_for(model: str, entry: CatalogEntry | None) -> Upstream:
-    if entry is not None and entry.upstream_base_url:
-        return Upstream(entry.upstream_base_url, entry.upstream_api_key, entry.upstream_model or entry.public_id, entry)
+def upstream_for(entry: CatalogEntry) -> Upstream:
+    model = entry.upstream_model or entry.public_id
+    if entry.upstream_base_url:
+        return Upstream(entry.upstream_base_url, entry.upstream_api_key, model, entry)
     if not settings.GATEWAY_BASE_URL:
         raise APIError(
             'No gateway is configured on this node, so "route": "gateway" cannot be served.',
@@ -84,6 +102,48 @@ def upstream_for(model: str, entry: CatalogEntry | None) -> Upstream:
             type="server_error",
         )
     return Upstream(settings.GATEWAY_BASE_URL, settings.GATEWAY_API_KEY, model, entry)
+
+
+def gateway_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    if not is_model_id(model):
+        raise invalid_request(f"Invalid value for 'model': {MODEL_ID_RULE}.", param="model", code="invalid_value")
+    return model
+
+
+def not_offered(model: str) -> APIError:
+    return APIError(
+        f"The model {model!r} is not offered through the gateway on this node.",
+        code="model_not_available",
+        status=404,
+        param="model",
+        type=NOT_FOUND,
+    )
+
+
+def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
+    """What the node refuses is refused on the way to the upstream too, unless the entry allows it (its
+    ``gateway_parameters``)."""
+    allowed = set(entry.gateway_parameters or ())
+    if "n" not in allowed and body.get("n") not in (None, 1):
+        raise unsupported_parameter("n", f"n must be 1 for {entry.public_id!r} on this node")
+    if "store" not in allowed and body.get("store"):
+        raise unsupported_parameter("store", f"store: true is not offered for {entry.public_id!r} on this node")
+    if "background" not in allowed and body.get("background"):
+        raise unsupported_parameter("background", f"background mode is not offered for {entry.public_id!r}")
+    if "hosted_tools" in allowed:
+        return
+    if body.get("web_search_options") is not None:
+        raise unsupported_parameter("web_search_options", "tools that run on the upstream's side are not offered")
+    tools = body.get("tools")
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in ("function", "custom"):
+            raise unsupported_parameter(
+                f"tools.{index}.type", f"{kind} tools are not offered for {entry.public_id!r} on this node"
+            )
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
@@ -105,6 +165,10 @@ class UpstreamUsage:
     status: int = 200
     error_code: str = ""
     first_byte_at: float | None = None
+
+    @property
+    def reported(self) -> bool:
+        return self.input_tokens > 0 or self.output_tokens > 0
 
     def read_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
@@ -228,47 +292,83 @@ async def open_stream(
     return response
 
 
-async def relay_stream(response: aiohttp.ClientResponse, tally: UpstreamUsage) -> AsyncGenerator[bytes, None]:
-    """The upstream's bytes as they come; usage is read from the event that carries it."""
-    pending = b""
-    finished = False
-    try:
-        async for chunk in response.content.iter_any():
-            if tally.first_byte_at is None:
-                tally.first_byte_at = time.monotonic()
-            yield chunk
-            pending = _scan_usage(pending + chunk, tally)
-        finished = True
-    except TimeoutError:
-        tally.status, tally.error_code = 504, "upstream_timeout"
-        yield _sse_error(unreachable(TimeoutError()))
-    except aiohttp.ClientError:
-        tally.status, tally.error_code = 502, "upstream_unavailable"
-        yield _sse_error(APIError("The gateway connection broke mid-stream.", code="upstream_unavailable", status=502))
-    finally:
-        if finished:
-            response.release()
-        else:
-            response.close()  # drop the connection: the upstream stops sending to a client that is gone
+@dataclass
+class StreamRelay:
+    """Passes an upstream's event stream on, event by event: reads usage from the event that carries it, keeps
+    that event from a client that did not ask for usage, and ends the stream at its time limit."""
 
+    tally: UpstreamUsage
+    hide_usage: bool
+    deadline: float
+    settle: Callable[[int], Awaitable[None]]
 
-def _scan_usage(buffer: bytes, tally: UpstreamUsage) -> bytes:
-    """Read usage from complete SSE events in ``buffer``; return the incomplete tail."""
-    *events, tail = buffer.split(b"\n\n")
-    for event in events:
+    async def relay(self, response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
+        pending = b""
+        finished = False
+        try:
+            async for chunk in response.content.iter_any():
+                if self.tally.first_byte_at is None:
+                    self.tally.first_byte_at = time.monotonic()
+                *events, pending = (pending + chunk).split(b"\n\n")
+                out = b"".join(self._event(event) for event in events)
+                if len(pending) > MAX_PENDING_EVENT:  # no event is that long: pass it on unread
+                    out, pending = out + pending, b""
+                if out:
+                    yield out
+                if time.monotonic() > self.deadline:
+                    self.tally.error_code = "stream_time_limit"
+                    limit = settings.GATEWAY_STREAM_MAX_SECONDS
+                    yield _sse_error(
+                        APIError(
+                            f"The stream reached its time limit of {limit} s.",
+                            code="stream_time_limit",
+                            type="server_error",
+                        )
+                    )
+                    return
+            if pending:
+                yield pending
+            finished = True
+        except TimeoutError:
+            self.tally.status, self.tally.error_code = 504, "upstream_timeout"
+            yield _sse_error(unreachable(TimeoutError()))
+        except aiohttp.ClientError:
+            self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
+            yield _sse_error(
+                APIError("The gateway connection broke mid-stream.", code="upstream_unavailable", status=502)
+            )
+        finally:
+            if finished:
+                response.release()
+            else:
+                response.close()  # drop the connection: the upstream stops sending to a client that is gone
+        if self.tally.reported:
+            await self.settle(self.tally.input_tokens + self.tally.output_tokens)
+
+    def _event(self, event: bytes) -> bytes:
+        """The event as the client gets it (with its separator), or nothing."""
         if b'"usage"' not in event:
-            continue
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                try:
-                    data = orjson.loads(line[5:].strip())
-                except orjson.JSONDecodeError:
-                    continue
-                if isinstance(data, dict):
-                    usage = data.get("usage") or (data.get("response") or {}).get("usage")
-                    if usage:
-                        tally.read_usage(usage)
-    return tail[-MAX_PENDING_EVENT:]
+            return event + b"\n\n"
+        lines = event.split(b"\n")
+        for index, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                data = orjson.loads(line[5:].strip())
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(data, dict):
+                continue
+            response = data.get("response")
+            usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
+            if usage:
+                self.tally.read_usage(usage)
+            if self.hide_usage and "usage" in data:
+                if usage and not data.get("choices"):
+                    return b""  # the chunk that only carries usage, which this client did not ask for
+                del data["usage"]
+                lines[index] = b"data: " + orjson.dumps(data)
+        return b"\n".join(lines) + b"\n\n"
 
 
 def _sse_error(error: APIError) -> bytes:
@@ -277,15 +377,23 @@ def _sse_error(error: APIError) -> bytes:
 
 async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str, endpoint: str) -> Result:
     """Send a request with ``"route": "gateway"`` upstream, under the same admission and accounting."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    model = gateway_model(body)
     entry = await find_enabled_model(model)
-    upstream = upstream_for(model, entry)
+    if entry is None:
+        raise not_offered(model)
+    refuse_unallowed(body, entry)
+    upstream = upstream_for(entry)
     forwarded = {key: value for key, value in body.items() if key != "route"}
     forwarded["model"] = upstream.model
+    if path == "responses" and "store" not in (entry.gateway_parameters or ()):
+        forwarded["store"] = False  # OpenAI keeps responses unless told not to
+    streamed_chat = bool(body.get("stream")) and path == "chat/completions"
+    options = body.get("stream_options")
+    asked_usage = isinstance(options, dict) and options.get("include_usage") is True
+    if streamed_chat:
+        forwarded["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     meter = meter_for(caller, model=model, endpoint=endpoint, route=ROUTE)
-    grant = await admit_request(caller, meter, model_pk=entry.pk if entry else None, tokens=estimate_tokens(body))
+    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=estimate_tokens(body))
     tally = UpstreamUsage(started=meter.started)
     try:
         if not body.get("stream"):
@@ -294,6 +402,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
             )
             extra = data.get("b3os")
             data["b3os"] = {**(extra if isinstance(extra, dict) else {}), "route": ROUTE}
+            if tally.reported:
+                await grant.settle(tally.input_tokens + tally.output_tokens)
             grant.release()
             tally.outcome().record(meter)
             return Result(headers=grant.headers, body=data, route=ROUTE)
@@ -302,8 +412,14 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         grant.release()
         record_error(meter, None, exc)
         raise
+    relay = StreamRelay(
+        tally=tally,
+        hide_usage=streamed_chat and not asked_usage,
+        deadline=meter.started + settings.GATEWAY_STREAM_MAX_SECONDS,
+        settle=grant.settle,
+    )
     stream = metered(
-        relay_stream(response, tally),
+        relay.relay(response),
         grant=grant,
         meter=meter,
         outcome=lambda ran_to_end: tally.outcome(ran_to_end=ran_to_end),

@@ -53,8 +53,9 @@ class Ending:
 
 
 def generation_outcome(generation: Generation, end: Done | Failed | None) -> StreamOutcome:
-    """The outcome of one generation: done (the runner's exact counts), failed (what was produced), or, with no
-    terminal event, cut off by the client (what was produced)."""
+    """The outcome of one generation: done (the runner's exact counts), failed (what was produced; nothing when it
+    failed before its first token, as a runner that refuses a job does), or, with no terminal event, cut off by the
+    client (what was produced)."""
     ttft = generation.time_to_first_token_ms
     if isinstance(end, Done):
         return StreamOutcome(
@@ -62,6 +63,8 @@ def generation_outcome(generation: Generation, end: Done | Failed | None) -> Str
         )
     produced = {"input_tokens": generation.prompt_tokens, "output_tokens": generation.completion_tokens}
     if isinstance(end, Failed):
+        if generation.first_token_at is None:
+            produced = {"input_tokens": 0, "output_tokens": 0}
         return StreamOutcome(status=200, error_code=end.code, time_to_first_token_ms=ttft, **produced)
     return StreamOutcome(
         status=CLIENT_DISCONNECTED, error_code="client_disconnected", time_to_first_token_ms=ttft, **produced

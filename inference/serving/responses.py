@@ -616,4 +616,11 @@ async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller)
         generation_outcome(generation, done).record(meter)
         return Result(headers=grant.headers, body=body)
 
-    return await run_admitted(caller=caller, model=params.model, endpoint=ENDPOINT, build=build, respond=respond)
+    return await run_admitted(
+        caller=caller,
+        model=params.model,
+        endpoint=ENDPOINT,
+        output_limit=params.max_output_tokens,
+        build=build,
+        respond=respond,
+    )

@@ -157,7 +157,7 @@ def _active_queues(timeout: float) -> Mapping[str, list[dict[str, Any]]] | None:
 
 
 async def check_models(*, broker_answers: bool) -> list[ModelHealth]:
-    entries = [entry async for entry in CatalogEntry.objects.enabled()]
+    entries = [entry async for entry in CatalogEntry.objects.served_here()]
     if not settings.DISTRIBUTED:
         return await _on_health_thread(lambda: [embedded_model(entry) for entry in entries])
     replies = None

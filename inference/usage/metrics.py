@@ -1,7 +1,10 @@
 """Prometheus metrics of the API process, and the small calls the request path makes to feed them.
 
 Each API process exposes its own numbers at ``/metrics``; Prometheus scrapes every process and adds
-them up. Labels stay few and bounded: model, organization (slug), status and error code.
+them up. Labels stay few and bounded: model, organization (slug), status and error code. Model ids come
+from the catalog (a client's unknown model is refused before it is counted); even so, past
+``MAX_MODEL_LABELS`` distinct ids the others share the label ``other``, so that nothing a client sends
+can grow the exposition without bound.
 
 The request path calls:
 
@@ -11,6 +14,8 @@ The request path calls:
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
@@ -88,6 +93,23 @@ for _reason in ("database_unavailable", "refused", "shutdown"):
     USAGE_RECORDS_DROPPED.labels(_reason)
 
 
+MAX_MODEL_LABELS = 1000
+OTHER_MODEL = "other"
+_model_labels: set[str] = set()
+_model_labels_lock = threading.Lock()
+
+
+def model_label(model: str) -> str:
+    """``model`` as a label value: itself, or ``other`` once ``MAX_MODEL_LABELS`` others have been seen."""
+    if model in _model_labels:
+        return model
+    with _model_labels_lock:
+        if len(_model_labels) >= MAX_MODEL_LABELS:
+            return OTHER_MODEL
+        _model_labels.add(model)
+    return model
+
+
 def observe_request(
     *,
     model: str,
@@ -103,6 +125,7 @@ def observe_request(
     ttft_ms: float | None = None,
 ) -> None:
     """Count one finished request (any outcome) and its tokens and timings."""
+    model = model_label(model)
     REQUESTS.labels(model, organization, endpoint, str(status), error_code).inc()
     for kind, count in (
         ("input", input_tokens),
@@ -119,12 +142,12 @@ def observe_request(
 
 def in_flight(model: str) -> Gauge:
     """The model's in-flight gauge: ``.inc()`` on admission, ``.dec()`` on release."""
-    return IN_FLIGHT.labels(model)
+    return IN_FLIGHT.labels(model_label(model))
 
 
 def rejected(*, model: str, organization: str, limit: str) -> None:
     """Count a request refused at admission; ``limit`` names the limit (``requests_per_minute``, …)."""
-    REJECTED.labels(model, organization, limit).inc()
+    REJECTED.labels(model_label(model), organization, limit).inc()
 
 
 def unavailable(service: str) -> None:

@@ -2,8 +2,8 @@
 
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
 picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-500-text`` fail, ``stall``
-streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks ``metadata.interval`` seconds
-apart (a long generation). ``GET /last`` tells what the last request carried.
+streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
+seconds (0.5) apart: a long generation. ``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -159,11 +159,11 @@ class Upstream:
         data: dict[str, Any],
         *,
         stall: bool,
-        trickle: bool = False,
+        trickle: bool,
     ) -> None:
         metadata = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
-        chunks = int(metadata.get("chunks", self.chunks)) if trickle else self.chunks
-        interval = float(metadata.get("interval", 1)) if trickle else 0.0
+        chunks = int(metadata.get("chunks", 120)) if trickle else self.chunks
+        interval = float(metadata.get("interval", 0.5)) if trickle else 0.0
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
         base = {
             "id": "chatcmpl-upstream",
@@ -185,6 +185,8 @@ class Upstream:
             )
         events.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         if (data.get("stream_options") or {}).get("include_usage"):
+            # As OpenAI sends it: "usage": null on every chunk, and the usage in a last chunk without choices.
+            events = [{**event, "usage": None} for event in events]
             events.append(
                 {
                     **base,

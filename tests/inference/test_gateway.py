@@ -8,13 +8,16 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from inference.models import CatalogEntry
+from tests.conftest import API, MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
 
 UPSTREAM_KEY = "upstream-secret-123456"
+QUESTION = [{"role": "user", "content": "Hi"}]
 
 
 @dataclass
@@ -61,9 +64,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "GATEWAY_BASE_URL": upstream_url + "/v1",
             "GATEWAY_API_KEY": UPSTREAM_KEY,
             "GATEWAY_TIMEOUT_SECONDS": "2",
+            "GATEWAY_STREAM_MAX_SECONDS": "3",
+            "HTTP_TIMEOUT_SECONDS": "4",
         },
         org="gw",
     )
+    # The upstream's models this node offers through the gateway; the fake upstream's names pick its behaviour.
+    server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n")
+    for model in ("slow", "error-400", "error-500-text", "stall", "trickle", "upstream/plain"):
+        server.manage("add_gateway_model", model)
     yield Setup(server=server, upstream_url=upstream_url)
     stop_server(server)
     upstream.terminate()
@@ -182,8 +191,8 @@ def test_an_upstream_that_is_down_is_a_502(setup: Setup) -> None:
     setup.server.query(
         "insert into inference_catalogentry (public_id, runner, runner_settings, context_length, max_output_tokens, "
         "json_schema, image_input, tools, reasoning, enabled, owned_by, created, upstream_base_url, upstream_api_key, "
-        "upstream_model, sampling_defaults) values ('proxied/down', 'llama_cpp', '{}', 8192, 1024, 1, 0, 1, 0, 1, "
-        "'b3os', '2026-01-01 00:00:00', ?, 'k', 'x', '{}')",
+        "upstream_model, gateway_parameters, sampling_defaults) values ('proxied/down', 'gateway', '{}', 8192, 1024, "
+        "1, 0, 1, 0, 1, 'b3os', '2026-01-01 00:00:00', ?, 'k', 'x', '[]', '{}')",
         f"http://127.0.0.1:{dead}/v1",
     )
     response = setup.post(chat(model="proxied/down"))
@@ -212,12 +221,167 @@ def test_a_client_that_hangs_up_closes_the_upstream_request(setup: Setup) -> Non
     assert setup.usage(request_id)[1:3] == (499, "client_disconnected")
 
 
-def test_without_a_configured_gateway_the_route_is_refused(node_server: LiveServer) -> None:
-    response = httpx.post(
-        node_server.url + "/v1/infer/chat/completions",
-        json=chat(),
-        headers={"Authorization": f"Bearer {node_server.key}"},
-        timeout=10,
-    )
+@pytest.mark.django_db(transaction=True)
+async def test_without_a_configured_gateway_the_route_is_refused(api: API, settings: Any) -> None:
+    settings.GATEWAY_BASE_URL = ""
+    await CatalogEntry.objects.acreate(public_id="upstream/gpt-x", runner="gateway")
+
+    response = await api.post("/v1/infer/chat/completions", chat())
+
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "gateway_not_configured"
+
+
+# --- which models, and what of them, the operator offers -----------------------------------------------------
+
+
+def test_a_model_outside_the_catalog_is_refused_not_forwarded(setup: Setup) -> None:
+    before = setup.last()
+    response = setup.post(chat(model="made-up/model"))
+
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_available"
+    assert response.json()["error"]["param"] == "model"
+    assert setup.last() == before
+
+
+def test_a_disabled_gateway_model_is_refused_not_forwarded(setup: Setup) -> None:
+    setup.server.manage("add_gateway_model", "upstream/retired", "--disable")
+    before = setup.last()
+    response = setup.post(chat(model="upstream/retired"))
+
+    assert response.status_code == 404
+    assert setup.last() == before
+
+
+def test_a_gateway_model_is_not_served_by_the_node(setup: Setup) -> None:
+    response = setup.post({**chat(), "route": None})
+
+    assert response.status_code == 404
+    assert '"route": "gateway"' in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "param"),
+    [
+        ({"n": 2}, "/v1/infer/chat/completions", "n"),
+        ({"store": True}, "/v1/infer/chat/completions", "store"),
+        ({"web_search_options": {}}, "/v1/infer/chat/completions", "web_search_options"),
+        ({"background": True}, "/v1/infer/responses", "background"),
+        ({"tools": [{"type": "web_search"}]}, "/v1/infer/responses", "tools.0.type"),
+    ],
+    ids=["n", "store", "web-search", "background", "hosted-tool"],
+)
+def test_what_the_node_refuses_is_refused_on_the_gateway_unless_the_entry_allows_it(
+    setup: Setup, extra: dict, path: str, param: str
+) -> None:
+    body = (
+        chat(model="upstream/plain")
+        if path.endswith("completions")
+        else {"model": "upstream/plain", "input": "Hi", "route": "gateway"}
+    )
+    before = setup.last()
+    response = setup.post({**body, **extra}, path=path)
+
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "unsupported_parameter",
+    }
+    assert setup.last() == before
+
+
+def test_responses_sent_upstream_are_not_stored_there_unless_the_entry_allows_it(setup: Setup) -> None:
+    response = setup.post({"model": "upstream/plain", "input": "Hi", "route": "gateway"}, path="/v1/infer/responses")
+
+    assert response.status_code == 200
+    assert setup.last()["body"]["store"] is False
+
+
+def test_made_up_model_names_neither_reach_the_upstream_nor_grow_the_metrics(setup: Setup) -> None:
+    def metrics() -> bytes:
+        return httpx.get(setup.server.url + "/metrics", timeout=10).content
+
+    before = len(metrics())
+    statuses = {setup.post(chat(model=f"made-up/{index}-" + "m" * 300)).status_code for index in range(50)}
+    statuses |= {setup.post(chat(model=f"made-up/{index}")).status_code for index in range(50)}
+
+    assert statuses == {400, 404}
+    assert len(metrics()) < before + 2000
+
+
+# --- metering what passes through ---------------------------------------------------------------------------
+
+
+def stream_lines(setup: Setup, body: dict) -> tuple[list[str], str]:
+    with httpx.stream(
+        "POST",
+        setup.server.url + "/v1/infer/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {setup.server.key}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")], response.headers[
+            "x-request-id"
+        ]
+
+
+def test_a_stream_without_include_usage_is_metered_and_its_client_sees_no_usage(setup: Setup) -> None:
+    lines, request_id = stream_lines(setup, chat(stream=True))
+
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert lines[-1] == "[DONE]"
+    assert all("usage" not in chunk and chunk["choices"] for chunk in chunks)
+    assert setup.last()["body"]["stream_options"] == {"include_usage": True}
+    assert setup.usage(request_id)[:5] == ("gateway", 200, "", 11, 8)
+
+
+def test_a_stream_with_include_usage_passes_the_usage_on(setup: Setup) -> None:
+    lines, _ = stream_lines(setup, chat(stream=True, stream_options={"include_usage": True}))
+
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 19
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+
+
+def test_the_tokens_per_minute_charge_is_corrected_to_the_upstreams_count(setup: Setup) -> None:
+    setup.server.manage("create_org", "gw-tpm")
+    key = setup.server.manage("create_key", "gw-tpm").strip()
+    # Admission charges an estimate: the body's size and the default output limit, 4096 tokens. The upstream then
+    # reports 19: were the estimate kept, the second request would not fit the minute.
+    setup.server.manage("set_limit", "gw-tpm", "--tpm", "4200")
+    statuses = [setup.post(chat(), key=key).status_code for _ in range(3)]
+
+    assert statuses == [200, 200, 200]
+
+
+def test_a_gateway_stream_ends_at_its_time_limit(setup: Setup) -> None:
+    started = time.monotonic()
+    lines, request_id = stream_lines(setup, chat(model="trickle", stream=True))
+
+    assert time.monotonic() - started < 10  # the upstream would go on for a minute
+    assert json.loads(lines[-1])["error"]["code"] == "stream_time_limit"
+    assert setup.usage(request_id)[1:3] == (200, "stream_time_limit")
+
+
+def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setup) -> None:
+    # A non-streamed answer held to a long JSON array: it cannot begin before HTTP_TIMEOUT_SECONDS (4).
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 1000, "maxItems": 1000}
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Count."}],
+        "max_tokens": 2000,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema}},
+    }
+    started = time.monotonic()
+    response = setup.post(body)
+
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - started < 12
+    # A stream begins at once, and is never cut by that timeout however long it runs.
+    lines, _ = stream_lines(setup, {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 2, "stream": True})
+    assert lines[-1] == "[DONE]"

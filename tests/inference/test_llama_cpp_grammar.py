@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,3 +103,77 @@ def test_what_the_converter_cannot_express_is_named() -> None:
     assert "Unsupported pattern syntax" in (schema_problem({"type": "string", "pattern": "^(?=a)a$"}) or "")
     assert "Unrecognized schema" in (schema_problem({"not": {"type": "null"}}) or "")
     assert "remote" in (schema_problem({"$ref": "https://example.com/schema.json"}) or "")
+
+
+# --- bounds: what the converter writes out in full, and llama.cpp's parser recurses through -----------------
+
+
+def string_of_at_most(length: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {"a": {"type": "string", "maxLength": length}}, "required": ["a"]}
+
+
+def nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        (string_of_at_most(20_000), "maxLength 20000 is more than the 1000"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 5000}, "minItems 5000"),
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": 1e9}, "maxItems 1e+09"),
+        ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "its pattern repeats {1,20000}"),
+        ({"type": "string", "pattern": "^" + "(" * 40 + "a" + ")" * 40 + "$"}, "nests groups deeper than 32"),
+        (nested(20), "nested deeper than 32 levels"),
+        ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}, "300 properties"),
+        ({"enum": ["x" * 1000] * 2000}, "more than the 1048576 allowed"),
+    ],
+    ids=["maxLength", "minItems", "maxItems-float", "pattern-count", "pattern-groups", "depth", "properties", "size"],
+)
+def test_a_schema_past_the_bounds_is_refused_with_what_is_too_large(schema: dict[str, Any], says: str) -> None:
+    assert says in (schema_problem(schema) or "")
+
+
+def test_the_worker_refuses_to_build_a_grammar_past_the_bounds_too() -> None:
+    with pytest.raises(llama_cpp.SchemaTooLarge, match="maxLength 20000"):
+        grammar_for(Constraint(kind="json_schema", schema=string_of_at_most(20_000)))
+
+
+def test_the_bounds_are_settings(settings: Any) -> None:
+    settings.SCHEMA_MAX_REPETITION = 50
+
+    assert "maxLength 100 is more than the 50" in (schema_problem(string_of_at_most(100)) or "")
+    assert schema_problem(string_of_at_most(50)) is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        string_of_at_most(1000),
+        {"type": "string", "pattern": "^a{0,1000}$"},
+        {"type": "string", "pattern": "^(a{0,999}){0,999}$"},
+        {"type": "array", "items": {"type": "string", "maxLength": 1000}, "minItems": 1000, "maxItems": 1000},
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(256)}},
+        nested(15),
+    ],
+    ids=["maxLength", "pattern", "nested-pattern", "array-of-strings", "properties", "depth"],
+)
+def test_the_largest_schemas_within_the_bounds_compile_in_llama_cpp_quickly(vocab: Any, schema: dict[str, Any]) -> None:
+    started = time.monotonic()
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert time.monotonic() - started < 5
+
+
+def test_a_checked_schema_is_remembered() -> None:
+    # Building this grammar takes about a fifth of a second: clients send the same tools on every turn.
+    schema = {"type": "object", "properties": {f"remembered{i}": {"type": "string"} for i in range(256)}}
+    schema_problem(schema)
+    started = time.monotonic()
+    for _ in range(20):
+        schema_problem(schema)
+
+    assert time.monotonic() - started < 1

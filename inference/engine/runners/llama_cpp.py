@@ -24,9 +24,12 @@ import codecs
 import collections
 import contextlib
 import ctypes
+import functools
+import hashlib
 import logging
 import os
 import queue
+import re
 import secrets
 import sys
 import threading
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
+from django.conf import settings as django_settings
 
 from .base import (
     Constraint,
@@ -137,14 +142,49 @@ def _load_model(path: str, *, vocab_only: bool) -> Any:
 JSON_STRING_CHAR = r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 
 
-def grammar_for(constraint: Constraint) -> str:
-    """A GBNF grammar for the constraint, built from its JSON schema."""
+@dataclass(frozen=True, slots=True)
+class SchemaLimits:
+    """How large a schema this runner takes, so that building and compiling its grammar stays bounded.
+
+    The converter writes counted repetitions out in full (``maxLength: 50`` is fifty nested optional groups) and
+    llama.cpp's grammar parser recurses once per group: an unbounded count builds without end, or crashes the
+    process when the parser's recursion outgrows its stack. Each optional property of an object costs the
+    converter a recursion, and its work grows with their square.
+    """
+
+    depth: int = 32  # JSON nesting inside the schema, and groups nested in a pattern
+    repetition: int = 1000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
+    properties: int = 256  # properties of one object; four times as many in the whole schema
+    grammar_bytes: int = 1 << 20
+
+    @classmethod
+    def from_settings(cls) -> SchemaLimits:
+        if not django_settings.configured:  # a bare process (the preflight child) has no settings to read
+            return cls()
+        return cls(
+            depth=django_settings.SCHEMA_MAX_DEPTH,
+            repetition=django_settings.SCHEMA_MAX_REPETITION,
+            properties=django_settings.SCHEMA_MAX_PROPERTIES,
+            grammar_bytes=django_settings.GRAMMAR_MAX_BYTES,
+        )
+
+
+class SchemaTooLarge(ValueError):
+    """The schema's grammar would outgrow ``SchemaLimits``."""
+
+
+def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> str:
+    """A GBNF grammar for the constraint, built from its JSON schema; ``SchemaTooLarge`` past ``limits``."""
     from llama_cpp.llama_grammar import SchemaConverter
 
+    limits = limits or SchemaLimits.from_settings()
     converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     if constraint.kind == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     else:
+        # Checked before anything is built: the converter's own work is what an unbounded schema runs away with.
+        if problem := size_problem(constraint.schema or {}, limits):
+            raise SchemaTooLarge(problem)
         schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
     schema = converter.resolve_refs(schema, "schema")
     if constraint.kind == "tool_calls":
@@ -162,16 +202,199 @@ def grammar_for(constraint: Constraint) -> str:
         # A pattern's "." is any character but a line break; inside a JSON string, not a quote, a backslash or
         # another control character either.
         converter._rules["dot"] = r'[^"\\\x7F\x00-\x1F]'
-    return converter.format_grammar()
+    grammar = converter.format_grammar()
+    if len(grammar) > limits.grammar_bytes:
+        raise SchemaTooLarge(f"its grammar would be {len(grammar)} bytes, more than the {limits.grammar_bytes} allowed")
+    # A repetition writes one group per count, and a few more wrap it where it sits.
+    if (nested := _group_depth(grammar)) > limits.repetition + limits.depth:
+        raise SchemaTooLarge(f"its grammar nests {nested} groups, more than the {limits.repetition} allowed")
+    return grammar
 
 
-def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why this runner cannot enforce ``schema``, or None when it can."""
+def schema_problem(schema: dict[str, Any], *, vocab: Any = None) -> str | None:
+    """Why this runner cannot enforce ``schema``, or None when it can: the grammar is built and, given the model's
+    ``vocab``, compiled as the runner will. Answers are remembered (clients send the same tools every turn)."""
+    limits = SchemaLimits.from_settings()
     try:
-        grammar_for(Constraint(kind="json_schema", schema=schema))
+        text = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # nested past what orjson writes
+        return size_problem(schema, limits) or "it cannot be written as JSON"
+    key = hashlib.blake2b(repr((limits, vocab is not None)).encode() + text, digest_size=16).digest()
+    with _problems_lock:
+        if key in _problems:
+            _problems.move_to_end(key)
+            return _problems[key]
+    if b"\\u0000" in text:
+        # llama.cpp reads a grammar as a C string: it would end at the NUL and fail, printing the whole grammar.
+        problem: str | None = "it holds a NUL character, which this model's grammars cannot"
+    else:
+        problem = _find_problem(schema, vocab, limits)
+    with _problems_lock:
+        _problems[key] = problem
+        while len(_problems) > PROBLEMS_REMEMBERED:
+            _problems.popitem(last=False)
+    return problem
+
+
+PROBLEMS_REMEMBERED = 512
+_problems: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
+_problems_lock = threading.Lock()
+
+
+def _find_problem(schema: dict[str, Any], vocab: Any, limits: SchemaLimits) -> str | None:
+    try:
+        grammar = grammar_for(Constraint(kind="json_schema", schema=schema), limits)
     except Exception as exc:  # noqa: BLE001  (the converter asserts and raises whatever the schema trips over)
         return str(exc) or type(exc).__name__
+    if vocab is not None:
+        from llama_cpp import llama_cpp as lib
+
+        compiled = lib.llama_sampler_init_grammar(vocab.vocab, grammar.encode("utf-8"), b"root")
+        if not compiled:
+            return "llama.cpp cannot compile its grammar"
+        lib.llama_sampler_free(compiled)
     return None
+
+
+_REPETITIONS = ("minLength", "maxLength", "minItems", "maxItems")
+# What one repetition of an item adds to the grammar at most, besides the item itself (separators, parentheses).
+_REPETITION_BYTES = 24
+
+
+def size_problem(schema: Any, limits: SchemaLimits) -> str | None:
+    """What in ``schema`` would make its grammar outgrow ``limits``, found without building it: nesting, counted
+    repetitions, properties, and an estimate of the grammar's size (a budget of four times the grammar's bound,
+    so that the estimate can be generous and the built grammar is measured exactly after)."""
+    properties_in_all = 0
+    estimate = 0
+    # node, its JSON depth, its role ("schema", "map" of names to schemas, or "data"), its rule name's length
+    stack: list[tuple[Any, int, str, int]] = [(schema, 1, "schema", 0)]
+    while stack:
+        node, depth, role, name = stack.pop()
+        if depth > limits.depth:
+            return f"it is nested deeper than {limits.depth} levels"
+        if isinstance(node, list):
+            stack.extend((item, depth + 1, role, name) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if role == "schema":
+            for keyword in _REPETITIONS:
+                count = node.get(keyword)
+                if isinstance(count, int | float) and not isinstance(count, bool):
+                    if count != int(count):
+                        return f"{keyword} {count:g} is not a whole number"
+                    if count > limits.repetition:
+                        return f"{keyword} {count:g} is more than the {limits.repetition} this model enforces"
+                    estimate += int(count) * (name + _REPETITION_BYTES)
+            if isinstance(pattern := node.get("pattern"), str):
+                problem, cost = _pattern_size(pattern, limits)
+                if problem:
+                    return problem
+                estimate += cost
+            if (count := _property_count(node, schema)) > limits.properties:
+                return f"an object has {count} properties, more than the {limits.properties} this model enforces"
+            properties_in_all += count
+            if isinstance(props := node.get("properties"), dict):
+                names = sum(len(str(key)) + name + _REPETITION_BYTES for key in props)
+                estimate += names * max(1, len(props) - len(node.get("required") or ()))
+        for key, value in node.items():
+            if not isinstance(value, dict | list):
+                continue
+            if role == "data" or (role == "schema" and key in _DATA):
+                stack.append((value, depth + 1, "data", name))
+            elif role == "map":
+                stack.append((value, depth + 1, "schema", name + len(str(key)) + 1))
+            else:
+                stack.append((value, depth + 1, "map" if key in _SCHEMA_MAPS else "schema", name + len(key) + 1))
+    if properties_in_all > 4 * limits.properties:
+        most = 4 * limits.properties
+        return f"it has {properties_in_all} properties in all, more than the {most} this model enforces"
+    if estimate > 4 * limits.grammar_bytes:
+        return f"its grammar would be larger than the {limits.grammar_bytes} bytes allowed"
+    return None
+
+
+def _property_count(node: dict[str, Any], root: Any) -> int:
+    """The properties the converter gives one object rule: its own, and those of the schemas its ``allOf`` joins
+    (local ``$ref``s included, as the converter resolves them)."""
+    count = len(props) if isinstance(props := node.get("properties"), dict) else 0
+    parts = node.get("allOf")
+    for part in parts if isinstance(parts, list) else ():
+        for component in part.get("anyOf", [part]) if isinstance(part, dict) else ():
+            if isinstance(component, dict) and isinstance(ref := component.get("$ref"), str):
+                component = _local(root, ref)
+            if isinstance(component, dict) and isinstance(props := component.get("properties"), dict):
+                count += len(props)
+    return count
+
+
+def _local(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#/$defs/Name``) points at, or None."""
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+_COUNTED = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
+
+
+def _pattern_size(pattern: str, limits: SchemaLimits) -> tuple[str | None, int]:
+    """A pattern's problem (a count or group nesting past ``limits``), and what its counted repetitions add to the
+    grammar at most: each writes its item out once per count."""
+    cost, depth, index = len(pattern), 0, 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            index += 2
+            continue
+        if char == "[":
+            end = index + 1
+            while end < len(pattern) and pattern[end] != "]":
+                end += 2 if pattern[end] == "\\" else 1
+            index = end + 1
+            continue
+        if char == "(":
+            depth += 1
+            if depth > limits.depth:
+                return f"its pattern nests groups deeper than {limits.depth} levels", 0
+        elif char == ")":
+            depth -= 1
+        elif char == "{" and (counted := _COUNTED.match(pattern, index)):
+            low, comma, high = counted.groups()
+            count = int(high) if high else int(low or 0)
+            if count > limits.repetition or int(low or 0) > limits.repetition:
+                most = limits.repetition
+                return f"its pattern repeats {counted.group()}, more than the {most} this model enforces", 0
+            cost += count * (len(pattern) + _REPETITION_BYTES)
+            index = counted.end()
+            continue
+        index += 1
+    return None, cost
+
+
+def _group_depth(grammar: str) -> int:
+    """How deeply the grammar's groups nest (outside its literals and character classes): llama.cpp's parser
+    recurses once per level."""
+    deepest = depth = 0
+    for token in _GRAMMAR_TOKENS.findall(grammar):
+        if token == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token == ")":
+            depth -= 1
+        elif token == "\n":
+            depth = 0
+    return deepest
+
+
+_GRAMMAR_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()\n]')
 
 
 def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
@@ -825,7 +1048,10 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         return len(vocab.tokenize(text.encode("utf-8"), False, True))
 
     return PromptRenderer(
-        render=render, count_tokens=count_tokens, native_tools=native_tools, schema_problem=schema_problem
+        render=render,
+        count_tokens=count_tokens,
+        native_tools=native_tools,
+        schema_problem=functools.partial(schema_problem, vocab=vocab),
     )
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from daphne import http_protocol
 from daphne.server import Server
 from django.conf import settings
@@ -11,16 +12,32 @@ from twisted.web import http as twisted_http
 from inference.engine import dispatch
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
+from inference.openai.errors import response_timeout
 from inference.usage.reports import start_periodic_rollup
 
 
 class _HTTPOnlyRequest(http_protocol.WebRequest):
     """The API serves HTTP only: a WebSocket upgrade is handled as the plain HTTP request it came with,
-    so the endpoint answers it at once (405 with ``Allow: POST`` on the POST-only endpoints)."""
+    so the endpoint answers it at once (405 with ``Allow: POST`` on the POST-only endpoints).
+
+    A request whose response has not begun within ``HTTP_TIMEOUT_SECONDS`` gets a 504 in the API's error shape,
+    and the application is told the client is gone (so a generation behind it is cancelled). A response under way,
+    a stream, is never cut here: streams end at their own limits (``STREAM_MAX_SECONDS``,
+    ``GATEWAY_STREAM_MAX_SECONDS``), cleanly, where daphne would cut them mid-event."""
 
     def process(self) -> Any:
         self.requestHeaders.removeHeader(b"Upgrade")
         return super().process()
+
+    def check_timeouts(self) -> None:
+        timeout = self.server.http_timeout
+        if not timeout or self._response_started or self.finished or self.duration() <= timeout:
+            return
+        body = orjson.dumps(response_timeout(timeout).body())
+        headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode())]
+        self.handle_reply({"type": "http.response.start", "status": 504, "headers": headers})
+        self.handle_reply({"type": "http.response.body", "body": body})
+        self.send_disconnect()
 
 
 def media_type(header: bytes) -> bytes:
@@ -62,13 +79,13 @@ class Command(BaseCommand):
             endpoints=[endpoint],
             signal_handlers=True,
             verbosity=0,
-            http_timeout=None,
+            http_timeout=settings.HTTP_TIMEOUT_SECONDS,
             application_close_timeout=10,
             server_name="b3os",
         ).run()
 
     def check_runners(self) -> None:
         """A native runner library that crashes on this CPU stops the start with a message, not a dead server later."""
-        for entry in CatalogEntry.objects.enabled():
+        for entry in CatalogEntry.objects.served_here():
             if (problem := check_runner(entry.runner, entry.runner_settings)) is not None:
                 raise CommandError(f"{entry.public_id}: {problem}")

@@ -1,0 +1,220 @@
+"""``GET /v1/openapi.json``: an OpenAPI 3.1 document of the node's own endpoints.
+
+Request bodies are the JSON schemas of the request models the views validate with (so the document cannot
+drift from what is accepted), responses are OpenAI's objects with this platform's ``b3os`` extensions, and
+every error is OpenAI's error object. It spans the node API and the agent runtime, so it is wired here, beside
+the URLs of both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+from pydantic.json_schema import models_json_schema
+
+from agents.api import TENANT_HEADER
+from agents.protocol import AgentResponseRequest, FeedbackRequest
+from inference.models import CAPABILITIES
+from inference.openai.chat import ChatCompletionRequest
+from inference.openai.responses import ResponseCreateRequest
+from inference.openai.usage import PARAMS as USAGE_PARAMS
+
+REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+ERRORS = {
+    "4XX": _json(_ref("Error"), "The request was refused: OpenAI's error object, naming the parameter."),
+    "5XX": _json(_ref("Error"), "The server or the upstream failed: OpenAI's error object."),
+}
+
+EXTENSIONS: dict[str, dict[str, Any]] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "additionalProperties": False,
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": "string"},
+                },
+            }
+        },
+    },
+    "B3OSRoute": {
+        "description": "This platform's: which way the request went, served on the node or by the gateway's upstream.",
+        "type": "object",
+        "required": ["route"],
+        "properties": {"route": {"enum": ["node", "gateway"]}},
+    },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by", "b3os"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "b3os": {
+                "description": "This platform's: what the model can do; requests that need more get a 400.",
+                "type": "object",
+                "required": list(CAPABILITIES),
+                "properties": {name: {"type": "boolean"} for name in CAPABILITIES},
+            },
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+    },
+    "ChatCompletion": {
+        "description": "OpenAI's chat.completion (or, streamed, chat.completion.chunk events ending in [DONE]).",
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object"}},
+            "usage": {"type": "object"},
+            "b3os": _ref("B3OSRoute"),
+        },
+    },
+    "Response": {
+        "description": "OpenAI's Response (or, streamed, its events ending in response.completed, .incomplete or "
+        ".failed).",
+        "type": "object",
+        "required": ["id", "object", "status", "output"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "status": {"type": "string"},
+            "output": {"type": "array", "items": {"type": "object"}},
+            "usage": {"type": "object"},
+            "b3os": _ref("B3OSRoute"),
+        },
+    },
+    "OrganizationUsage": {"type": "object", "required": ["object", "data", "total"]},
+    "InstanceList": {"type": "object", "required": ["object", "data"]},
+    "Feedback": {"type": "object", "required": ["object", "message_id", "rating"]},
+}
+
+STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events."}}}
+
+
+def _post(summary: str, request: str, response: str, *, stream: bool = True, tenant: bool = False) -> dict[str, Any]:
+    ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.')
+    if stream:
+        ok["content"].update(STREAM)
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": ok, **ERRORS},
+    }
+    if tenant:
+        operation["parameters"] = [_tenant()]
+    return {"post": operation}
+
+
+def _get(summary: str, response: str, *, parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": {"200": _json(_ref(response), "OK"), **ERRORS}}
+    if parameters:
+        operation["parameters"] = parameters
+    return {"get": operation}
+
+
+def _tenant() -> dict[str, Any]:
+    return {
+        "name": TENANT_HEADER,
+        "in": "header",
+        "required": True,
+        "description": "The organization of the API key.",
+        "schema": {"type": "string"},
+    }
+
+
+def _query(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": {"type": "string"}}
+
+
+@functools.cache
+def document() -> dict[str, Any]:
+    _, definitions = models_json_schema(
+        [
+            (ChatCompletionRequest, "validation"),
+            (ResponseCreateRequest, "validation"),
+            (AgentResponseRequest, "validation"),
+            (FeedbackRequest, "validation"),
+        ],
+        ref_template=REF,
+    )
+    instances = _get("The agent instances the tenant may use.", "InstanceList", parameters=[_tenant()])
+    model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "b3os-infer",
+            "version": "1",
+            "description": "OpenAI-compatible inference (/v1/infer) and the stateful agent runtime (/v1). Every "
+            "error is OpenAI's error object; fields named b3os are this platform's.",
+        },
+        "components": {
+            "schemas": {**definitions["$defs"], **EXTENSIONS},
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"apiKey": []}],
+        "paths": {
+            "/v1/infer/models": _get("The models this node offers.", "ModelList"),
+            "/v1/infer/models/{model_id}": _get("One model.", "Model", parameters=[model_id]),
+            "/v1/infer/chat/completions": _post(
+                'Chat completions; "route": "gateway" sends it to the upstream.',
+                "ChatCompletionRequest",
+                "ChatCompletion",
+            ),
+            "/v1/infer/responses": _post(
+                'Responses, stateless; "route": "gateway" sends it to the upstream.',
+                "ResponseCreateRequest",
+                "Response",
+            ),
+            "/v1/infer/usage": _get(
+                "The organization's own usage.",
+                "OrganizationUsage",
+                parameters=[_query(name) for name in USAGE_PARAMS],
+            ),
+            "/v1/responses": _post("An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True),
+            "/v1/instances": instances,
+            "/v1/feedback": _post(
+                "A rating of a stored response.", "FeedbackRequest", "Feedback", stream=False, tenant=True
+            ),
+            "/v1/openapi.json": {
+                "get": {
+                    "summary": "This document.",
+                    "security": [],
+                    "responses": {"200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}},
+                }
+            },
+        },
+    }
+
+
+@require_GET
+async def openapi(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(document())

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from inference.models import GATEWAY, GATEWAY_PARAMETERS, CatalogEntry
+
+
+class Command(BaseCommand):
+    help = (
+        'Offer a model through the gateway ("route": "gateway"): a catalog entry with no local runner, sent to '
+        "GATEWAY_BASE_URL or to its own upstream. Run again to change it."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("model", help="The id clients send as 'model', e.g. openai/gpt-4o")
+        parser.add_argument("--upstream-model", default="", help="The model's id at the upstream (default: the id)")
+        parser.add_argument("--upstream-url", default="", help="Its own upstream (default: GATEWAY_BASE_URL)")
+        parser.add_argument(
+            "--allow",
+            default="",
+            help="Comma-separated, of what the node refuses that may go through: "
+            + ", ".join(name for name, _ in GATEWAY_PARAMETERS),
+        )
+        parser.add_argument("--disable", action="store_true", help="Refuse the model without removing it")
+
+    def handle(
+        self, *args: Any, model: str, upstream_model: str, upstream_url: str, allow: str, disable: bool, **options: Any
+    ) -> None:
+        entry = CatalogEntry.objects.filter(public_id=model).first() or CatalogEntry(public_id=model)
+        entry.runner = GATEWAY
+        entry.runner_settings = {}
+        entry.upstream_model = upstream_model
+        entry.upstream_base_url = upstream_url
+        entry.gateway_parameters = [name.strip() for name in allow.split(",") if name.strip()]
+        entry.enabled = not disable
+        try:
+            entry.full_clean()
+        except ValidationError as exc:
+            problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in exc.message_dict.items())
+            raise CommandError(problems) from None
+        entry.save()
+        self.stdout.write(entry.public_id)
