@@ -24,8 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import Results, build_request, run  # noqa: E402
-from tests.deploy.topology import Topology, rss_bytes, start_upstream  # noqa: E402
-from tests.deploy.traffic import GATEWAY_MODEL  # noqa: E402
+from tests.deploy.topology import (  # noqa: E402
+    GATEWAY_MODEL,
+    Topology,
+    rss_bytes,
+    start_upstream,
+)
 from tests.services import Postgres, Redis  # noqa: E402
 
 PATH = "/v1/infer/chat/completions"

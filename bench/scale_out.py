@@ -27,8 +27,12 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.loadgen import Results, run  # noqa: E402
-from tests.deploy.topology import Topology, start_upstream  # noqa: E402
-from tests.deploy.traffic import GATEWAY_MODEL, MODEL, chat, send  # noqa: E402
+from tests.deploy.topology import (  # noqa: E402
+    GATEWAY_MODEL,
+    Topology,
+    start_upstream,
+)
+from tests.deploy.traffic import MODEL, chat, send  # noqa: E402
 from tests.services import Postgres, Redis  # noqa: E402
 
 

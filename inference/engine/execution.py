@@ -64,6 +64,11 @@ def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
         return _runners[key]
 
 
+def loaded_runner(runner: str, settings: dict[str, Any]) -> Runner | None:
+    """The process's runner for this model if it has loaded it; never loads it."""
+    return _runners.get(_cache_key(runner, settings))
+
+
 _capacities: dict[str, Any] = {}
 
 

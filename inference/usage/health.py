@@ -60,6 +60,10 @@ class ModelHealth:
     queue: str
     detail: str = ""
     hosts: list[str] = field(default_factory=list)
+    # What one loaded copy holds (sequences, context per sequence, queue, KV cache bytes), for runners that say.
+    capacity: dict[str, int] | None = None
+    # Embedded mode, once loaded: the sequences decoding and the jobs queued now.
+    load: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +123,27 @@ def _runner_available(entry: CatalogEntry) -> None:
         raise RunnerError(f"unknown runner {entry.runner!r}", code="runner_unavailable")
 
 
+def _capacity(entry: CatalogEntry) -> dict[str, int] | None:
+    capacity = execution.get_capacity(entry.runner, entry.runner_settings)
+    return asdict(capacity) if capacity is not None else None
+
+
 def embedded_model(entry: CatalogEntry) -> ModelHealth:
-    def health(status: Literal["ok", "error"], workers: str, detail: str) -> ModelHealth:
-        return ModelHealth(id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail)
+    def health(status: Literal["ok", "error"], workers: str, detail: str, **more: Any) -> ModelHealth:
+        return ModelHealth(
+            id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail, **more
+        )
 
     # The runner cache is the process's own record of what it has loaded.
-    if execution._cache_key(entry.runner, entry.runner_settings) in execution._runners:
-        return health("ok", "loaded", "the runner is loaded in this process")
+    if (runner := execution.loaded_runner(entry.runner, entry.runner_settings)) is not None:
+        stats = runner.stats() if hasattr(runner, "stats") else None
+        load = {"active": stats.active, "queued": stats.queued} if stats is not None else None
+        return health("ok", "loaded", "the runner is loaded in this process", capacity=_capacity(entry), load=load)
     try:
         _runner_available(entry)
     except RunnerError as exc:
         return health("error", "unavailable", str(exc))
-    return health("ok", "loadable", "the runner is not loaded yet; it loads on first use")
+    return health("ok", "loadable", "the runner is not loaded yet; it loads on first use", capacity=_capacity(entry))
 
 
 def distributed_models(
@@ -144,11 +157,13 @@ def distributed_models(
     models = []
     for entry in entries:
         hosts = sorted(consumers.get(entry.queue, []))
+        capacity = _capacity(entry)
         if hosts:
-            models.append(ModelHealth(entry.public_id, "ok", f"{len(hosts)} worker(s)", entry.queue, "", hosts))
+            workers = f"{len(hosts)} worker(s)"
+            models.append(ModelHealth(entry.public_id, "ok", workers, entry.queue, "", hosts, capacity=capacity))
         else:
             detail = f"no worker consumes the queue {entry.queue}"
-            models.append(ModelHealth(entry.public_id, "error", "none", entry.queue, detail))
+            models.append(ModelHealth(entry.public_id, "error", "none", entry.queue, detail, capacity=capacity))
     return models
 
 
@@ -167,7 +182,7 @@ async def check_models(*, broker_answers: bool) -> list[ModelHealth]:
             replies = await asyncio.wait_for(_on_health_thread(lambda: _active_queues(timeout)), timeout + 2)
         except Exception:  # noqa: BLE001  (a broker that does not answer means no worker is known)
             replies = None
-    return distributed_models(entries, replies)
+    return await _on_health_thread(lambda: distributed_models(entries, replies))
 
 
 async def check() -> Health:

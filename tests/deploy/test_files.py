@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.topology import DEPLOY, Topology, env_example_names, procfile_names
+from tests.deploy.topology import DEPLOY, GATEWAY_MODEL, Topology, env_example_names, procfile_names
 from tests.deploy.traffic import MODEL
 
 # Set by honcho for each process, not by the operator.
@@ -121,7 +121,7 @@ def test_every_metric_the_dashboard_queries_is_exported_with_its_labels(topology
     headers = {"Authorization": f"Bearer {key}"}
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     assert httpx.post(api, json=ask, headers=headers, timeout=60).status_code == 200
-    gateway = {"model": "upstream/gpt-x", "route": "gateway", "messages": [{"role": "user", "content": "Hi"}]}
+    gateway = {"model": GATEWAY_MODEL, "route": "gateway", "messages": [{"role": "user", "content": "Hi"}]}
     assert httpx.post(api, json=gateway, headers=headers, timeout=60).status_code == 200
     assert httpx.post(api, json=ask, headers=headers, timeout=60).status_code == 429
 

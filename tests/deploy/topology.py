@@ -30,6 +30,9 @@ DEPLOY = ROOT / "deploy"
 PROCFILE = DEPLOY / "Procfile"
 HONCHO = str(Path(sys.executable).parent / "honcho")
 MODEL_QUEUE = "model.b3os.smollm2-135m-instruct"
+# The gateway models the topology's traffic asks the fake upstream for: a plain one, and one that streams slowly.
+GATEWAY_MODEL = "upstream/gpt-x"
+GATEWAY_MODELS = (GATEWAY_MODEL, "trickle")
 
 
 def start_upstream(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -179,7 +182,10 @@ class Topology:
         return result.stdout
 
     def migrate(self) -> None:
+        """The database, and the gateway models the traffic asks the fake upstream for."""
         self.manage("migrate", "--noinput", "-v0")
+        for model in GATEWAY_MODELS:
+            self.manage("add_gateway_model", model)
 
     def organization(self, slug: str, *limits: str) -> str:
         """A new organization's key; ``limits`` are ``manage.py set_limit`` options (``--rpm``, ``50``)."""

@@ -18,8 +18,9 @@ from typing import Any
 
 import httpx
 
+from tests.deploy.topology import GATEWAY_MODEL
+
 MODEL = "b3os/smollm2-135m-instruct"
-GATEWAY_MODEL = "upstream/gpt-x"
 TERMINAL_RESPONSES_EVENTS = {"response.completed", "response.failed", "response.incomplete", "error"}
 
 

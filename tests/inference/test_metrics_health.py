@@ -13,6 +13,7 @@ from django.db import OperationalError
 from django.test import AsyncClient, Client, override_settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from inference.engine import execution
 from inference.models import CatalogEntry
 from inference.usage import health, metrics
 from tests.conftest import MODEL_ID
@@ -117,6 +118,21 @@ async def test_health_says_the_database_answers_redis_is_absent_and_the_model_ca
     assert model["id"] == MODEL_ID and model["status"] == "ok"
     assert model["workers"] in {"loaded", "loadable"}
     assert model["queue"] == catalog_model.queue
+
+
+async def test_health_tells_the_operator_what_a_loaded_model_holds_and_how_busy_it_is(
+    catalog_model: CatalogEntry,
+) -> None:
+    runner = await asyncio.to_thread(execution.get_runner, catalog_model.runner, catalog_model.runner_settings)
+    expected = runner.stats()  # type: ignore[attr-defined]
+
+    status, body = await get_health()
+
+    [model] = body["models"]
+    assert model["workers"] == "loaded"
+    assert model["capacity"]["sequences"] == expected.parallel >= 1
+    assert model["capacity"]["kv_cache_bytes"] > 0
+    assert model["load"] == {"active": 0, "queued": 0}
 
 
 async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: CatalogEntry) -> None:
