@@ -935,7 +935,7 @@ def test_a_worker_that_cannot_read_the_catalog_still_starts(monkeypatch: pytest.
     def unreachable() -> Any:
         raise DatabaseError("could not connect to server")
 
-    monkeypatch.setattr(CatalogEntry.objects, "enabled", unreachable)
+    monkeypatch.setattr(CatalogEntry.objects, "served_here", unreachable)
 
     assert tasks.load_served_models({"model.b3os.toy-chat"}) == []
 
