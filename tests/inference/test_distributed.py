@@ -119,7 +119,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     var_dir = tmp_path_factory.mktemp("distributed")
     redis, url = start_redis(var_dir)
-    extra = {"REDIS_URL": url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "30"}
+    extra = {"REDIS_URL": url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "15"}
     server = start_server(var_dir, extra_env=extra, org="dist")
     env = {**server.env}
     worker = start_worker(env, var_dir / "worker.log")
