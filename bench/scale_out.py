@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,8 @@ from tests.deploy.topology import (  # noqa: E402
 )
 from tests.deploy.traffic import MODEL, chat, send  # noqa: E402
 from tests.services import Postgres, Redis  # noqa: E402
+
+CORES = os.cpu_count() or 2
 
 
 def measure(topology: Topology, key: str, *, gateway: bool, clients: int, duration: float) -> Results:
@@ -82,6 +85,15 @@ def wait_balanced(topology: Topology) -> None:
     raise RuntimeError(f"HAProxy does not see {wanted} up")
 
 
+def two_and_two(topology: Topology) -> None:
+    """The second API process, and two model workers that split the host's cores (deploy/env.example)."""
+    topology.start("api2")
+    topology.stop("smollm2")
+    topology.set("CPU_RUNNER_THREADS", str(max(1, CORES // 2)))
+    topology.start("smollm2")
+    topology.start("smollm2", copy=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds measured per cell")
@@ -95,17 +107,16 @@ def main() -> None:
     postgres = Postgres().start()
     redis = Redis(work).start()
     upstream, upstream_url = start_upstream(work)
-    topology = Topology(work, postgres=postgres, redis=redis, overrides={"GATEWAY_BASE_URL": upstream_url})
+    # One worker alone has every core; two split them.
+    overrides = {"GATEWAY_BASE_URL": upstream_url, "CPU_RUNNER_THREADS": str(CORES)}
+    topology = Topology(work, postgres=postgres, redis=redis, overrides=overrides)
     rows: list[tuple[str, str, int, Results]] = []
     try:
         topology.migrate()
         key = topology.organization("bench")
         for name in ("api1", "lb", "smollm2"):
             topology.start(name)
-        layouts = [
-            ("1 API + 1 worker", lambda: None),
-            ("2 API + 2 workers", lambda: (topology.start("api2"), topology.start("smollm2", copy=2))),
-        ]
+        layouts = [("1 API + 1 worker", lambda: None), ("2 API + 2 workers", lambda: two_and_two(topology))]
         for layout, grow in layouts:
             grow()
             wait_balanced(topology)

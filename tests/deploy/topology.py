@@ -156,6 +156,8 @@ class Topology:
             "JOB_START_TIMEOUT_SECONDS": "60",
             "WORKER_SILENCE_TIMEOUT_SECONDS": "3",
             "SMOLLM2_CONCURRENCY": "20",
+            # Up to two model workers share the host's cores, as deploy/env.example tells operators to.
+            "CPU_RUNNER_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
             "LB_BIND": f"127.0.0.1:{free_port()}",
             "LB_MAXCONN": "4096",
             "LB_STATS_BIND": f"127.0.0.1:{free_port()}",
@@ -163,8 +165,16 @@ class Topology:
         }
         (directory / "var").mkdir(parents=True, exist_ok=True)
         self.env_file = directory / "deploy.env"
-        self.env_file.write_text("".join(f"{name}={value}\n" for name, value in self.values.items()))
+        self._write_env()
         self.running: dict[str, Running] = {}
+
+    def _write_env(self) -> None:
+        self.env_file.write_text("".join(f"{name}={value}\n" for name, value in self.values.items()))
+
+    def set(self, name: str, value: str) -> None:
+        """Changes a variable of the environment file, for the processes started after."""
+        self.values[name] = value
+        self._write_env()
 
     # --- set-up, as an operator does it -------------------------------------------------------------
 

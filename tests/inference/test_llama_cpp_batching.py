@@ -292,3 +292,14 @@ def test_a_fault_in_the_scheduler_ends_the_jobs_it_touched_and_the_runner_goes_o
 
     assert failed.value.code == "generation_failed"
     assert after.finished is not None and after.finished.completion_tokens == 4
+
+
+def test_the_hosts_thread_count_comes_before_the_catalog_entrys(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = {**SETTINGS, "n_threads": 4}
+    assert llama_cpp.RunnerSettings.of(settings).threads == 4
+
+    monkeypatch.setenv("CPU_RUNNER_THREADS", "1")
+    assert llama_cpp.RunnerSettings.of(settings).threads == 1
+
+    monkeypatch.setenv("CPU_RUNNER_THREADS", "")
+    assert llama_cpp.RunnerSettings.of({**SETTINGS}).threads == llama_cpp.default_threads()

@@ -86,6 +86,10 @@ def default_parallel() -> int:
     return min(8, max(4, os.cpu_count() or 1))
 
 
+# llama.cpp's threads for every model of this process, over the catalog entry's ``n_threads``.
+THREADS_VARIABLE = "CPU_RUNNER_THREADS"
+
+
 def default_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
@@ -109,7 +113,8 @@ class RunnerSettings:
             context=int(settings.get("n_ctx") or 8192),
             parallel=parallel,
             queue=int(queued) if (queued := settings.get("queue")) is not None else 4 * parallel,
-            threads=int(settings.get("n_threads") or default_threads()),
+            # The host's own choice first: a host that runs several model workers splits its cores among them.
+            threads=int(os.environ.get(THREADS_VARIABLE) or settings.get("n_threads") or default_threads()),
             prefill_chunk=int(settings.get("prefill_chunk") or PREFILL_CHUNK),
         )
 
