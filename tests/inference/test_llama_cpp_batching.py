@@ -303,3 +303,24 @@ def test_the_hosts_thread_count_comes_before_the_catalog_entrys(monkeypatch: pyt
 
     monkeypatch.setenv("CPU_RUNNER_THREADS", "")
     assert llama_cpp.RunnerSettings.of({**SETTINGS}).threads == llama_cpp.default_threads()
+
+
+def test_each_decode_lists_its_sequences_in_slot_order_so_llama_cpp_runs_them_in_one_pass(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a cache per sequence, llama.cpp splits a batch whose sequence ids do not rise through it into several
+    # passes. The second round reuses the first one's slots in the reverse order of arrival.
+    seen: list[list[int]] = []
+    decode = runner._lib.llama_decode
+
+    def spy(ctx: object, batch: object) -> int:
+        seen.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])  # type: ignore[attr-defined]
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(runner._lib, "llama_decode", spy)
+    first = together(runner, [job(render(question), max_tokens=8) for question in QUESTIONS])
+    again = together(runner, [job(render(question), max_tokens=8) for question in reversed(QUESTIONS)])
+
+    assert [run.text for run in again] == [run.text for run in reversed(first)]
+    assert all(run.finished and run.finished.cached_tokens > 0 for run in again)
+    assert seen and all(ids == sorted(ids) for ids in seen)

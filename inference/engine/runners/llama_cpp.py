@@ -716,6 +716,10 @@ class _Slot:
     sequence: _Sequence | None = None
 
 
+def _seq_id(sequence: _Sequence) -> int:
+    return sequence.slot.seq_id if sequence.slot is not None else -1
+
+
 def _kv_cache_bytes(metadata: dict[str, str], cells: int) -> int:
     """The KV cache's size from the GGUF's description of the model: a key and a value (16-bit floats) per
     layer, KV head and cell. Read from the metadata, so that it is known without loading the weights."""
@@ -958,23 +962,31 @@ class LlamaCppRunner:
             slot.tokens.append(token)
             entries.append((sequence, sample))
 
+        # What each sequence reads this step: its last token, or the next chunk of its prompt (first come, first
+        # read, up to the chunk size in all).
+        planned: dict[_Sequence, list[int]] = {}
         for sequence in list(self._active):
             if sequence.gone:
                 self._release(sequence, "cancelled")
             elif sequence.next_token is not None:
-                add(sequence, sequence.next_token, sample=True)
+                planned[sequence] = [sequence.next_token]
                 sequence.next_token = None
-        room = min(self.settings.prefill_chunk, self._batch_size - len(entries))
+        room = min(self.settings.prefill_chunk, self._batch_size - len(planned))
         for sequence in self._active:
             if room <= 0:
                 break
             if sequence.reading:
                 take = min(room, len(sequence.prompt) - sequence.read)
-                for offset in range(take):
-                    last = sequence.read + offset == len(sequence.prompt) - 1
-                    add(sequence, sequence.prompt[sequence.read + offset], sample=last)
+                planned[sequence] = sequence.prompt[sequence.read : sequence.read + take]
                 sequence.read += take
                 room -= take
+        # In slot order: with a cache per sequence, llama.cpp decodes sequences together in one pass only while their
+        # ids rise one by one through the batch, and splits it into a pass per such run otherwise.
+        for sequence in sorted(planned, key=_seq_id):
+            tokens = planned[sequence]
+            for offset, token in enumerate(tokens):
+                # Logits where a token comes next: after a generated token, or after the prompt's last.
+                add(sequence, token, sample=offset == len(tokens) - 1 and not sequence.reading)
         if not entries:
             return
         batch.n_tokens = len(entries)
