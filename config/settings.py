@@ -241,7 +241,16 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
 # answers 503 now, instead of blocking one of the few threads that publish for everyone. Workers reconnect on their
 # own terms (broker_connection_retry).
-CELERY_BROKER_TRANSPORT_OPTIONS = {"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}
+# Acknowledgements stay in the worker's memory (no ack emulation in Redis): a job is never redelivered anyway, and
+# with emulation an acknowledgement that Redis refused when it went away left the message to be restored when the
+# connection closed, where kombu's Redis transport raised and took the worker down instead of reconnecting.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0.1,
+    "interval_max": 0.1,
+    "ack_emulation": False,
+}
 
 # --- inference ---------------------------------------------------------------------------------
 # Longest a stream may run before it is ended cleanly.

@@ -122,8 +122,14 @@ async def test_time_waiting_in_the_queue_counts_against_the_stream(api: API, nar
 async def test_a_client_that_hangs_up_on_a_whole_answer_is_recorded_as_gone(
     api: API, catalog_model: CatalogEntry
 ) -> None:
+    # An answer held to a long array cannot end on its own within the second the client waits.
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 300}
+    long_answer = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": numbers}}
     request = asyncio.ensure_future(
-        api.post(CHAT, {**ask(max_tokens=400, temperature=1.0), "model": catalog_model.public_id})
+        api.post(
+            CHAT,
+            {**ask(max_tokens=900), "model": catalog_model.public_id, "response_format": long_answer},
+        )
     )
     await asyncio.sleep(1.0)
     request.cancel()
