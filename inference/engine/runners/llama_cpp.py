@@ -4,8 +4,8 @@ default is SmolLM2-135M-Instruct.
 One llama.cpp context per loaded model holds ``parallel`` sequences, each with its own part of the KV
 cache, and one scheduling thread owns it: every step is one ``llama_decode`` over the next token of
 every sequence that is generating, plus a chunk of the prompts still being read (continuous batching).
-Jobs join and leave between steps. Only that thread calls into the context, so llama.cpp's OpenMP
-threads form one team instead of one per calling thread fighting for the cores.
+Jobs join and leave between steps, and only that thread calls into the context. Each step lists its
+sequences in slot order: llama.cpp decodes a batch in one pass only while its sequence ids rise one by one.
 
 A job that arrives finds a free sequence slot, preferring the one whose cached tokens share the longest
 prefix with its prompt: that part is not read again (``cached_tokens``). More jobs than slots wait in a
