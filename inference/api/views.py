@@ -16,6 +16,7 @@ from inference.openai import usage as usage_wire
 from inference.openai.chat import ChatCompletionRequest
 from inference.openai.responses import ResponseCreateRequest
 from inference.serving import chat, gateway, responses
+from inference.serving.caller import Caller, Result
 from inference.usage import reports
 
 from .base import AsyncAPIView
@@ -52,37 +53,44 @@ class ModelDetailView(AsyncAPIView):
         return Response(_model_object(await get_enabled_model(model_id)))
 
 
-class ChatCompletionsView(AsyncAPIView):
-    http_method_names = ["post"]
+class _GenerationView(AsyncAPIView):
+    """A generation endpoint: answered by the node, or forwarded as sent when the body asks for the gateway."""
 
-    async def post(self, request: Request) -> HttpResponseBase:
-        if (body := _gateway_bound(request)) is not None:
-            caller = self.caller(request, route=gateway.ROUTE)
-            result = await gateway.forward_to_gateway(
-                body=body, caller=caller, path="chat/completions", endpoint=chat.ENDPOINT
-            )
-            return self.render_result(request, result)
-        caller = self.caller(request, route="node")
-        params = await self.parse(request, ChatCompletionRequest)
-        self.names(request, params.param_names())
-        return self.render_result(request, await chat.create_chat_completion(params=params, caller=caller))
-
-
-class ResponsesView(AsyncAPIView):
     # POST only: a GET, or a WebSocket upgrade that serve hands over as one, is answered 405 with Allow: POST.
     http_method_names = ["post"]
+    upstream_path: str
+    endpoint: str
 
     async def post(self, request: Request) -> HttpResponseBase:
         if (body := _gateway_bound(request)) is not None:
             caller = self.caller(request, route=gateway.ROUTE)
             result = await gateway.forward_to_gateway(
-                body=body, caller=caller, path="responses", endpoint=responses.ENDPOINT
+                body=body, caller=caller, path=self.upstream_path, endpoint=self.endpoint
             )
-            return self.render_result(request, result)
-        caller = self.caller(request, route="node")
+        else:
+            result = await self.on_node(request, self.caller(request, route="node"))
+        return self.render_result(request, result)
+
+    async def on_node(self, request: Request, caller: Caller) -> Result:
+        raise NotImplementedError
+
+
+class ChatCompletionsView(_GenerationView):
+    upstream_path, endpoint = "chat/completions", chat.ENDPOINT
+
+    async def on_node(self, request: Request, caller: Caller) -> Result:
+        params = await self.parse(request, ChatCompletionRequest)
+        self.names(request, params.param_names())
+        return await chat.create_chat_completion(params=params, caller=caller)
+
+
+class ResponsesView(_GenerationView):
+    upstream_path, endpoint = "responses", responses.ENDPOINT
+
+    async def on_node(self, request: Request, caller: Caller) -> Result:
         params = await self.parse(request, ResponseCreateRequest)
         self.names(request, params.param_names())
-        return self.render_result(request, await responses.create_response(params=params, caller=caller))
+        return await responses.create_response(params=params, caller=caller)
 
 
 class UsageView(AsyncAPIView):
