@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
 from inference.engine.exceptions import ModelNotServed
-from inference.engine.generation import Failed, Generation
+from inference.engine.generation import Done, Failed, Generation
 from inference.models import CatalogEntry
 from inference.openai.errors import APIError, from_exception, generation_failed
 from inference.usage import metrics
@@ -24,7 +24,7 @@ from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
-from .metered import CLIENT_DISCONNECTED
+from .metered import CLIENT_DISCONNECTED, Chunk, Ending, generation_outcome, metered
 
 logger = logging.getLogger("inference.serving")
 
@@ -79,6 +79,24 @@ def record_error(meter: Meter, generation: Generation | None, exc: BaseException
         output_tokens=generation.completion_tokens if served and generation else 0,
         time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
     )
+
+
+def streamed_result(
+    stream: AsyncGenerator[Chunk, None], *, generation: Generation, ending: Ending, grant: Grant, meter: Meter
+) -> Result:
+    """A generation's answer as a stream: its slot is released and its usage recorded when the stream ends, from the
+    terminal event its encoder saw (``ending``)."""
+    outcome = metered(stream, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event))
+    return Result(headers=grant.headers, stream=outcome)
+
+
+def whole_result(
+    body: dict[str, Any], *, done: Done | Failed | None, generation: Generation, grant: Grant, meter: Meter
+) -> Result:
+    """A generation's answer in one body, once it has ended: its slot released and its usage recorded."""
+    grant.release()
+    generation_outcome(generation, done).record(meter)
+    return Result(headers=grant.headers, body=body)
 
 
 def generation_error(failed: Failed, *, request_id: str) -> APIError:

@@ -25,8 +25,8 @@ from inference.openai.shared import LogprobItems, completion_usage, dumps, now
 from inference.usage.records import Meter
 from orgs.admission import Grant
 
-from .caller import Caller, Result, generation_error, run_admitted
-from .metered import Ending, generation_outcome, metered
+from .caller import Caller, Result, generation_error, run_admitted, streamed_result, whole_result
+from .metered import Ending
 
 ENDPOINT = "chat.completions"
 EXTRA = {"b3os": {"route": "node"}}
@@ -292,16 +292,11 @@ async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: 
                 ending=ending,
                 request_id=meter.request_id,
             )
-            stream = metered(
-                chunks, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
-            )
-            return Result(headers=grant.headers, stream=stream)
+            return streamed_result(chunks, generation=generation, ending=ending, grant=grant, meter=meter)
         body, done = await complete(
             generation=generation, model=params.model, want_logprobs=want_logprobs, request_id=meter.request_id
         )
-        grant.release()
-        generation_outcome(generation, done).record(meter)
-        return Result(headers=grant.headers, body=body)
+        return whole_result(body, done=done, generation=generation, grant=grant, meter=meter)
 
     return await run_admitted(
         caller=caller,

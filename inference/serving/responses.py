@@ -49,8 +49,8 @@ from inference.openai.shared import (
 from inference.usage.records import Meter
 from orgs.admission import Grant
 
-from .caller import Caller, Result, generation_error, run_admitted
-from .metered import Ending, generation_outcome, metered
+from .caller import Caller, Result, generation_error, run_admitted, streamed_result, whole_result
+from .metered import Ending
 
 logger = logging.getLogger("inference.serving.responses")
 
@@ -607,14 +607,9 @@ async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller)
         if params.stream:
             ending = Ending()
             events = stream_events(generation=generation, encoder=encoder, ending=ending, request_id=meter.request_id)
-            stream = metered(
-                events, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event)
-            )
-            return Result(headers=grant.headers, stream=stream)
+            return streamed_result(events, generation=generation, ending=ending, grant=grant, meter=meter)
         body, done = await complete(generation=generation, encoder=encoder, request_id=meter.request_id)
-        grant.release()
-        generation_outcome(generation, done).record(meter)
-        return Result(headers=grant.headers, body=body)
+        return whole_result(body, done=done, generation=generation, grant=grant, meter=meter)
 
     return await run_admitted(
         caller=caller,
