@@ -24,13 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import Results, build_request, run  # noqa: E402
-from tests.deploy.topology import (  # noqa: E402
-    GATEWAY_MODEL,
-    Topology,
-    rss_bytes,
-    start_upstream,
-)
-from tests.services import Postgres, Redis  # noqa: E402
+from tests.deploy.topology import GATEWAY_MODEL, deployment, rss_bytes  # noqa: E402
 
 PATH = "/v1/infer/chat/completions"
 
@@ -135,22 +129,13 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="connections-"))
-    postgres = Postgres().start()
-    redis = Redis(work).start()
-    upstream, upstream_url = start_upstream(work)
-    overrides = {"GATEWAY_BASE_URL": upstream_url, "GATEWAY_MAX_CONNECTIONS": str(args.streams + 512)}
-    topology = Topology(work, postgres=postgres, redis=redis, overrides=overrides)
     try:
-        topology.migrate()
-        key = topology.organization("connections")
-        api = topology.start("api1")
-        host, port = topology.values["API_HOST"], int(topology.values["API_1_PORT"])
-        rows = asyncio.run(measure(host, port, key, api.pid, args))
+        with deployment(work, {"GATEWAY_MAX_CONNECTIONS": str(args.streams + 512)}) as topology:
+            key = topology.organization("connections")
+            api = topology.start("api1")
+            host, port = topology.values["API_HOST"], int(topology.values["API_1_PORT"])
+            rows = asyncio.run(measure(host, port, key, api.pid, args))
     finally:
-        topology.close()
-        upstream.terminate()
-        redis.stop()
-        postgres.destroy()
         shutil.rmtree(work, ignore_errors=True)
 
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731

@@ -28,13 +28,8 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.loadgen import Results, run  # noqa: E402
-from tests.deploy.topology import (  # noqa: E402
-    GATEWAY_MODEL,
-    Topology,
-    start_upstream,
-)
+from tests.deploy.topology import GATEWAY_MODEL, Topology, deployment  # noqa: E402
 from tests.deploy.traffic import MODEL, chat, send  # noqa: E402
-from tests.services import Postgres, Redis  # noqa: E402
 
 CORES = os.cpu_count() or 2
 
@@ -104,41 +99,31 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="scale-out-"))
-    postgres = Postgres().start()
-    redis = Redis(work).start()
-    upstream, upstream_url = start_upstream(work)
-    # One worker alone has every core; two split them.
-    overrides = {"GATEWAY_BASE_URL": upstream_url, "CPU_RUNNER_THREADS": str(CORES)}
-    topology = Topology(work, postgres=postgres, redis=redis, overrides=overrides)
     rows: list[tuple[str, str, int, Results]] = []
     try:
-        topology.migrate()
-        key = topology.organization("bench")
-        for name in ("api1", "lb", "smollm2"):
-            topology.start(name)
-        layouts = [("1 API + 1 worker", lambda: None), ("2 API + 2 workers", lambda: two_and_two(topology))]
-        for layout, grow in layouts:
-            grow()
-            wait_balanced(topology)
-            # Each worker loads its model with its first job: not part of what is measured.
-            warm = measure(topology, key, gateway=False, clients=8, duration=4)
-            print(f"  warmed the workers up: {warm.statuses}", flush=True)
-            for route, gateway, clients in (
-                ("gateway", True, args.gateway_clients),
-                ("node", False, args.node_clients),
-            ):
-                results = measure(topology, key, gateway=gateway, clients=clients, duration=args.duration)
-                rows.append((layout, route, clients, results))
-                print(
-                    f"  measured {layout:18} {route:8} rps={results.rps:8.1f} statuses={results.statuses}", flush=True
-                )
-        race_key = topology.organization("race", "--rpm", str(args.rpm))
-        statuses = asyncio.run(limits_race(topology, race_key, args.race))
+        # One worker alone has every core; two split them (two_and_two).
+        with deployment(work, {"CPU_RUNNER_THREADS": str(CORES)}) as topology:
+            key = topology.organization("bench")
+            for name in ("api1", "lb", "smollm2"):
+                topology.start(name)
+            layouts = [("1 API + 1 worker", lambda: None), ("2 API + 2 workers", lambda: two_and_two(topology))]
+            for layout, grow in layouts:
+                grow()
+                wait_balanced(topology)
+                # Each worker loads its model with its first job: not part of what is measured.
+                warm = measure(topology, key, gateway=False, clients=8, duration=4)
+                print(f"  warmed the workers up: {warm.statuses}", flush=True)
+                for route, gateway, clients in (
+                    ("gateway", True, args.gateway_clients),
+                    ("node", False, args.node_clients),
+                ):
+                    results = measure(topology, key, gateway=gateway, clients=clients, duration=args.duration)
+                    rows.append((layout, route, clients, results))
+                    summary = f"rps={results.rps:8.1f} statuses={results.statuses}"
+                    print(f"  measured {layout:18} {route:8} {summary}", flush=True)
+            race_key = topology.organization("race", "--rpm", str(args.rpm))
+            statuses = asyncio.run(limits_race(topology, race_key, args.race))
     finally:
-        topology.close()
-        upstream.terminate()
-        redis.stop()
-        postgres.destroy()
         shutil.rmtree(work, ignore_errors=True)
 
     ms = lambda v: f"{v * 1000:.1f}"  # noqa: E731

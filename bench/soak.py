@@ -24,9 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.deploy.topology import Topology, open_fds, rss_bytes, start_upstream  # noqa: E402
+from tests.deploy.topology import deployment, open_fds, rss_bytes  # noqa: E402
 from tests.deploy.traffic import Outcome, chat, closed_loop, responses  # noqa: E402
-from tests.services import Postgres, Redis  # noqa: E402
 
 PROCESSES = ["api1", "api2", "smollm2", "smollm2.2"]
 MIX = [
@@ -62,73 +61,65 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="soak-"))
-    postgres = Postgres().start()
-    redis = Redis(work).start()
-    upstream, upstream_url = start_upstream(work)
-    topology = Topology(work, postgres=postgres, redis=redis, overrides={"GATEWAY_BASE_URL": upstream_url})
     outcomes: list[Outcome] = []
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {p: {"rss": [], "fds": []} for p in PROCESSES}
     try:
-        topology.migrate()
-        free = topology.organization("soak")
-        limited = topology.organization("soak-limited", "--rpm", "20", "--tpm", "20000", "--in-flight", "2")
-        for name in ("api1", "api2", "lb", "beat", "housekeeping"):
-            topology.start(name)
-        topology.start("smollm2", copy=1)
-        topology.start("smollm2", copy=2)
-        pids = {name: topology.running[name].pid for name in PROCESSES}
+        with deployment(work) as topology:
+            free = topology.organization("soak")
+            limited = topology.organization("soak-limited", "--rpm", "20", "--tpm", "20000", "--in-flight", "2")
+            for name in ("api1", "api2", "lb", "beat", "housekeeping"):
+                topology.start(name)
+            topology.start("smollm2", copy=1)
+            topology.start("smollm2", copy=2)
+            pids = {name: topology.running[name].pid for name in PROCESSES}
 
-        async def traffic() -> None:
-            # Each answer lands in ``outcomes`` as it comes, so progress shows while the clients run.
-            await asyncio.gather(
-                closed_loop(
-                    base_url=topology.url,
-                    key=free,
-                    mix=MIX,
-                    clients=args.clients,
-                    duration=args.duration,
-                    hang_up_share=0.2,
-                    honour_retry_after=True,
-                    on_outcome=outcomes.append,
-                    timeout=120,
-                ),
-                closed_loop(
-                    base_url=topology.url,
-                    key=limited,
-                    mix=MIX,
-                    clients=args.limited_clients,
-                    duration=args.duration,
-                    seed=1,
-                    honour_retry_after=True,
-                    on_outcome=outcomes.append,
-                    timeout=120,
-                ),
-            )
+            async def traffic() -> None:
+                # Each answer lands in ``outcomes`` as it comes, so progress shows while the clients run.
+                await asyncio.gather(
+                    closed_loop(
+                        base_url=topology.url,
+                        key=free,
+                        mix=MIX,
+                        clients=args.clients,
+                        duration=args.duration,
+                        hang_up_share=0.2,
+                        honour_retry_after=True,
+                        on_outcome=outcomes.append,
+                        timeout=120,
+                    ),
+                    closed_loop(
+                        base_url=topology.url,
+                        key=limited,
+                        mix=MIX,
+                        clients=args.limited_clients,
+                        duration=args.duration,
+                        seed=1,
+                        honour_retry_after=True,
+                        on_outcome=outcomes.append,
+                        timeout=120,
+                    ),
+                )
 
-        done = threading.Event()
+            done = threading.Event()
 
-        def run() -> None:
-            asyncio.run(traffic())
-            done.set()
+            def run() -> None:
+                asyncio.run(traffic())
+                done.set()
 
-        threading.Thread(target=run, daemon=True).start()
-        started = time.monotonic()
-        warm_up = min(60.0, args.duration / 10)
-        while not done.wait(args.sample_every):
-            elapsed = time.monotonic() - started
-            if elapsed < warm_up:
-                continue
-            for name, pid in pids.items():
-                samples[name]["rss"].append((elapsed, rss_bytes(pid) / 2**20))
-                samples[name]["fds"].append((elapsed, float(open_fds(pid))))
-            print(f"  {elapsed:6.0f}s  {len(outcomes)} answers so far", flush=True) if int(
-                elapsed
-            ) % 60 < args.sample_every else None
+            threading.Thread(target=run, daemon=True).start()
+            started = time.monotonic()
+            warm_up = min(60.0, args.duration / 10)
+            while not done.wait(args.sample_every):
+                elapsed = time.monotonic() - started
+                if elapsed < warm_up:
+                    continue
+                for name, pid in pids.items():
+                    samples[name]["rss"].append((elapsed, rss_bytes(pid) / 2**20))
+                    samples[name]["fds"].append((elapsed, float(open_fds(pid))))
+                print(f"  {elapsed:6.0f}s  {len(outcomes)} answers so far", flush=True) if int(
+                    elapsed
+                ) % 60 < args.sample_every else None
     finally:
-        topology.close()
-        upstream.terminate()
-        redis.stop()
-        postgres.destroy()
         shutil.rmtree(work, ignore_errors=True)
 
     statuses = Counter(o.status for o in outcomes)

@@ -8,39 +8,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.deploy.topology import Topology, start_upstream
-from tests.services import MissingProgram, Postgres, Redis
+from tests.deploy.topology import Topology, deployment
+from tests.services import MissingProgram
 
 
 @pytest.fixture(scope="package")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    directory = tmp_path_factory.mktemp("topology")
+    # Beat's schedule every few seconds instead of hourly, so a test sees it run.
+    overrides = {"USAGE_ROLLUP_INTERVAL_SECONDS": "5"}
     try:
-        postgres = Postgres().start()
-        redis = Redis(directory).start()
+        with deployment(tmp_path_factory.mktemp("topology"), overrides) as topology:
+            for name in ("api1", "api2", "lb", "beat", "housekeeping"):
+                topology.start(name)
+            topology.start("smollm2", copy=1)
+            topology.start("smollm2", copy=2)
+            yield topology
     except MissingProgram as exc:
         pytest.fail(str(exc))
-    upstream, upstream_url = start_upstream(directory)
-    topology = Topology(
-        directory,
-        postgres=postgres,
-        redis=redis,
-        overrides={
-            "GATEWAY_BASE_URL": upstream_url,
-            # Beat's schedule every few seconds instead of hourly, so a test sees it run.
-            "USAGE_ROLLUP_INTERVAL_SECONDS": "5",
-        },
-    )
-    try:
-        topology.migrate()
-        for name in ("api1", "api2", "lb", "beat", "housekeeping"):
-            topology.start(name)
-        topology.start("smollm2", copy=1)
-        topology.start("smollm2", copy=2)
-        yield topology
-    finally:
-        topology.close()
-        upstream.terminate()
-        upstream.wait(timeout=10)
-        redis.stop()
-        postgres.destroy()

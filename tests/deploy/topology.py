@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -308,3 +309,23 @@ def sum_samples(samples: Mapping[str, float], name: str, **labels: str) -> float
     return sum(
         value for key, value in samples.items() if key.split("{", 1)[0] == name and all(part in key for part in wanted)
     )
+
+
+@contextmanager
+def deployment(directory: Path, overrides: Mapping[str, str] = {}) -> Iterator[Topology]:
+    """PostgreSQL, Redis and the fake upstream started, and a migrated topology over them (its processes for the
+    caller to start); everything stopped at the end."""
+    with ExitStack() as stack:
+        postgres = Postgres().start()
+        stack.callback(postgres.destroy)
+        redis = Redis(directory).start()
+        stack.callback(redis.stop)
+        upstream, upstream_url = start_upstream(directory)
+        stack.callback(upstream.wait, timeout=10)
+        stack.callback(upstream.terminate)
+        topology = Topology(
+            directory, postgres=postgres, redis=redis, overrides={"GATEWAY_BASE_URL": upstream_url, **overrides}
+        )
+        stack.callback(topology.close)
+        topology.migrate()
+        yield topology
