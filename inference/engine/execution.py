@@ -12,11 +12,11 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
+from typing import Any, TypeVar
 
 from inference.engine.runners.base import (
     Finished,
@@ -30,6 +30,7 @@ from inference.engine.runners.base import (
 )
 
 logger = logging.getLogger("inference.engine.execution")
+T = TypeVar("T")
 
 RUNNER_MODULES = {
     "llama_cpp": "inference.engine.runners.llama_cpp",
@@ -53,15 +54,20 @@ def _cache_key(runner: str, settings: dict[str, Any]) -> str:
     return runner + ":" + json.dumps(settings, sort_keys=True)
 
 
+def _once(cache: dict[str, T], runner: str, settings: dict[str, Any], make: Callable[[], T]) -> T:
+    """``cache``'s value for this model, made on first use, by one caller at a time."""
+    key = _cache_key(runner, settings)
+    if (made := cache.get(key)) is not None:
+        return made
+    with _lock:
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+
 def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
     """The process's loaded runner for this model, loading it on first use."""
-    key = _cache_key(runner, settings)
-    if (loaded := _runners.get(key)) is not None:
-        return loaded
-    with _lock:
-        if key not in _runners:
-            _runners[key] = _module(runner).load(settings)
-        return _runners[key]
+    return _once(_runners, runner, settings, lambda: _module(runner).load(settings))
 
 
 def loaded_runner(runner: str, settings: dict[str, Any]) -> Runner | None:
@@ -86,13 +92,7 @@ def get_capacity(runner: str, settings: dict[str, Any]) -> Any | None:
 
 
 def get_renderer(runner: str, settings: dict[str, Any]) -> PromptRenderer:
-    key = _cache_key(runner, settings)
-    if (loaded := _renderers.get(key)) is not None:
-        return loaded
-    with _lock:
-        if key not in _renderers:
-            _renderers[key] = _module(runner).renderer(settings)
-        return _renderers[key]
+    return _once(_renderers, runner, settings, lambda: _module(runner).renderer(settings))
 
 
 @dataclass(frozen=True, slots=True)
