@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from core.db import db_task
 from inference.engine import capabilities
 from inference.openai import responses as wire
-from inference.openai.errors import NOT_FOUND, APIError, invalid_request
+from inference.openai.errors import NOT_FOUND, APIError, invalid_request, model_missing
 from inference.openai.shared import declared_fields
 from inference.serving import responses
 from inference.serving.caller import Caller, Result, admit_request, least_charge, meter_for, precheck_request
@@ -44,12 +44,8 @@ def list_instances(*, organization_id: int) -> list[AgentInstance]:
 
 
 def model_not_found(instance_id: str) -> APIError:
-    return APIError(
-        f"The model {instance_id!r} does not exist or you do not have access to it.",
-        code="model_not_found",
-        status=404,
-        param="model",
-        type=NOT_FOUND,
+    return model_missing(
+        f"The model {instance_id!r} does not exist or you do not have access to it.", code="model_not_found"
     )
 
 

@@ -86,13 +86,14 @@ def unsupported_parameter(param: str, message: str | None = None) -> APIError:
     return APIError(message or f"{param} is not supported", code="unsupported_parameter", param=param)
 
 
+def model_missing(message: str, *, code: str = "model_not_available") -> APIError:
+    """A 404 naming ``model``: the model the request asked for is not to be had here."""
+    return APIError(message, code=code, status=404, param="model", type=NOT_FOUND)
+
+
 def model_not_available(model: str) -> APIError:
-    return APIError(
-        f'The model {model!r} is not served on this node. Add "route": "gateway" to send the request to the gateway.',
-        code="model_not_available",
-        status=404,
-        param="model",
-        type=NOT_FOUND,
+    return model_missing(
+        f'The model {model!r} is not served on this node. Add "route": "gateway" to send the request to the gateway.'
     )
 
 

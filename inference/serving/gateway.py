@@ -34,10 +34,10 @@ from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
 from inference.openai.errors import (
     ERROR_TYPES,
     INVALID_REQUEST,
-    NOT_FOUND,
     SERVER,
     APIError,
     invalid_request,
+    model_missing,
     unsupported_parameter,
 )
 
@@ -114,13 +114,7 @@ def gateway_model(body: dict[str, Any]) -> str:
 
 
 def not_offered(model: str) -> APIError:
-    return APIError(
-        f"The model {model!r} is not offered through the gateway on this node.",
-        code="model_not_available",
-        status=404,
-        param="model",
-        type=NOT_FOUND,
-    )
+    return model_missing(f"The model {model!r} is not offered through the gateway on this node.")
 
 
 def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
