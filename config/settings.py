@@ -221,9 +221,10 @@ REST_FRAMEWORK = {
 if DISTRIBUTED:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            # redis-py reads time out after 5 s by default, as long as the layer's blocking pop: give reads room.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000, "expiry": 60},
+            # Pub/sub: a message is one PUBLISH, pushed to the subscriber (the list-based layer spends eight commands
+            # on it, four to send and four to receive). Job events are the only traffic (inference.engine.dispatch).
+            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_connect_timeout": 2, "socket_timeout": 5}]},
         }
     }
 else:

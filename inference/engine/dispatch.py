@@ -1,13 +1,16 @@
 """Getting a generation job to a runner and its events back.
 
 Embedded mode (no ``REDIS_URL``): the job runs on this process's runner threads.
-Distributed mode: the job goes as a Celery task to the model's queue; the worker sends the events
-to a reply channel of the Channels layer, which this process reads. Both hand the caller the same
-batches of events, ending in ``Finished`` or ``JobFailed``.
+Distributed mode: this process opens a reply channel on the Channels layer (Redis pub/sub: one ``PUBLISH`` per
+message, pushed to the subscriber) and sends the job as a Celery task to the model's queue; the worker publishes
+the events on the reply channel. Both hand the caller the same batches of events, ending in ``Finished`` or
+``JobFailed``.
 
-The worker keeps the stream alive with heartbeats, so a worker that dies is noticed within
-``WORKER_SILENCE_TIMEOUT_SECONDS``; a cancelled job is flagged in Redis, where the worker looks
-between tokens.
+Pub/sub keeps nothing for a subscriber that is not connected, so each message carries a sequence number: a message
+lost on the way ends the stream with an error instead of leaving a hole in its text. The worker keeps the stream
+alive with heartbeats, so a worker that dies is noticed within ``WORKER_SILENCE_TIMEOUT_SECONDS``; and it stops the
+job as soon as nobody listens on the reply channel any more: the client hung up (this process closed the channel),
+or this process is gone.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from celery import current_app
-from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 from django.conf import settings
 
@@ -32,13 +34,12 @@ from inference.models import CatalogEntry
 
 logger = logging.getLogger("inference.engine.dispatch")
 
-CANCEL_KEY = "b3os:cancel:{job_id}"
 # The worker side of a job is the Celery task of this name (``inference.tasks.generate``), sent by name so
 # that this module, which the task calls into, does not import it back.
 GENERATE_TASK = "inference.generate"
 HEARTBEAT_SECONDS = 1.0
 OUTAGE_CHECK_SECONDS = 1.0
-CANCEL_POLL_SECONDS = 0.2
+LISTENER_POLL_SECONDS = 0.2
 MESSAGE_TYPE = "job.events"
 
 
@@ -69,11 +70,13 @@ class ChannelJob:
         self._job = job
         self._queue = queue
         self._layer = get_channel_layer()
-        self._finished = False
+        self._reply: str | None = None
+        self._receive: asyncio.Future[dict[str, Any]] | None = None
 
     async def events(self) -> AsyncIterator[list[JobEvent]]:
-        reply = await self._layer.new_channel(prefix="job")
         try:
+            # Subscribed before the job is sent, so the worker's first message has a listener.
+            self._reply = reply = await self._layer.new_channel(prefix="job.")
             await asyncio.to_thread(
                 current_app.send_task,
                 GENERATE_TASK,
@@ -84,65 +87,87 @@ class ChannelJob:
                 retry=False,
             )
         except REDIS_ERRORS as exc:
-            self._finished = True
+            await self._close()
             yield [JobFailed("service_unavailable", f"the job could not be queued: {type(exc).__name__}")]
             return
-        started = False
+        try:
+            async for events in self._messages(reply):
+                if events and isinstance(events[-1], Finished | JobFailed):
+                    await self._close()  # at once, not when the caller lets go of this generator
+                    yield events
+                    return
+                yield events
+        finally:
+            await self._close()
+
+    async def _messages(self, reply: str) -> AsyncIterator[list[JobEvent]]:
+        """The events of each message on ``reply``, in order; a failure ends them when the worker never answers,
+        falls silent, a message is missing or Redis goes away."""
+        expected = 0
         while True:
-            timeout = settings.WORKER_SILENCE_TIMEOUT_SECONDS if started else settings.JOB_START_TIMEOUT_SECONDS
+            timeout = settings.WORKER_SILENCE_TIMEOUT_SECONDS if expected else settings.JOB_START_TIMEOUT_SECONDS
             try:
                 message = await self._next_message(reply, timeout)
             except REDIS_ERRORS as exc:
                 # Redis went away under the job: its events cannot come back, so the stream ends here, cleanly.
-                self._finished = True
                 logger.warning("job %s lost its reply channel: %s: %s", self._job.job_id, type(exc).__name__, exc)
                 yield [JobFailed("service_unavailable", "the model's events could not be read")]
                 return
             except TimeoutError:
-                self._finished = True
-                if started:
+                if expected:
                     yield [JobFailed("worker_lost", "the model worker stopped responding mid-generation")]
                 else:
                     yield [JobFailed("no_worker", f"no worker took the job on queue {self._queue} in time")]
                 return
-            started = True
-            events = decode(message["events"])
-            if events:
-                yield events
-                if isinstance(events[-1], Finished | JobFailed):
-                    self._finished = True
-                    return
+            if message is None:  # this side closed the channel: the job was cancelled
+                return
+            if message.get("seq") != expected:
+                logger.warning(
+                    "job %s: message %s arrived where %d was due", self._job.job_id, message.get("seq"), expected
+                )
+                yield [JobFailed("service_unavailable", "the model's events were lost on the way")]
+                return
+            expected += 1
+            yield decode(message["events"])
 
-    async def _next_message(self, reply: str, timeout: float) -> dict[str, Any]:
-        """The next message on ``reply`` within ``timeout`` seconds, else ``TimeoutError``; while waiting, Redis is
-        asked every ``OUTAGE_CHECK_SECONDS`` whether it is still there, so a job that waits for a worker does not
-        hold its client for the whole start timeout once Redis is gone (the Channels layer does not say)."""
+    async def _next_message(self, reply: str, timeout: float) -> dict[str, Any] | None:
+        """The next message on ``reply`` within ``timeout`` seconds, else ``TimeoutError``; None once the channel is
+        closed. While waiting, Redis is asked every ``OUTAGE_CHECK_SECONDS`` whether it is still there, so a job does
+        not hold its client for the whole timeout once Redis is gone (the pub/sub layer reconnects quietly)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        receive = asyncio.ensure_future(self._layer.receive(reply))
-        try:
-            while True:
-                wait = max(0.0, min(OUTAGE_CHECK_SECONDS, deadline - loop.time()))
-                done, _ = await asyncio.wait({receive}, timeout=wait)
-                if done:
-                    message: dict[str, Any] = receive.result()
-                    return message
-                if loop.time() >= deadline:
-                    raise TimeoutError
-                await async_client().ping()
-        finally:
+        self._receive = receive = asyncio.ensure_future(self._layer.receive(reply))
+        while not receive.done():
+            await asyncio.wait({receive}, timeout=max(0.0, min(OUTAGE_CHECK_SECONDS, deadline - loop.time())))
+            if receive.done():
+                break
+            if loop.time() >= deadline:
+                raise TimeoutError
+            await async_client().ping()
+        self._receive = None
+        if receive.cancelled():
+            return None
+        message: dict[str, Any] = receive.result()
+        return message
+
+    async def _close(self) -> None:
+        """Unsubscribe from the reply channel, which tells the worker to stop if it has not finished. Channels has
+        no call for this: a layer closes a channel when a receive on it is cancelled, as when a consumer exits."""
+        reply, self._reply = self._reply, None
+        if reply is None:
+            return
+        while True:
+            receive = self._receive or asyncio.ensure_future(self._layer.receive(reply))
+            self._receive = None
+            await asyncio.sleep(0)  # the receive starts waiting, or takes a message that was still on its way
             if not receive.done():
                 receive.cancel()
+                # The unsubscribe goes on by itself if Redis is slow to answer; the caller does not wait for it.
+                await asyncio.wait({receive}, timeout=OUTAGE_CHECK_SECONDS)
+                return
 
     async def cancel(self) -> None:
-        if self._finished:
-            return
-        try:
-            key = CANCEL_KEY.format(job_id=self._job.job_id)
-            await async_client().set(key, b"1", ex=settings.STREAM_MAX_SECONDS + 60)
-        except REDIS_ERRORS as exc:
-            # The worker cannot be told; with Redis away it cannot send events either, so it stops on its own.
-            logger.warning("job %s could not be cancelled: %s: %s", self._job.job_id, type(exc).__name__, exc)
+        await self._close()
 
 
 def start_job(job: GenerationJob, *, queue: str) -> Job:
@@ -163,37 +188,38 @@ def warm_up_embedded() -> None:
 
 
 async def serve_job(job: GenerationJob, reply: str) -> None:
-    """Run ``job`` here and send its events to ``reply``; stop if the API side cancels or goes away."""
+    """Run ``job`` here and publish its events on ``reply``; stop once nobody listens there any more."""
     layer = get_channel_layer()
     client = async_client()
     cancelled = threading.Event()
+    sent = 0
     last_sent = time.monotonic()
 
     async def send(wire: list[list[Any]]) -> None:
-        nonlocal last_sent
+        nonlocal sent, last_sent
+        message = {"type": MESSAGE_TYPE, "seq": sent, "events": wire}
+        sent += 1
+        last_sent = time.monotonic()
         try:
-            await layer.send(reply, {"type": MESSAGE_TYPE, "events": wire})
-        except ChannelFull:
-            cancelled.set()  # nobody is reading any more
+            await layer.send(reply, message)
         except REDIS_ERRORS as exc:
             # The events have nowhere to go, and the API side has ended the stream already (it watches Redis too).
             if not cancelled.is_set():
                 logger.warning("job %s stopped: Redis is unavailable: %s: %s", job.job_id, type(exc).__name__, exc)
             cancelled.set()
-        last_sent = time.monotonic()
 
     async def watch() -> None:
-        key = CANCEL_KEY.format(job_id=job.job_id)
         while not cancelled.is_set():
-            await asyncio.sleep(CANCEL_POLL_SECONDS)
             try:
-                asked_to_stop = await client.exists(key)
+                [(_, listeners)] = await client.pubsub_numsub(reply)
             except REDIS_ERRORS:
-                asked_to_stop = True  # as in send: nobody can read the events any more
-            if asked_to_stop:
+                listeners = 0  # as in send: nobody can read the events any more
+            if not listeners:
+                logger.info("job %s stopped: nobody listens on its reply channel", job.job_id)
                 cancelled.set()
             elif time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
                 await send([])
+            await asyncio.sleep(LISTENER_POLL_SECONDS)
 
     await send([])  # started
     watcher = asyncio.create_task(watch())

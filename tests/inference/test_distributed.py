@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -9,14 +10,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
+from channels.layers import get_channel_layer
+from django.test import override_settings
 
-from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server
+from inference.engine.dispatch import MESSAGE_TYPE, ChannelJob
+from inference.engine.execution import JobFailed
+from inference.engine.runners.base import GenerationJob, Sampling
+from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
 
 pytestmark = pytest.mark.distributed
 
@@ -251,3 +258,89 @@ def test_no_worker_for_the_model_is_a_clear_error(cluster: Cluster) -> None:
         assert time.monotonic() - started < env_timeout + 10
     finally:
         cluster.restart_worker()
+
+
+def reply_channels(cluster: Cluster) -> list[bytes]:
+    """The reply channels some API process listens on."""
+    channels: list[bytes] = redis.Redis.from_url(cluster.env["REDIS_URL"]).pubsub_channels("asgijob.*")
+    return channels
+
+
+def eventually(check: Callable[[], bool], seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# An answer held to a long array: the model cannot end it early on its own.
+ENDLESS = {
+    **QUESTION,
+    "max_tokens": 3000,
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "numbers", "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}},
+    },
+}
+
+
+def test_a_reply_channel_is_closed_when_its_job_ends_or_its_client_hangs_up(cluster: Cluster) -> None:
+    assert post(cluster, QUESTION).status_code == 200
+    assert eventually(lambda: reply_channels(cluster) == [])
+    for seen, _ in enumerate(stream_lines(cluster, ENDLESS)):
+        if seen == 5:
+            assert len(reply_channels(cluster)) == 1
+            break
+    assert eventually(lambda: reply_channels(cluster) == [])
+    assert eventually(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
+
+
+def test_a_job_whose_api_process_died_stops_on_the_worker(cluster: Cluster) -> None:
+    port = free_port()
+    with open(cluster.var_dir / "doomed-server.log", "wb") as log:
+        doomed = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--port", str(port)],
+            cwd=ROOT,
+            env=cluster.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/v1/infer/models", process=doomed)
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/infer/chat/completions",
+            json={**ENDLESS, "stream": True},
+            headers={"Authorization": f"Bearer {cluster.server.key}"},
+            timeout=60,
+        ) as response:
+            for seen, _ in enumerate(response.iter_lines()):
+                if seen == 5:
+                    doomed.kill()  # no cancel, no unsubscribe: the process is simply gone
+                    break
+    finally:
+        doomed.kill()
+        doomed.wait()
+    # The worker has one thread: the next job runs once the orphaned one stopped, not 3,000 tokens later.
+    assert eventually(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
+    assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
+
+
+async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    job = GenerationJob("lost-message", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+        events = ChannelJob(job, queue="model.nobody-consumes-this").events()
+        first = asyncio.ensure_future(anext(events))
+        assert await asyncio.to_thread(eventually, lambda: len(reply_channels(cluster)) == 1)
+        [reply] = reply_channels(cluster)
+        # A worker's messages 0 and 2: 1 never arrived.
+        await get_channel_layer().send(reply.decode(), {"type": MESSAGE_TYPE, "seq": 0, "events": [["a"]]})
+        await get_channel_layer().send(reply.decode(), {"type": MESSAGE_TYPE, "seq": 2, "events": [["t", "x", 1, []]]})
+        assert len(await first) == 1
+        [failed] = await anext(events)
+        assert failed == JobFailed("service_unavailable", "the model's events were lost on the way")
+        assert await asyncio.to_thread(eventually, lambda: reply_channels(cluster) == [])
