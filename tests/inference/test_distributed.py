@@ -260,10 +260,10 @@ def test_no_worker_for_the_model_is_a_clear_error(cluster: Cluster) -> None:
         cluster.restart_worker()
 
 
-def reply_channels(cluster: Cluster) -> list[bytes]:
+def reply_channels(cluster: Cluster) -> list[str]:
     """The reply channels some API process listens on."""
-    channels: list[bytes] = redis.Redis.from_url(cluster.env["REDIS_URL"]).pubsub_channels("asgijob.*")
-    return channels
+    client = redis.Redis.from_url(cluster.env["REDIS_URL"], decode_responses=True)
+    return [str(channel) for channel in client.pubsub_channels("asgijob.*")]
 
 
 def eventually(check: Callable[[], bool], seconds: float = 10) -> bool:
@@ -338,8 +338,8 @@ async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: 
         assert await asyncio.to_thread(eventually, lambda: len(reply_channels(cluster)) == 1)
         [reply] = reply_channels(cluster)
         # A worker's messages 0 and 2: 1 never arrived.
-        await get_channel_layer().send(reply.decode(), {"type": MESSAGE_TYPE, "seq": 0, "events": [["a"]]})
-        await get_channel_layer().send(reply.decode(), {"type": MESSAGE_TYPE, "seq": 2, "events": [["t", "x", 1, []]]})
+        await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": 0, "events": [["a"]]})
+        await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": 2, "events": [["t", "x", 1, []]]})
         assert len(await first) == 1
         [failed] = await anext(events)
         assert failed == JobFailed("service_unavailable", "the model's events were lost on the way")
