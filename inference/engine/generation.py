@@ -118,7 +118,8 @@ class Generation:
         deadline = self.started + settings.STREAM_MAX_SECONDS
         while True:
             try:
-                batch = await asyncio.wait_for(anext(self._events), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    batch = await anext(self._events)
             except StopAsyncIteration:
                 return
             except TimeoutError:
