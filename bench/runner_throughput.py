@@ -8,11 +8,12 @@ Same GGUF (SmolLM2-135M-Instruct Q4_1), same engine, same instruction-set flags;
 - llama-cpp-python's own server (``llama_cpp.server``), today's common choice, on the same installed library;
 - the engine's limit: ``llama-batched-bench`` at the same batch sizes, no HTTP at all.
 
-Clients stream chat completions (greedy, ``--tokens`` each, a different prompt per stream and round) at 1, 4
-and 8 concurrent streams, alternating servers round by round. Tokens are counted by tokenizing each stream's
-text with the model's tokenizer, alike for every server. It prints one table and the ratios.
+Clients stream chat completions (greedy, ``--tokens`` each, a different prompt per stream and round, the same
+for every server) at 1, 4 and 8 concurrent streams, alternating servers round by round, each round starting with
+the next server. Tokens are counted by tokenizing each stream's text with the model's tokenizer, alike for every
+server. It prints one table and the ratios.
 
-    .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 2] [--slots N]
+    .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 3] [--slots N] [--threads N]
 """
 
 from __future__ import annotations
@@ -344,11 +345,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", default="1,4,8")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--slots", type=int, default=llama_cpp.default_parallel())
+    parser.add_argument(
+        "--threads", type=int, default=llama_cpp.default_threads(), help="the model's threads, alike for every server"
+    )
     args = parser.parse_args()
     streams = [int(n) for n in args.streams.split(",")]
-    threads = llama_cpp.default_threads()
+    threads = args.threads
+    os.environ[llama_cpp.THREADS_VARIABLE] = str(threads)  # the runner here and the platform's processes
     binaries = build(PORTABLE, ("llama-server", "llama-batched-bench"))
     vocabulary = llama_cpp.Vocabulary(llama_cpp._load_model(llama_cpp.model_path(SETTINGS), vocab_only=True))
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
@@ -375,10 +380,12 @@ def main() -> None:
         cells: dict[tuple[str, int], Cell] = {}
         cpu: dict[str, float] = {}
         index = 0
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
+            # Each round starts with the next server, so that none is always the one after a slow one.
+            order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
             for n in streams:
-                for server in servers:
-                    index += n
+                index += n  # new prompts, the same for every server
+                for server in order:
                     embedded = server.processes[-1].pid if server.name == "platform, embedded" else None
                     before = thread_cpu(embedded) if embedded is not None else {}
                     started = time.perf_counter()
