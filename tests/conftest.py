@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,16 @@ def _fresh_limits_and_usage() -> Iterator[None]:
 
 
 # --- a live server in its own process -------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, step: float = 0.02) -> bool:
+    """Whether ``condition`` holds within ``timeout`` seconds, asked every ``step``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+    return True
 
 
 def free_port() -> int:

@@ -538,7 +538,8 @@ async def test_a_named_client_tool_is_called_after_the_server_tool_the_instance_
         tools=[ASK],
         tool_choice=choice,
         temperature=0.6 + attempt / 5,
-        max_output_tokens=96,
+        # Room for the forced call after the server tool's, however long a hot sample makes the tool's query.
+        max_output_tokens=256,
     )
 
     assert ends_with_a_valid_call(response, ASK) == [AGENT_CALL]

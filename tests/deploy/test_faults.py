@@ -10,11 +10,11 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
+from tests.conftest import wait_until
 from tests.deploy.topology import Topology, rss_bytes, sum_samples
 from tests.deploy.traffic import MODEL, Outcome, Phases, Request, chat, closed_loop, responses, send, summary
 
@@ -35,15 +35,6 @@ def jobs_received(topology: Topology, worker: str) -> int:
 
 def in_flight(topology: Topology) -> float:
     return sum(sum_samples(topology.metrics(n), "b3os_requests_in_flight") for n in (1, 2))
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, step: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(step)
-    return condition()
 
 
 def usage_of(topology: Topology, request_id: str) -> list[tuple[int, str]]:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from django.test import override_settings
 from inference.engine.dispatch import MESSAGE_TYPE, ChannelJob
 from inference.engine.execution import JobFailed
 from inference.engine.runners.base import GenerationJob, Sampling
-from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -266,15 +266,6 @@ def reply_channels(cluster: Cluster) -> list[str]:
     return [str(channel) for channel in client.pubsub_channels("asgijob.*")]
 
 
-def eventually(check: Callable[[], bool], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 # An answer held to a long array: the model cannot end it early on its own.
 ENDLESS = {
     **QUESTION,
@@ -288,13 +279,13 @@ ENDLESS = {
 
 def test_a_reply_channel_is_closed_when_its_job_ends_or_its_client_hangs_up(cluster: Cluster) -> None:
     assert post(cluster, QUESTION).status_code == 200
-    assert eventually(lambda: reply_channels(cluster) == [])
+    assert wait_until(lambda: reply_channels(cluster) == [])
     for seen, _ in enumerate(stream_lines(cluster, ENDLESS)):
         if seen == 5:
             assert len(reply_channels(cluster)) == 1
             break
-    assert eventually(lambda: reply_channels(cluster) == [])
-    assert eventually(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
+    assert wait_until(lambda: reply_channels(cluster) == [])
+    assert wait_until(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
 
 
 def test_a_job_whose_api_process_died_stops_on_the_worker(cluster: Cluster) -> None:
@@ -324,7 +315,7 @@ def test_a_job_whose_api_process_died_stops_on_the_worker(cluster: Cluster) -> N
         doomed.kill()
         doomed.wait()
     # The worker has one thread: the next job runs once the orphaned one stopped, not 3,000 tokens later.
-    assert eventually(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
+    assert wait_until(lambda: "nobody listens on its reply channel" in cluster.worker.log.read_text())
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
@@ -335,7 +326,7 @@ async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: 
     with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
         events = ChannelJob(job, queue="model.nobody-consumes-this").events()
         first = asyncio.ensure_future(anext(events))
-        assert await asyncio.to_thread(eventually, lambda: len(reply_channels(cluster)) == 1)
+        assert await asyncio.to_thread(wait_until, lambda: len(reply_channels(cluster)) == 1)
         [reply] = reply_channels(cluster)
         # A worker's messages 0 and 2: 1 never arrived.
         await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": 0, "events": [["a"]]})
@@ -343,4 +334,4 @@ async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: 
         assert len(await first) == 1
         [failed] = await anext(events)
         assert failed == JobFailed("service_unavailable", "the model's events were lost on the way")
-        assert await asyncio.to_thread(eventually, lambda: reply_channels(cluster) == [])
+        assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])

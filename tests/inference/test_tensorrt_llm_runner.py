@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from inference.engine.runners.base import (
 )
 from inference.models import CatalogEntry
 from inference.openai.errors import ParamNames, from_exception
+from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
@@ -152,15 +153,6 @@ def never() -> bool:
 
 def words(count: int, prefix: str = "w") -> str:
     return " ".join(f"{prefix}{i}" for i in range(count))
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # -- streaming, usage and finish reasons -------------------------------------------------------------
