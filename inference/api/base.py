@@ -105,7 +105,10 @@ class AsyncAPIView(APIView):
         self.context(request).route = result.route
         response: HttpResponseBase
         if result.stream is not None:
-            response = StreamingHttpResponse(result.stream, content_type="text/event-stream; charset=utf-8")
+            # The charset given, not read back from the Content-Type header by a regex for every chunk.
+            response = StreamingHttpResponse(
+                result.stream, content_type="text/event-stream; charset=utf-8", charset="utf-8"
+            )
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
         else:
