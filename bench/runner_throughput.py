@@ -384,12 +384,13 @@ def main() -> None:
             # Each round starts with the next server, so that none is always the one after a slow one.
             order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
             for n in streams:
-                index += n  # new prompts, the same for every server
+                # Prompts not seen before, the same for every server: a repeated one would be a whole-prompt cache hit.
+                first, index = index, index + n
                 for server in order:
                     embedded = server.processes[-1].pid if server.name == "platform, embedded" else None
                     before = thread_cpu(embedded) if embedded is not None else {}
                     started = time.perf_counter()
-                    results = asyncio.run(load(server, n, args.tokens, index))
+                    results = asyncio.run(load(server, n, args.tokens, first))
                     cell = cells.setdefault((server.name, n), Cell())
                     cell.elapsed.append(time.perf_counter() - started)
                     for result in results:
