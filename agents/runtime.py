@@ -384,7 +384,8 @@ class AgentTurn:
                         yield self.encoder.refuse(rule.refusal)
                         break
                     if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
-                        outcome.server_calls.append(piece)
+                        if piece.complete:  # a call the budget cut short is not run: the response ends incomplete
+                            outcome.server_calls.append(piece)
                         continue
                     outcome.external_call |= isinstance(piece, ToolCallPiece)
                     yield self.encoder.feed(piece)

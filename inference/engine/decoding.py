@@ -14,6 +14,7 @@ and reasoning the ``<think>…</think>`` block of reasoning models.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,6 +23,9 @@ from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# The start of a forced call's JSON, ``{"name": "…", "arguments": …``, as far as a cut call got.
+_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"')
+_CALL_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,8 @@ class ToolCallPiece:
     call_id: str
     name: str
     arguments: str
+    # False for a forced call the token budget cut short: its arguments are as far as they got, as OpenAI's are.
+    complete: bool = True
 
 
 Piece = TextPiece | ReasoningPiece | ToolCallPiece
@@ -202,6 +208,7 @@ class StreamDecoder:
     _calls: int = 0
     _call_text: str = ""
     _seen_text: bool = False
+    _cut: bool = False
     raw: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -325,7 +332,36 @@ class StreamDecoder:
         return piece
 
     def _forced_calls(self, text: str) -> list[Piece]:
-        call = self._parse_call(text)
+        call = self._parse_call(text) or self._cut_call(text)
         if call is not None:
             return [call]
         return [TextPiece(text)] if text else []
+
+    def _cut_call(self, text: str) -> ToolCallPiece | None:
+        """A forced call that ended before its JSON did (the grammar lets nothing else end early): the call of the
+        function it names, or of the only one it can be, with its arguments as far as they got."""
+        forced = self.plan.tool_choice
+        names = [forced.name] if isinstance(forced, ForcedFunction) else [tool.name for tool in self.plan.tools]
+        named = _CALL_NAME.match(text)
+        if named is not None and named["name"] in names:
+            name = named["name"]
+        elif len(names) == 1:
+            name = names[0]
+        else:
+            return None
+        arguments = _CALL_ARGUMENTS.search(text)
+        piece = ToolCallPiece(
+            index=self._calls,
+            call_id=new_call_id(),
+            name=name,
+            arguments=text[arguments.end() :] if arguments else "",
+            complete=False,
+        )
+        self._calls += 1
+        self._cut = True
+        return piece
+
+    @property
+    def cut_call(self) -> bool:
+        """Whether the output ended inside a forced call."""
+        return self._cut

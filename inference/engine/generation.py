@@ -191,7 +191,7 @@ def _coalesce(batch: list[Any]) -> list[Any]:
 
 def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "length", "tool_calls"]:
     if decoder.tool_calls:
-        return "tool_calls"
+        return "length" if decoder.cut_call else "tool_calls"
     return "length" if reason == "length" else "stop"
 
 

@@ -103,6 +103,7 @@ class FunctionCall(LooseModel):
     call_id: Annotated[str, Field(min_length=1)]
     name: Annotated[str, Field(min_length=1)]
     arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class FunctionCallOutput(LooseModel):

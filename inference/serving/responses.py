@@ -152,7 +152,8 @@ class _Conversation:
                 param=_at(where, "call_id"),
             )
         try:
-            json.loads(item.arguments)
+            if item.status != "incomplete":  # a call the token budget cut short has its arguments as far as they got
+                json.loads(item.arguments)
         except ValueError:
             raise invalid_request(
                 f"the arguments of function_call {json.dumps(item.call_id)} are not valid JSON",
@@ -527,7 +528,8 @@ class ResponseEncoder:
     def _function_call(self, piece: ToolCallPiece) -> list[dict[str, Any]]:
         item_id, index = _new_id("fc"), len(self.output)
         call = {"item_id": item_id, "call_id": piece.call_id, "name": piece.name}
-        finished = wire.function_call_item(**call, status="completed", arguments=piece.arguments)
+        status: wire.ItemStatus = "completed" if piece.complete else "incomplete"
+        finished = wire.function_call_item(**call, status=status, arguments=piece.arguments)
         self.output.append(finished)
         return [
             wire.output_item_event(

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from inference.engine.decoding import FunctionTool, StreamDecoder, TextPiece, ToolCallPiece, plan_decoding
+from inference.engine.decoding import (
+    ForcedFunction,
+    FunctionTool,
+    StreamDecoder,
+    TextPiece,
+    ToolCallPiece,
+    plan_decoding,
+)
 
 WEATHER = FunctionTool("get_weather", "Current weather for a city.", {"type": "object"}, None)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Eugene"}}\n</tool_call>'
@@ -39,3 +46,41 @@ def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:
     pieces = decode(CALL + "\n" + CALL, split=0, parallel=False)
 
     assert [type(p) for p in pieces] == [ToolCallPiece, TextPiece]
+
+
+STOCKS = FunctionTool("get_stock_price", None, {"type": "object"}, None)
+
+
+@pytest.mark.parametrize(
+    ("output", "name", "arguments"),
+    [
+        ('{"name": "get_stock_price", "arguments": {"sym', "get_stock_price", '{"sym'),
+        ('{"name": "get_stock_price", "argu', "get_stock_price", ""),
+        ('{"na', None, None),
+    ],
+)
+def test_a_required_call_the_budget_cut_short_is_a_call_of_the_function_it_names(
+    output: str, name: str | None, arguments: str | None
+) -> None:
+    plan = plan_decoding(tools=(WEATHER, STOCKS), tool_choice="required", parallel_tool_calls=True, reasoning=False)
+    decoder = StreamDecoder(plan)
+
+    pieces = decoder.feed(output) + decoder.finish()
+
+    if name is None:  # which of the two it was is not known: the text is all there is
+        assert pieces == [TextPiece(output)] and not decoder.cut_call
+    else:
+        [call] = pieces
+        assert isinstance(call, ToolCallPiece) and not call.complete and decoder.cut_call
+        assert (call.name, call.arguments) == (name, arguments)
+
+
+def test_a_named_call_the_budget_cut_short_is_a_call_of_that_function_however_little_came() -> None:
+    plan = plan_decoding(
+        tools=(WEATHER, STOCKS), tool_choice=ForcedFunction("get_weather"), parallel_tool_calls=True, reasoning=False
+    )
+    decoder = StreamDecoder(plan)
+
+    [call] = decoder.feed('{"') + decoder.finish()
+
+    assert isinstance(call, ToolCallPiece) and (call.name, call.arguments, call.complete) == ("get_weather", "", False)

@@ -133,3 +133,48 @@ async def test_a_forced_responses_tool_call_is_a_valid_function_call_item(
     assert [item["type"] for item in output] == ["function_call"]
     assert output[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(output[0]["arguments"]), WEATHER)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_a_forced_call_its_budget_cannot_hold_comes_back_as_a_call_cut_short(
+    api: API, openai_spec: OpenAISpec, seed: int, stream: bool
+) -> None:
+    body = chat_body(seed, stream=stream, choice="required", schema=CHOICES, max_tokens=6)
+
+    function, text, finish_reason = await chat_call(api, openai_spec, body)
+
+    # As OpenAI cuts a call: the function's name, the arguments as far as they got, and "length".
+    assert function["name"] == "get_weather"
+    with pytest.raises(ValueError):
+        json.loads(function["arguments"])
+    assert text is None
+    assert finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_forced_responses_call_its_budget_cannot_hold_is_an_incomplete_function_call_item(
+    api: API, openai_spec: OpenAISpec, stream: bool
+) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": CHOICES}
+    body = {"model": MODEL_ID, "input": QUESTION, "tools": [tool], "stream": stream, "max_output_tokens": 16}
+    body["tool_choice"] = {"type": "function", "name": "get_weather"}
+
+    response = await api.post("/v1/infer/responses", body)
+
+    assert response.status_code == 200, response.content
+    if stream:
+        events = [json.loads(item) for item in sse_data(await read_stream(response))]
+        assert events[-1]["type"] == "response.incomplete"
+        data = events[-1]["response"]
+    else:
+        data = response.json()
+    openai_spec.validate("Response", data)
+    assert data["status"] == "incomplete" and data["incomplete_details"] == {"reason": "max_output_tokens"}
+    [call] = data["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete" and call["name"] == "get_weather"
+
+    # The call goes back as history like any other, with its arguments as far as they got.
+    answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "Nothing to ask."}
+    again = await api.post("/v1/infer/responses", {"model": MODEL_ID, "input": [call, answer], "max_output_tokens": 16})
+    assert again.status_code == 200, again.content
