@@ -128,7 +128,8 @@ class ChannelJob:
                 yield [JobFailed("service_unavailable", "the model's events were lost on the way")]
                 return
             expected += 1
-            yield decode(message["events"])
+            if events := decode(message["events"]):  # an empty one is the start or a heartbeat
+                yield events
 
     async def _next_message(self, reply: str, timeout: float) -> dict[str, Any] | None:
         """The next message on ``reply`` within ``timeout`` seconds, else ``TimeoutError``; None once the channel is

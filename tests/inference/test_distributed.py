@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -10,9 +11,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -319,19 +321,48 @@ def test_a_job_whose_api_process_died_stops_on_the_worker(cluster: Cluster) -> N
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
-async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
+Publish = Callable[[int, list[list[Any]]], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def worker_played_by_the_test(cluster: Cluster) -> AsyncIterator[tuple[AsyncIterator[list[Any]], Publish]]:
+    """A job's events as this process reads them, and a way to publish its worker's messages by hand: the first
+    message is published once the job's reply channel is listened on."""
     url = cluster.env["REDIS_URL"]
     layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
-    job = GenerationJob("lost-message", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    job = GenerationJob("by-hand", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
     with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
         events = ChannelJob(job, queue="model.nobody-consumes-this").events()
         first = asyncio.ensure_future(anext(events))
         assert await asyncio.to_thread(wait_until, lambda: len(reply_channels(cluster)) == 1)
         [reply] = reply_channels(cluster)
+
+        async def publish(seq: int, events: list[list[Any]]) -> None:
+            await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": seq, "events": events})
+
+        async def read() -> AsyncIterator[list[Any]]:
+            yield await first
+            async for batch in events:
+                yield batch
+
+        yield read(), publish
+
+
+async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
+    async with worker_played_by_the_test(cluster) as (events, publish):
         # A worker's messages 0 and 2: 1 never arrived.
-        await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": 0, "events": [["a"]]})
-        await get_channel_layer().send(reply, {"type": MESSAGE_TYPE, "seq": 2, "events": [["t", "x", 1, []]]})
-        assert len(await first) == 1
+        await publish(0, [["a"]])
+        await publish(2, [["t", "x", 1, []]])
+        assert len(await anext(events)) == 1
         [failed] = await anext(events)
         assert failed == JobFailed("service_unavailable", "the model's events were lost on the way")
         assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+
+
+async def test_the_first_batch_is_the_runners_answer_not_the_workers_start_or_heartbeat(cluster: Cluster) -> None:
+    async with worker_played_by_the_test(cluster) as (events, publish):
+        # Started, a heartbeat, then the runner's refusal: what decides between a 503 and a stream.
+        await publish(0, [])
+        await publish(1, [])
+        await publish(2, [["e", "overloaded", "the queue is full"]])
+        assert await anext(events) == [JobFailed("overloaded", "the queue is full")]
