@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import shutil
 import sys
 import tempfile
@@ -75,29 +76,18 @@ def main() -> None:
 
             async def traffic() -> None:
                 # Each answer lands in ``outcomes`` as it comes, so progress shows while the clients run.
+                loop = functools.partial(
+                    closed_loop,
+                    base_url=topology.url,
+                    mix=MIX,
+                    duration=args.duration,
+                    honour_retry_after=True,
+                    on_outcome=outcomes.append,
+                    timeout=120,
+                )
                 await asyncio.gather(
-                    closed_loop(
-                        base_url=topology.url,
-                        key=free,
-                        mix=MIX,
-                        clients=args.clients,
-                        duration=args.duration,
-                        hang_up_share=0.2,
-                        honour_retry_after=True,
-                        on_outcome=outcomes.append,
-                        timeout=120,
-                    ),
-                    closed_loop(
-                        base_url=topology.url,
-                        key=limited,
-                        mix=MIX,
-                        clients=args.limited_clients,
-                        duration=args.duration,
-                        seed=1,
-                        honour_retry_after=True,
-                        on_outcome=outcomes.append,
-                        timeout=120,
-                    ),
+                    loop(key=free, clients=args.clients, hang_up_share=0.2),
+                    loop(key=limited, clients=args.limited_clients, seed=1),
                 )
 
             done = threading.Event()
