@@ -2,7 +2,8 @@
 
 Same GGUF (SmolLM2-135M-Instruct Q4_1), same engine, same instruction-set flags; only the serving differs:
 
-- the platform in embedded mode (``manage.py serve``) and distributed (Redis + one Celery worker);
+- the platform in embedded mode (``manage.py serve``) and distributed (Redis + one Celery worker), with the
+  catalog's defaults, and once more embedded with every token a delta of its own (``stream_interval_ms`` 0);
 - llama.cpp's ``llama-server`` with ``-np`` equal to the platform's slots (continuous batching), built by
   this script from the llama.cpp sources vendored in the pinned llama-cpp-python sdist, with the runner's flags;
 - llama-cpp-python's own server (``llama_cpp.server``), today's common choice, on the same installed library;
@@ -11,7 +12,8 @@ Same GGUF (SmolLM2-135M-Instruct Q4_1), same engine, same instruction-set flags;
 Clients stream chat completions (greedy, ``--tokens`` each, a different prompt per stream and round, the same
 for every server) at 1, 4 and 8 concurrent streams, alternating servers round by round, each round starting with
 the next server. Tokens are counted by tokenizing each stream's text with the model's tokenizer, alike for every
-server. It prints one table and the ratios.
+server; "tokens per delta" is how many travelled together in one streamed delta. It prints one table and the
+ratios.
 
     .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 3] [--slots N] [--threads N]
 """
@@ -66,6 +68,7 @@ class Stream:
     text: str = ""
     complete: bool = False
     tokens: int = 0
+    deltas: int = 0  # pieces of text the stream came in
 
 
 def prompt(index: int) -> list[dict[str, str]]:
@@ -90,6 +93,7 @@ async def one_stream(client: httpx.AsyncClient, server: Server, index: int, toke
                     if text := (choice.get("delta") or {}).get("content"):
                         stream.first = stream.first or time.perf_counter()
                         stream.text += text
+                        stream.deltas += 1
     except httpx.HTTPError:
         pass
     stream.ended = time.perf_counter()
@@ -112,6 +116,7 @@ def one_direct(server: Server, index: int, tokens: int) -> Stream:
         if isinstance(event, TextChunk) and event.text:
             stream.first = stream.first or time.perf_counter()
             stream.text += event.text
+            stream.deltas += 1
         elif isinstance(event, Finished):
             stream.complete = True
     stream.ended = time.perf_counter()
@@ -134,8 +139,13 @@ async def load(server: Server, streams: int, tokens: int, first_index: int) -> l
 # --- the servers -----------------------------------------------------------------------------------
 
 
-def platform(work: Path, *, slots: int, distributed: bool) -> Server:
-    var = work / ("distributed" if distributed else "embedded")
+def platform(work: Path, *, slots: int, distributed: bool, every_token: bool = False) -> Server:
+    """The platform with the catalog's defaults; ``every_token``: each token a delta of its own
+    (``stream_interval_ms`` 0), to show what coalescing deltas buys."""
+    name = "platform, distributed" if distributed else "platform, embedded"
+    if every_token:
+        name += ", every token"
+    var = work / name.replace("platform, ", "").replace(", ", "-").replace(" ", "-")
     var.mkdir()
     env = {**os.environ, "B3OS_VAR_DIR": str(var), "DATABASE_URL": "", "REDIS_URL": "", "LOG_LEVEL": "WARNING"}
     env["SECRET_KEY"] = "bench-runner-throughput"  # shared by every process, as distributed mode requires
@@ -157,7 +167,9 @@ def platform(work: Path, *, slots: int, distributed: bool) -> Server:
         (
             "from inference.models import CatalogEntry;"
             f"e = CatalogEntry.objects.get(public_id={MODEL!r});"
-            f"e.runner_settings = {{**e.runner_settings, 'parallel': {slots}, 'n_ctx': {CONTEXT}}}; e.save()"
+            f"e.runner_settings = {{**e.runner_settings, 'parallel': {slots}, 'n_ctx': {CONTEXT}}};"
+            + ("e.runner_settings['stream_interval_ms'] = 0;" if every_token else "")
+            + "e.save()"
         ),
         env=env,
     )
@@ -198,7 +210,6 @@ def platform(work: Path, *, slots: int, distributed: bool) -> Server:
     )
     processes.append(serve)
     wait_http(port, serve)
-    name = "platform, distributed" if distributed else "platform, embedded"
     return Server(
         name, f"http://127.0.0.1:{port}/v1/infer/chat/completions", {"Authorization": f"Bearer {key}"}, MODEL, processes
     )
@@ -374,6 +385,7 @@ def main() -> None:
             platform(work, slots=args.slots, distributed=True),
             llama_server(binaries, work, slots=args.slots, threads=threads),
             llama_cpp_server(work, threads=threads),
+            platform(work, slots=args.slots, distributed=False, every_token=True),
         ]
         for server in servers:  # warm up: models load, caches fill
             asyncio.run(load(server, 1, 8, 10_000))
@@ -432,9 +444,9 @@ def report(
     )
     print(
         "| server | streams | tokens/s (all streams) | tokens/s per stream (p50) "
-        "| first token p50 ms | p99 ms | streams cut |"
+        "| first token p50 ms | p99 ms | tokens per delta | streams cut |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     aggregate: dict[tuple[str, int], float] = {}
     first_p50: dict[tuple[str, int], float] = {}
     for n in streams:
@@ -450,11 +462,12 @@ def report(
                 or [0.0]
             )
             cut = sum(1 for s in cell.streams if not s.complete)
+            per_delta = sum(s.tokens for s in cell.streams) / max(1, sum(s.deltas for s in cell.streams))
             print(
                 f"| {server.name} | {n} | {aggregate[(server.name, n)]:.1f} | {per_stream:.1f} | "
-                f"{first_p50[(server.name, n)]:.0f} | {percentile(firsts, 99):.0f} | {cut} |"
+                f"{first_p50[(server.name, n)]:.0f} | {percentile(firsts, 99):.0f} | {per_delta:.1f} | {cut} |"
             )
-        print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine.get(n, float('nan')):.1f} | | | | |")
+        print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine.get(n, float('nan')):.1f} | | | | | |")
     direct, anchor, common = servers[0].name, servers[3].name, servers[4].name
     print(
         "\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | ÷ the runner, direct "
@@ -463,7 +476,7 @@ def report(
     print("|---|---|---|---|---|---|---|")
     embedded = servers[1].name
     for n in streams:
-        for server in servers[1:3]:
+        for server in [s for s in servers if s.name.startswith("platform")]:
             key = (server.name, n)
             print(
                 f"| {n} | {server.name} | {aggregate[key] / aggregate[(anchor, n)]:.2f}× | "

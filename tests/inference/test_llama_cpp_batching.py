@@ -294,6 +294,26 @@ def test_a_fault_in_the_scheduler_ends_the_jobs_it_touched_and_the_runner_goes_o
     assert after.finished is not None and after.finished.completion_tokens == 4
 
 
+def test_tokens_that_come_faster_than_the_stream_interval_travel_together_and_the_first_comes_alone(
+    render: Callable[[str], str],
+) -> None:
+    assert llama_cpp.RunnerSettings.of(SETTINGS).stream_interval == llama_cpp.STREAM_INTERVAL_MS / 1000
+    every_token = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 0})
+    held = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 600_000})
+    try:
+        one_by_one = run(every_token, job(render(QUESTIONS[2]), max_tokens=16))
+        grouped = run(held, job(render(QUESTIONS[2]), max_tokens=16))
+    finally:
+        every_token.close()
+        held.close()
+
+    assert grouped.text == one_by_one.text
+    assert grouped.finished == one_by_one.finished and one_by_one.finished is not None
+    produced = one_by_one.finished.completion_tokens
+    assert [chunk.tokens for chunk in one_by_one.chunks] == [1] * produced
+    assert [chunk.tokens for chunk in grouped.chunks] == [1, produced - 1]
+
+
 def test_the_hosts_thread_count_comes_before_the_catalog_entrys(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {**SETTINGS, "n_threads": 4}
     assert llama_cpp.RunnerSettings.of(settings).threads == 4

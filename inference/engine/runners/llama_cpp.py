@@ -27,6 +27,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import queue
 import re
@@ -63,6 +64,10 @@ CLOSING_RESERVE = 32
 # How many prompt tokens one step reads at most, besides the generating sequences' tokens: a longer
 # prompt is read over several steps, so that the others' streams never stall for long.
 PREFILL_CHUNK = 256
+# A stream's text leaves at most this often (its first token at once): tokens that come faster travel
+# together. Each delta costs the serving process the same CPU, whatever it holds, and on a small model
+# that CPU is taken from the model's own threads; 40 ms is still smoother than a reader can tell.
+STREAM_INTERVAL_MS = 40
 
 
 def model_path(settings: dict[str, Any]) -> str:
@@ -104,10 +109,12 @@ class RunnerSettings:
     queue: int
     threads: int
     prefill_chunk: int
+    stream_interval: float  # seconds
 
     @classmethod
     def of(cls, settings: dict[str, Any]) -> RunnerSettings:
         parallel = int(settings.get("parallel") or default_parallel())
+        interval_ms = settings.get("stream_interval_ms")
         return cls(
             path=model_path(settings),
             context=int(settings.get("n_ctx") or 8192),
@@ -116,6 +123,7 @@ class RunnerSettings:
             # The host's own choice first: a host that runs several model workers splits its cores among them.
             threads=int(os.environ.get(THREADS_VARIABLE) or settings.get("n_threads") or default_threads()),
             prefill_chunk=int(settings.get("prefill_chunk") or PREFILL_CHUNK),
+            stream_interval=(STREAM_INTERVAL_MS if interval_ms is None else int(interval_ms)) / 1000,
         )
 
 
@@ -195,7 +203,7 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
     if constraint.kind == "tool_calls":
         converter.visit(schema, "call")
         # Free text (not starting with a tag), or a tool call in the Hermes format.
-        converter._add_rule("free-text", r'[^<\x00] [^\x00]*')
+        converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
         converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
     else:
         converter.visit(schema, "")
@@ -610,6 +618,7 @@ class _Sequence:
         max_tokens: int,
         sampler: _Sampler,
         vocabulary: Vocabulary,
+        stream_interval: float,
     ) -> None:
         self.job = job
         self.cancelled = cancelled
@@ -631,6 +640,8 @@ class _Sequence:
         self.pending = ""
         self.pending_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
+        self.stream_interval = stream_interval
+        self.sent_at = -math.inf
         self.closing_from = max_tokens - min(CLOSING_RESERVE, max(12, max_tokens // 3))
         self.must_close = job.constraint is not None and job.constraint.close_before_limit
 
@@ -642,8 +653,8 @@ class _Sequence:
     def reading(self) -> bool:
         return self.read < len(self.prompt)
 
-    def advance(self, logits: np.ndarray) -> bool:
-        """Takes the next token from ``logits``; true when the sequence is finished."""
+    def advance(self, logits: np.ndarray, now: float) -> bool:
+        """Takes the next token from ``logits`` at time ``now``; true when the sequence is finished."""
         closing = self.must_close and self.produced >= self.closing_from
         token = self.sampler.next(logits, closing=self.vocabulary.closing if closing else None)
         if self.vocabulary.is_end(token):
@@ -661,9 +672,10 @@ class _Sequence:
                 self.pending = self.pending[:hit]
                 return self.finish("stop")
             cut = max(0, len(self.pending) - self.holdback)
-        if cut:
+        if cut and now - self.sent_at >= self.stream_interval:
             self.out.put(TextChunk(self.pending[:cut], self.pending_tokens, tuple(self.pending_logprobs)))
             self.pending, self.pending_tokens, self.pending_logprobs = self.pending[cut:], 0, []
+            self.sent_at = now
         if self.produced >= self.max_tokens:
             return self.finish("length")
         self.next_token = token
@@ -869,7 +881,7 @@ class LlamaCppRunner:
                 raise RunnerError("the output constraint could not be compiled to a grammar", code="invalid_constraint")
         sampler = _Sampler(self._model, job.sampling, grammar)
         max_tokens = min(job.sampling.max_tokens, context - len(prompt))
-        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary)
+        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, self.settings.stream_interval)
 
     def stats(self) -> RunnerStats:
         with self._cond:
@@ -995,12 +1007,13 @@ class LlamaCppRunner:
             self._fail_batch(entries, result)
             return
         n_vocab = len(self.vocabulary.pieces)
+        now = time.monotonic()
         for index, (sequence, sample) in enumerate(entries):
             if not sample or sequence.slot is None:
                 continue
             logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(n_vocab,))
             try:
-                finished = sequence.advance(logits)
+                finished = sequence.advance(logits, now)
             except Exception as exc:  # noqa: BLE001  (one sequence's fault must not stop the others)
                 sequence.fail(RunnerError(f"generation failed: {type(exc).__name__}: {exc}"))
                 finished = True
