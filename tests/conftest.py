@@ -44,6 +44,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(problem, returncode=3)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """SQLite keeps a WAL database's -wal and -shm files until its last connection closes; the suite's threads
+    still hold theirs when the test database is deleted, so those files go with it here."""
+    from django.conf import settings
+
+    name = settings.DATABASES["default"].get("TEST", {}).get("NAME")
+    if name and not Path(name).exists():
+        for sidecar in (Path(f"{name}-wal"), Path(f"{name}-shm")):
+            sidecar.unlink(missing_ok=True)
+
+
 # --- the OpenAI spec ------------------------------------------------------------------------------
 
 
