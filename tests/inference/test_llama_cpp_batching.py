@@ -314,6 +314,15 @@ def test_tokens_that_come_faster_than_the_stream_interval_travel_together_and_th
     assert [chunk.tokens for chunk in grouped.chunks] == [1, produced - 1]
 
 
+def test_a_wrong_number_in_the_settings_is_refused_by_name_before_anything_loads() -> None:
+    with pytest.raises(RunnerError) as refused:
+        llama_cpp.RunnerSettings.of({**SETTINGS, "prefill_chunk": 2.5})
+
+    assert refused.value.code == "runner_unavailable"
+    assert "prefill_chunk must be a whole number of at least 1, not 2.5." in str(refused.value)
+    assert llama_cpp.RunnerSettings.of({**SETTINGS, "n_threads": None}).threads >= 1
+
+
 def test_the_hosts_thread_count_comes_before_the_catalog_entrys(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {**SETTINGS, "n_threads": 4}
     assert llama_cpp.RunnerSettings.of(settings).threads == 4

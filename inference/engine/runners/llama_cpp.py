@@ -99,6 +99,21 @@ def default_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
 
+# The numbers a catalog entry's ``runner_settings`` may set, each with the least it may be; one left out takes
+# its default.
+SETTING_MINIMUMS = {"parallel": 1, "queue": 0, "n_ctx": 16, "n_threads": 1, "prefill_chunk": 1, "stream_interval_ms": 0}
+
+
+def settings_problem(settings: dict[str, Any]) -> str | None:
+    """What is wrong with the numbers in a catalog entry's settings, or None. The model file is checked where the
+    model loads: in distributed mode that is a worker's host, not the one the admin runs on."""
+    for name, least in SETTING_MINIMUMS.items():
+        value = settings.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            return f"{name} must be a whole number of at least {least}, not {value!r}."
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerSettings:
     """A catalog entry's ``runner_settings`` for this runner, with the machine's defaults filled in."""
@@ -113,17 +128,23 @@ class RunnerSettings:
 
     @classmethod
     def of(cls, settings: dict[str, Any]) -> RunnerSettings:
-        parallel = int(settings.get("parallel") or default_parallel())
-        interval_ms = settings.get("stream_interval_ms")
+        if problem := settings_problem(settings):
+            raise RunnerError(f"the model's runner settings are wrong: {problem}", code="runner_unavailable")
+
+        def number(name: str, default: int) -> int:
+            value = settings.get(name)
+            return default if value is None else int(value)
+
+        parallel = number("parallel", default_parallel())
         return cls(
             path=model_path(settings),
-            context=int(settings.get("n_ctx") or 8192),
+            context=number("n_ctx", 8192),
             parallel=parallel,
-            queue=int(queued) if (queued := settings.get("queue")) is not None else 4 * parallel,
+            queue=number("queue", 4 * parallel),
             # The host's own choice first: a host that runs several model workers splits its cores among them.
-            threads=int(os.environ.get(THREADS_VARIABLE) or settings.get("n_threads") or default_threads()),
-            prefill_chunk=int(settings.get("prefill_chunk") or PREFILL_CHUNK),
-            stream_interval=(STREAM_INTERVAL_MS if interval_ms is None else int(interval_ms)) / 1000,
+            threads=int(os.environ.get(THREADS_VARIABLE) or number("n_threads", default_threads())),
+            prefill_chunk=number("prefill_chunk", PREFILL_CHUNK),
+            stream_interval=number("stream_interval_ms", STREAM_INTERVAL_MS) / 1000,
         )
 
 
