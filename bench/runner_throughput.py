@@ -322,6 +322,11 @@ class Cell:
     elapsed: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
+    @property
+    def rates(self) -> list[float]:
+        """Tokens/s of all streams, round by round."""
+        return [t / e for t, e in zip(self.tokens, self.elapsed, strict=True)]
+
 
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
@@ -452,9 +457,7 @@ def report(
     for n in streams:
         for server in servers:
             cell = cells[(server.name, n)]
-            aggregate[(server.name, n)] = statistics.median(
-                t / e for t, e in zip(cell.tokens, cell.elapsed, strict=True)
-            )
+            aggregate[(server.name, n)] = statistics.median(cell.rates)
             firsts = [(s.first - s.started) * 1000 for s in cell.streams if s.first]
             first_p50[(server.name, n)] = percentile(firsts, 50)
             per_stream = statistics.median(
@@ -471,17 +474,20 @@ def report(
     direct, anchor, common = servers[0].name, servers[3].name, servers[4].name
     print(
         "\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | ÷ the runner, direct "
-        "| ÷ embedded | first token p50 ÷ llama-server |"
+        "| ÷ embedded | first token p50 ÷ llama-server | ÷ llama-server, round by round |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     embedded = servers[1].name
     for n in streams:
         for server in [s for s in servers if s.name.startswith("platform")]:
             key = (server.name, n)
+            # Servers take their turns within a round, so the ratio of one round shows how much rounds differ.
+            by_round = sorted(a / b for a, b in zip(cells[key].rates, cells[(anchor, n)].rates, strict=True))
             print(
                 f"| {n} | {server.name} | {aggregate[key] / aggregate[(anchor, n)]:.2f}× | "
                 f"{aggregate[key] / aggregate[(common, n)]:.2f}× | {aggregate[key] / aggregate[(direct, n)]:.2f}× | "
-                f"{aggregate[key] / aggregate[(embedded, n)]:.2f}× | {first_p50[key] / first_p50[(anchor, n)]:.2f}× |"
+                f"{aggregate[key] / aggregate[(embedded, n)]:.2f}× | {first_p50[key] / first_p50[(anchor, n)]:.2f}× | "
+                f"{by_round[0]:.2f}–{by_round[-1]:.2f}× |"
             )
     if cpu:
         tokens = cpu.pop("(tokens)")
