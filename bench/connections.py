@@ -99,7 +99,7 @@ async def measure(
     streams = Streams(
         host, port, build_request(host, port, PATH, json.dumps(trickle).encode(), {"Authorization": f"Bearer {key}"})
     )
-    tasks = []
+    tasks: list[asyncio.Task[None]] = []
     started = time.monotonic()
     for _ in range(0, args.streams, 100):  # in steps, as clients arrive: the listen backlog is not the test
         tasks += [asyncio.create_task(streams.one()) for _ in range(min(100, args.streams - len(tasks)))]

@@ -319,11 +319,11 @@ def report(
             lite_added = lite.percentile(lite.latencies, 50) - direct_p50
             for name in ("platform-embedded", "platform-redis"):
                 r, cpu = rows[(name, clients, stream)]
-                added = r.percentile(r.latencies, 50) - direct_p50
+                added_s = r.percentile(r.latencies, 50) - direct_p50
                 ratio = lambda a, b: f"{a / b:.2f}×" if b else "—"  # noqa: E731
                 print(
                     f"| {'stream' if stream else 'json'} | {clients} | {name} | {ratio(r.rps, lite.rps)} | "
-                    f"{ratio(added, lite_added)} | {ratio(cpu, lite_cpu)} |"
+                    f"{ratio(added_s, lite_added)} | {ratio(cpu, lite_cpu)} |"
                 )
 
 
