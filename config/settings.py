@@ -355,12 +355,17 @@ HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"request_id": {"()": "inference.api.middleware.RequestIdLogFilter"}},
+    "filters": {
+        "request_id": {"()": "inference.api.middleware.RequestIdLogFilter"},
+        "outages": {"()": "core.logs.OutageLogFilter"},
+    },
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
     "loggers": {
         "django.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+        # Its receive loop logs an error every second while Redis is away.
+        "channels_redis.pubsub": {"filters": ["outages"]},
     },
 }

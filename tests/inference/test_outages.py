@@ -3,20 +3,26 @@ database instead of being lost. (tests/deploy/test_faults.py takes the real serv
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.exceptions as redis_errors
+from channels_redis.pubsub import RedisPubSubChannelLayer
 from django.db import OperationalError
 from django.test import override_settings
 
 from core import redis as core_redis
+from core.logs import OutageLogFilter
 from inference.models import UsageRecord
 from inference.usage import metrics, records
 from orgs.models import Organization
 from tests.conftest import API, MODEL_ID
-from tests.services import free_port
+from tests.services import Redis, free_port
 
 pytestmark = pytest.mark.database
 
@@ -137,3 +143,60 @@ def test_a_row_the_database_refuses_costs_only_itself(organization: Organization
 
     assert written("req_good_1", "req_bad", "req_good_2") == {"req_good_1", "req_good_2"}
     assert sample("b3os_usage_records_dropped_total", reason="refused") == refused + 1
+
+
+# --- what the log says while Redis is away -----------------------------------------------------------------
+
+
+async def test_while_redis_is_away_the_channel_layer_says_so_on_one_line_and_not_every_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    redis = Redis(tmp_path).start()
+    layer = RedisPubSubChannelLayer(hosts=[redis.url])
+    channel = await layer.new_channel()
+    receive = asyncio.ensure_future(layer.receive(channel))
+    try:
+        await asyncio.sleep(0.5)  # subscribed
+        redis.stop()
+        await asyncio.sleep(3.5)  # its receive loop tries again every second
+    finally:
+        receive.cancel()
+        await asyncio.gather(receive, return_exceptions=True)
+        redis.stop()
+
+    told = [record for record in caplog.records if record.name == "channels_redis.pubsub"]
+    assert [record.getMessage().split(": ")[:2] for record in told][:1] == [
+        ["Unexpected exception in receive task", "ConnectionError"]
+    ]
+    assert len([record for record in told if "receive task" in record.getMessage()]) == 1
+    assert all(record.exc_info is None for record in told)
+
+
+def test_an_outage_repeated_is_told_again_after_the_interval_with_how_many_were_held_back() -> None:
+    log = logging.getLogger("tests.outage_filter")
+    log.propagate = False
+    told: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    log.addFilter(OutageLogFilter(interval=0.2))
+    try:
+        for _ in range(5):
+            try:
+                raise redis_errors.ConnectionError("Connection refused")
+            except redis_errors.ConnectionError:
+                log.exception("Lost Redis:")
+        log.error("a bug, not an outage")
+        time.sleep(0.25)
+        try:
+            raise redis_errors.ConnectionError("Connection refused")
+        except redis_errors.ConnectionError:
+            log.exception("Lost Redis:")
+    finally:
+        log.removeHandler(handler)
+
+    assert told == [
+        "Lost Redis: ConnectionError: Connection refused",
+        "a bug, not an outage",
+        "Lost Redis: ConnectionError: Connection refused (4 more like it in the last 0.2 s)",
+    ]
