@@ -16,6 +16,7 @@ server; "tokens per delta" is how many travelled together in one streamed delta.
 ratios.
 
     .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 3] [--slots N] [--threads N]
+        [--servers direct,embedded,distributed,llama-server,llama_cpp.server,every-token,engine]
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def llama_server(binaries: Path, work: Path, *, slots: int, threads: int) -> Ser
     )
     wait_http(port, process)
     wait_ready(f"http://127.0.0.1:{port}/health")
-    return Server(f"llama-server -np {slots}", f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
+    return Server(LLAMA_SERVER, f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
 
 
 def llama_cpp_server(work: Path, *, threads: int) -> Server:
@@ -264,7 +265,7 @@ def llama_cpp_server(work: Path, *, threads: int) -> Server:
         stderr=subprocess.STDOUT,
     )
     wait_http(port, process)
-    return Server("llama_cpp.server", f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
+    return Server(LLAMA_CPP_SERVER, f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
 
 
 def wait_ready(url: str, timeout: float = 120) -> None:
@@ -357,6 +358,34 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return by_role
 
 
+# What ``--servers`` picks from, in the order they take their turns.
+SERVERS = ("direct", "embedded", "distributed", "llama-server", "llama_cpp.server", "every-token", "engine")
+DIRECT, EMBEDDED, LLAMA_SERVER, LLAMA_CPP_SERVER = (
+    "runner, direct (no HTTP)",
+    "platform, embedded",
+    "llama-server",
+    "llama_cpp.server",
+)
+
+
+def start(choice: str, args: argparse.Namespace, binaries: Path, work: Path, threads: int) -> Server:
+    if choice == "direct":
+        renderer = llama_cpp.renderer(SETTINGS)
+        return Server(
+            DIRECT,
+            "",
+            {},
+            MODEL,
+            runner=llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": args.slots, "n_ctx": CONTEXT}),
+            render=lambda messages: renderer.render(messages, None),
+        )
+    if choice == "llama-server":
+        return llama_server(binaries, work, slots=args.slots, threads=threads)
+    if choice == "llama_cpp.server":
+        return llama_cpp_server(work, threads=threads)
+    return platform(work, slots=args.slots, distributed=choice == "distributed", every_token=choice == "every-token")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
@@ -366,8 +395,16 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=llama_cpp.default_threads(), help="the model's threads, alike for every server"
     )
+    parser.add_argument(
+        "--servers",
+        default=",".join(SERVERS),
+        help=f"which of {', '.join(SERVERS)} to run (engine: llama-batched-bench); ratios to one left out show —",
+    )
     args = parser.parse_args()
     streams = [int(n) for n in args.streams.split(",")]
+    chosen = [name.strip() for name in args.servers.split(",")]
+    if unknown := set(chosen) - set(SERVERS):
+        parser.error(f"unknown servers: {', '.join(sorted(unknown))}; choose from {', '.join(SERVERS)}")
     threads = args.threads
     os.environ[llama_cpp.THREADS_VARIABLE] = str(threads)  # the runner here and the platform's processes
     binaries = build(PORTABLE, ("llama-server", "llama-batched-bench"))
@@ -375,23 +412,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
     servers: list[Server] = []
     try:
-        renderer = llama_cpp.renderer(SETTINGS)
-        direct = Server(
-            "runner, direct (no HTTP)",
-            "",
-            {},
-            MODEL,
-            runner=llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": args.slots, "n_ctx": CONTEXT}),
-            render=lambda messages: renderer.render(messages, None),
-        )
-        servers = [
-            direct,
-            platform(work, slots=args.slots, distributed=False),
-            platform(work, slots=args.slots, distributed=True),
-            llama_server(binaries, work, slots=args.slots, threads=threads),
-            llama_cpp_server(work, threads=threads),
-            platform(work, slots=args.slots, distributed=False, every_token=True),
-        ]
+        for choice in SERVERS:
+            if choice in chosen and choice != "engine":
+                servers.append(start(choice, args, binaries, work, threads))
         for server in servers:  # warm up: models load, caches fill
             asyncio.run(load(server, 1, 8, 10_000))
         cells: dict[tuple[str, int], Cell] = {}
@@ -404,7 +427,7 @@ def main() -> None:
                 # Prompts not seen before, the same for every server: a repeated one would be a whole-prompt cache hit.
                 first, index = index, index + n
                 for server in order:
-                    embedded = server.processes[-1].pid if server.name == "platform, embedded" else None
+                    embedded = server.processes[-1].pid if server.name == EMBEDDED else None
                     before = thread_cpu(embedded) if embedded is not None else {}
                     started = time.perf_counter()
                     results = asyncio.run(load(server, n, args.tokens, first))
@@ -419,7 +442,7 @@ def main() -> None:
                         for name, seconds in after.items():
                             cpu[name] = cpu.get(name, 0.0) + seconds - before.get(name, 0.0)
                         cpu["(tokens)"] = cpu.get("(tokens)", 0.0) + cell.tokens[-1]
-        engine = batched_bench(binaries, streams, args.tokens, threads)
+        engine = batched_bench(binaries, streams, args.tokens, threads) if "engine" in chosen else {}
     finally:
         for server in servers:
             if server.runner is not None:
@@ -470,24 +493,31 @@ def report(
                 f"| {server.name} | {n} | {aggregate[(server.name, n)]:.1f} | {per_stream:.1f} | "
                 f"{first_p50[(server.name, n)]:.0f} | {percentile(firsts, 99):.0f} | {per_delta:.1f} | {cut} |"
             )
-        print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine.get(n, float('nan')):.1f} | | | | | |")
-    direct, anchor, common = servers[0].name, servers[3].name, servers[4].name
+        if n in engine:
+            print(f"| llama-batched-bench (engine, no HTTP) | {n} | {engine[n]:.1f} | | | | | |")
+    names = {server.name for server in servers}
+
+    def ratio(key: tuple[str, int], to: str, of: dict[tuple[str, int], float]) -> str:
+        return f"{of[key] / of[(to, key[1])]:.2f}×" if to in names else "—"
+
     print(
-        "\n| streams | platform | tokens/s ÷ llama-server | ÷ llama_cpp.server | ÷ the runner, direct "
-        "| ÷ embedded | first token p50 ÷ llama-server | ÷ llama-server, round by round |"
+        f"\n| streams | platform | tokens/s ÷ {LLAMA_SERVER} | ÷ {LLAMA_CPP_SERVER} | ÷ the runner, direct "
+        f"| ÷ embedded | first token p50 ÷ {LLAMA_SERVER} | ÷ {LLAMA_SERVER}, round by round: lowest, median, highest |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    embedded = servers[1].name
     for n in streams:
         for server in [s for s in servers if s.name.startswith("platform")]:
             key = (server.name, n)
-            # Servers take their turns within a round, so the ratio of one round shows how much rounds differ.
-            by_round = sorted(a / b for a, b in zip(cells[key].rates, cells[(anchor, n)].rates, strict=True))
+            spread = "—"
+            if LLAMA_SERVER in names:
+                # Servers take their turns within a round: the ratio of one round is measured side by side, and
+                # their spread shows how much rounds differ.
+                by_round = sorted(a / b for a, b in zip(cells[key].rates, cells[(LLAMA_SERVER, n)].rates, strict=True))
+                spread = f"{by_round[0]:.2f}, {statistics.median(by_round):.2f}, {by_round[-1]:.2f}×"
             print(
-                f"| {n} | {server.name} | {aggregate[key] / aggregate[(anchor, n)]:.2f}× | "
-                f"{aggregate[key] / aggregate[(common, n)]:.2f}× | {aggregate[key] / aggregate[(direct, n)]:.2f}× | "
-                f"{aggregate[key] / aggregate[(embedded, n)]:.2f}× | {first_p50[key] / first_p50[(anchor, n)]:.2f}× | "
-                f"{by_round[0]:.2f}–{by_round[-1]:.2f}× |"
+                f"| {n} | {server.name} | {ratio(key, LLAMA_SERVER, aggregate)} | "
+                f"{ratio(key, LLAMA_CPP_SERVER, aggregate)} | {ratio(key, DIRECT, aggregate)} | "
+                f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} |"
             )
     if cpu:
         tokens = cpu.pop("(tokens)")
