@@ -420,7 +420,7 @@ def main() -> None:
         cells: dict[tuple[str, int], Cell] = {}
         cpu: dict[str, float] = {}
         index = 0
-        for round_ in range(args.rounds):
+        for round_ in range(args.rounds if servers else 0):  # --servers engine: llama-batched-bench alone
             # Each round starts with the next server, so that none is always the one after a slow one.
             order = servers[round_ % len(servers) :] + servers[: round_ % len(servers)]
             for n in streams:
