@@ -16,8 +16,7 @@ from llama_cpp import llama_cpp as lib
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint
 from inference.engine.runners.llama_cpp import grammar_for, schema_problem
-
-from ..conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL
 
 
 def rules(schema: dict) -> dict[str, str]:

@@ -17,8 +17,7 @@ from inference import tasks
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
 from inference.models import CatalogEntry
-
-from ..conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL
 
 SETTINGS = {**DEFAULT_MODEL["runner_settings"], "parallel": 4, "queue": 2, "n_ctx": 1024}
 QUESTIONS = [

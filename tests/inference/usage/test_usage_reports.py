@@ -289,7 +289,7 @@ def test_the_admin_report_exports_what_it_shows_as_csv(record: Record) -> None:
 def test_the_csv_export_keeps_a_spreadsheet_from_running_names_as_formulas(
     record: Record, other_org: Organization
 ) -> None:
-    formulas = ["=HYPERLINK(\"https://evil.example\",\"click\")", "+1+1", "-2+3", "@SUM(A1)", "\tcmd", "\r=1"]
+    formulas = ['=HYPERLINK("https://evil.example","click")', "+1+1", "-2+3", "@SUM(A1)", "\tcmd", "\r=1"]
     for name in formulas:
         record(model=name, status=502, error_code=name)
     record(organization=Organization.objects.create(slug="-cmd", name="Dash"), model="plain/model")

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from inference.engine.preflight import check_runner
-
-from ..conftest import DEFAULT_MODEL, ROOT
+from tests.conftest import DEFAULT_MODEL, ROOT
 
 # A stand-in for a llama.cpp built with kernels this CPU cannot run: it dies on a bad memory access.
 _CRASHING_LIBRARY = """
