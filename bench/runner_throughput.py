@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -336,6 +337,19 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+def interval(platform: list[float], other: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of median(platform) / median(other), resampling whole rounds: a round's two
+    figures were measured side by side, so they are drawn together."""
+    rounds = len(platform)
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        picked = [rng.randrange(rounds) for _ in range(rounds)]
+        ratios.append(statistics.median(platform[i] for i in picked) / statistics.median(other[i] for i in picked))
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of a process's threads: the model's (its scheduler and the OpenMP threads it started,
     which inherit its name), the event loop's (the main thread) and the others."""
@@ -502,22 +516,25 @@ def report(
 
     print(
         f"\n| streams | platform | tokens/s ÷ {LLAMA_SERVER} | ÷ {LLAMA_CPP_SERVER} | ÷ the runner, direct "
-        f"| ÷ embedded | first token p50 ÷ {LLAMA_SERVER} | ÷ {LLAMA_SERVER}, round by round: lowest, median, highest |"
+        f"| ÷ embedded | first token p50 ÷ {LLAMA_SERVER} | ÷ {LLAMA_SERVER}, round by round: lowest, median, highest "
+        f"| tokens/s ÷ {LLAMA_SERVER}, 95% interval |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in streams:
         for server in [s for s in servers if s.name.startswith("platform")]:
             key = (server.name, n)
-            spread = "—"
+            spread = bounds = "—"
             if LLAMA_SERVER in names:
                 # Servers take their turns within a round: the ratio of one round is measured side by side, and
                 # their spread shows how much rounds differ.
                 by_round = sorted(a / b for a, b in zip(cells[key].rates, cells[(LLAMA_SERVER, n)].rates, strict=True))
                 spread = f"{by_round[0]:.2f}, {statistics.median(by_round):.2f}, {by_round[-1]:.2f}×"
+                low, high = interval(cells[key].rates, cells[(LLAMA_SERVER, n)].rates)
+                bounds = f"{low:.2f}–{high:.2f}×"
             print(
                 f"| {n} | {server.name} | {ratio(key, LLAMA_SERVER, aggregate)} | "
                 f"{ratio(key, LLAMA_CPP_SERVER, aggregate)} | {ratio(key, DIRECT, aggregate)} | "
-                f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} |"
+                f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} | {bounds} |"
             )
     if cpu:
         tokens = cpu.pop("(tokens)")
