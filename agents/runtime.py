@@ -122,9 +122,11 @@ class Transcript:
 
 
 def _text(content: Any) -> str:
+    """A message's text as the model reads it: its text parts run together, as the prompt joins them (a term
+    split across parts is still seen whole)."""
     if isinstance(content, str):
         return content
-    return " ".join(part.get("text", "") for part in content or () if isinstance(part, dict))
+    return "".join(part.get("text", "") for part in content or () if isinstance(part, dict))
 
 
 GUARDED_ROLES = frozenset({"user", "system", "developer"})
