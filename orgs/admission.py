@@ -154,22 +154,25 @@ class MemoryStore:
                 if expires <= now:
                     del w.slots[held]
             rpm, tpm, inflight = limits.requests_per_minute, limits.tokens_per_minute, limits.requests_in_flight
+            refused: tuple[str, float] | None = None
             if rpm is not None and len(w.requests) + 1 > rpm:
                 retry = (w.requests[len(w.requests) - rpm] + WINDOW - now) if rpm > 0 else WINDOW
-                return Decision(False, "requests_per_minute", retry)
-            if tpm is not None and w.token_sum + tokens > tpm:
-                return Decision(False, "tokens_per_minute", _token_retry(list(w.tokens), w.token_sum, tokens, tpm, now))
-            if inflight is not None and len(w.slots) + 1 > inflight:
-                return Decision(False, "requests_in_flight", 1.0)
-            if dry:
+                refused = ("requests_per_minute", retry)
+            elif tpm is not None and w.token_sum + tokens > tpm:
+                refused = ("tokens_per_minute", _token_retry(list(w.tokens), w.token_sum, tokens, tpm, now))
+            elif inflight is not None and len(w.slots) + 1 > inflight:
+                refused = ("requests_in_flight", 1.0)
+            elif dry:
                 return Decision(True)
-            w.requests.append(now)
-            if tokens:
-                w.tokens.append((now, tokens))
-                w.token_sum += tokens
-            w.slots[slot] = now + SLOT_TTL
+            else:
+                w.requests.append(now)
+                if tokens:
+                    w.tokens.append((now, tokens))
+                    w.token_sum += tokens
+                w.slots[slot] = now + SLOT_TTL
             return Decision(
-                True,
+                refused is None,
+                *(refused or ("", 0.0)),
                 remaining_requests=None if rpm is None else rpm - len(w.requests),
                 remaining_tokens=None if tpm is None else tpm - w.token_sum,
                 reset_requests=w.requests[0] + WINDOW - now if w.requests else 0.0,
@@ -235,15 +238,25 @@ if #leaving > 0 then
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local nreq = redis.call('ZCARD', KEYS[1])
+local total = tonumber(redis.call('GET', KEYS[4]) or '0')
+-- What the window holds, for the rate-limit headers of an admission or a refusal alike.
+local function state(verdict, limit, retry)
+  local oldest_req = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  local oldest_tok = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local reset_req, reset_tok = 0, 0
+  if #oldest_req > 0 then reset_req = tonumber(oldest_req[2]) + window - now end
+  if #oldest_tok > 0 then reset_tok = tonumber(oldest_tok[2]) + window - now end
+  return {verdict, limit, tostring(retry), tostring(redis.call('ZCARD', KEYS[1])), tostring(total),
+          tostring(reset_req), tostring(reset_tok)}
+end
 if rpm >= 0 and nreq + 1 > rpm then
   local retry = window
   if rpm > 0 then
     local e = redis.call('ZRANGE', KEYS[1], nreq - rpm, nreq - rpm, 'WITHSCORES')
     retry = tonumber(e[2]) + window - now
   end
-  return {0, 'requests_per_minute', tostring(retry)}
+  return state(0, 'requests_per_minute', retry)
 end
-local total = tonumber(redis.call('GET', KEYS[4]) or '0')
 if tpm >= 0 and total + wanted > tpm then
   local retry = window
   if wanted <= tpm then
@@ -257,10 +270,10 @@ if tpm >= 0 and total + wanted > tpm then
       end
     end
   end
-  return {0, 'tokens_per_minute', tostring(retry)}
+  return state(0, 'tokens_per_minute', retry)
 end
 if inflight >= 0 and redis.call('ZCARD', KEYS[3]) + 1 > inflight then
-  return {0, 'requests_in_flight', '1'}
+  return state(0, 'requests_in_flight', 1)
 end
 if ARGV[10] == '1' then
   return {1, '', '0', tostring(nreq), tostring(total), '0', '0'}
@@ -272,12 +285,7 @@ if wanted > 0 then
 end
 redis.call('ZADD', KEYS[3], now + ttl, slot)
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
-local oldest_req = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local oldest_tok = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-local reset_req, reset_tok = 0, 0
-if #oldest_req > 0 then reset_req = tonumber(oldest_req[2]) + window - now end
-if #oldest_tok > 0 then reset_tok = tonumber(oldest_tok[2]) + window - now end
-return {1, '', '0', tostring(nreq + 1), tostring(total), tostring(reset_req), tostring(reset_tok)}
+return state(1, '', 0)
 """
 
 
@@ -324,12 +332,12 @@ class RedisStore:
                 "1" if dry else "0",
             ],
         )
-        if int(result[0]) == 0:
-            return Decision(False, result[1].decode(), float(result[2]))
         used_requests, used_tokens = int(result[3]), int(result[4])
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         return Decision(
-            True,
+            int(result[0]) == 1,
+            result[1].decode(),
+            float(result[2]),
             remaining_requests=None if rpm is None else rpm - used_requests,
             remaining_tokens=None if tpm is None else tpm - used_tokens,
             reset_requests=float(result[5]),
@@ -443,10 +451,10 @@ async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -
     else:
         decision = store.try_admit(key, limits, tokens, "", clock(), dry=True)
     if not decision.admitted:
-        raise _refusal(limits, decision, tokens)
+        raise _refusal(limits, decision, tokens, at_least=True)
 
 
-def _refusal(limits: Limits, decision: Decision, tokens: int) -> LimitExceeded:
+def _refusal(limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False) -> LimitExceeded:
     retry = max(1, math.ceil(decision.retry_after))
     value = {
         "requests_per_minute": limits.requests_per_minute,
@@ -455,12 +463,13 @@ def _refusal(limits: Limits, decision: Decision, tokens: int) -> LimitExceeded:
     }[decision.limit]
     detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
     if decision.limit == "tokens_per_minute":
-        detail += f" This request needs {tokens} tokens (input estimate plus maximum output)."
+        needs = "at least " if at_least else ""
+        detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
         if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
             detail += " It can never fit: lower max_tokens or the input."
     detail += f" Try again in {retry}s."
-    refused = Decision(False, decision.limit, retry, 0, 0, reset_requests=retry, reset_tokens=retry)
-    return LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, refused))
+    # The window as it stands: the limit that refused shows what is left of it, the others are untouched.
+    return LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, decision))
 
 
 async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> Grant:

@@ -91,6 +91,19 @@ async def test_tokens_per_minute_charge_the_input_and_the_maximum_output(api: AP
     assert (await api.post(CHAT, ask(max_tokens=10))).status_code == 200
 
 
+async def test_a_refusal_for_tokens_still_reports_the_requests_left_and_the_tokens_left(api: API) -> None:
+    probe = (await api.post(CHAT, ask())).json()["usage"]["prompt_tokens"]
+    await limit(requests_per_minute=100, tokens_per_minute=probe + 40)
+    assert (await api.post(CHAT, ask(max_tokens=20))).status_code == 200
+
+    refused = await api.post(CHAT, ask(max_tokens=30))
+
+    assert refused.status_code == 429
+    assert refused["x-ratelimit-remaining-requests"] == "99"
+    assert refused["x-ratelimit-remaining-tokens"] == "20"
+    assert refused["x-ratelimit-limit-tokens"] == str(probe + 40)
+
+
 async def test_an_unset_max_tokens_charges_the_models_maximum(api: API, catalog_model: CatalogEntry) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(max_output_tokens=500)
     await limit(tokens_per_minute=400)

@@ -47,3 +47,15 @@ async def test_a_charge_after_admission_counts_against_tokens_per_minute_until_i
     assert refused.retry_after == pytest.approx(admission.WINDOW - 2)
     later = await call(store.try_admit("1:0", LIMITS, 30, "slot-c", NOW + admission.WINDOW + 1.5))
     assert later.admitted and later.remaining_tokens == 70
+
+
+async def test_a_refusal_reports_what_is_left_of_every_limit_not_only_the_one_that_refused(store: Any) -> None:
+    limits = admission.Limits(tokens_per_minute=100, requests_per_minute=10)
+    await call(store.try_admit("1:0", limits, 60, "slot-a", NOW))
+
+    refused = await call(store.try_admit("1:0", limits, 50, "slot-b", NOW + 5))
+
+    assert (refused.admitted, refused.limit) == (False, "tokens_per_minute")
+    assert (refused.remaining_requests, refused.remaining_tokens) == (9, 40)
+    assert refused.reset_requests == pytest.approx(admission.WINDOW - 5)
+    assert refused.reset_tokens == pytest.approx(admission.WINDOW - 5)

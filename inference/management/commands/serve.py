@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -70,6 +71,10 @@ class Command(BaseCommand):
                 dispatch.warm_up_embedded()
         http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
         twisted_http._parseContentType = media_type  # type: ignore[assignment]  # same contract
+        # Twisted's table lacks some statuses the API answers with (429): their status line would read
+        # "Unknown Status".
+        for status in HTTPStatus:
+            twisted_http.RESPONSES.setdefault(status.value, status.phrase.encode())
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")
         interface = host.strip("[]")
