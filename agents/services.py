@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db.models import Max
+from django.db.models import Exists, Max, OuterRef
 from django.utils import timezone
 from pydantic import ValidationError
 
@@ -78,10 +78,11 @@ def _retention_cutoff() -> datetime | None:
 
 
 def find_stored(*, response_id: str, organization_id: int) -> StoredResponse | None:
-    """The tenant's stored response, unless it is past the retention period (pruned or not yet)."""
+    """The tenant's stored response, unless its conversation is past the retention period (pruned or not yet):
+    a conversation is kept, every turn of it, until its last turn is that old."""
     found = StoredResponse.objects.filter(response_id=response_id, organization_id=organization_id)
     if (cutoff := _retention_cutoff()) is not None:
-        found = found.filter(created__gte=cutoff)
+        found = found.filter(Exists(StoredResponse.objects.filter(thread=OuterRef("thread"), created__gte=cutoff)))
     return found.first()
 
 

@@ -154,6 +154,30 @@ async def test_a_response_past_its_retention_cannot_be_continued(tenant: Tenant,
 
 
 @override_settings(AGENT_RESPONSE_RETENTION_DAYS=30)
+async def test_an_old_turn_of_a_conversation_still_in_use_can_be_branched_from_and_rated(
+    tenant: Tenant, acme_response: StoredResponse
+) -> None:
+    await StoredResponse.objects.filter(pk=acme_response.pk).aupdate(created=timezone.now() - timedelta(days=31))
+    await sync_to_async(stored)(
+        acme_response.instance, acme_response.organization, "resp_next", thread="resp_acme", previous=acme_response
+    )
+
+    branch = await tenant.post(
+        "/v1/responses",
+        {
+            "model": "acme.agent",
+            "input": "Go on.",
+            "stream": True,
+            "previous_response_id": "resp_acme",
+            "max_output_tokens": 4,
+        },
+    )
+    rated = await tenant.post("/v1/feedback", {"meta": {"message_id": "resp_acme"}, "rating": "positive"})
+
+    assert (branch.status_code, rated.status_code) == (200, 200), branch.content
+
+
+@override_settings(AGENT_RESPONSE_RETENTION_DAYS=30)
 def test_pruning_deletes_conversations_whose_last_turn_is_past_retention_and_keeps_the_others(
     make_instance: Callable[..., AgentInstance], organization: Organization
 ) -> None:
