@@ -53,8 +53,12 @@ class ChatTemplateRefused(EngineError):
 class ContextLengthExceeded(EngineError):
     """The prompt, or the prompt with the output asked for, does not fit the model's context."""
 
-    def __init__(self, *, prompt_tokens: int, context_length: int, requested_output: int | None) -> None:
+    def __init__(
+        self, *, prompt_tokens: int, context_length: int, requested_output: int | None, at_least: bool = False
+    ) -> None:
         super().__init__(f"{prompt_tokens} prompt tokens and {requested_output} output tokens exceed {context_length}")
+        # ``prompt_tokens`` is a lower bound: the prompt was refused before it was counted exactly.
+        self.at_least = at_least
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
         self.requested_output = requested_output

@@ -243,7 +243,11 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
     describe_tools = bool(request.tools) and request.tool_choice != "none"
     try:
         prompt = render_prompt(
-            renderer=renderer, messages=request.messages, tools=request.tools, describe_tools=describe_tools
+            renderer=renderer,
+            messages=request.messages,
+            tools=request.tools,
+            describe_tools=describe_tools,
+            context_length=entry.context_length,
         )
     except TemplateError as exc:
         raise ChatTemplateRefused(str(exc)) from None

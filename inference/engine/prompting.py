@@ -56,10 +56,16 @@ def _with_tool_prompt(messages: list[Message], tools: tuple[FunctionTool, ...]) 
 
 
 def render_prompt(
-    *, renderer: PromptRenderer, messages: list[Message], tools: tuple[FunctionTool, ...], describe_tools: bool
+    *,
+    renderer: PromptRenderer,
+    messages: list[Message],
+    tools: tuple[FunctionTool, ...],
+    describe_tools: bool,
+    context_length: int,
 ) -> RenderedPrompt:
     """Render and count. ``describe_tools`` is false when ``tool_choice`` is ``none``: the model is not told of
-    tools."""
+    tools. A prompt that cannot fit ``context_length`` whatever its exact count raises ``ContextLengthExceeded``
+    before it is counted."""
     # Developer messages are system messages to templates that predate them.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if renderer.native_tools:
@@ -69,6 +75,10 @@ def render_prompt(
         if tools and describe_tools:
             plain = _with_tool_prompt(plain, tools)
         text = renderer.render(plain, None)
+    if (least := renderer.least_tokens(text)) > context_length:
+        raise ContextLengthExceeded(
+            prompt_tokens=least, context_length=context_length, requested_output=None, at_least=True
+        )
     return RenderedPrompt(text=text, tokens=renderer.count_tokens(text))
 
 

@@ -270,7 +270,8 @@ def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> A
     if exc.prompt_too_long or exc.requested_output is None:
         return invalid_request(
             f"This model's maximum context length is {exc.context_length} tokens. However, your messages resulted "
-            f"in {exc.prompt_tokens} tokens. Please reduce the length of the messages.",
+            f"in {'at least ' if exc.at_least else ''}{exc.prompt_tokens} tokens. Please reduce the length of the "
+            "messages.",
             param=names.prompt,
             code="context_length_exceeded",
         )

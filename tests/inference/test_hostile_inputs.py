@@ -140,7 +140,7 @@ async def test_any_deeply_nested_body_is_refused_on_every_endpoint(api: API) -> 
 def watched_renderer(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[str]]]:
     """The model's renderer, reporting for each call whether it ran on the event loop's thread."""
     real = execution.get_renderer(catalog_model.runner, catalog_model.runner_settings)
-    calls: dict[str, list[str]] = {"render": [], "schema": []}
+    calls: dict[str, list[str]] = {"render": [], "schema": [], "count": []}
 
     def where() -> str:
         try:
@@ -157,9 +157,14 @@ def watched_renderer(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatc
         calls["schema"].append(where())
         return real.schema_problem(schema)
 
+    def count_tokens(text: str) -> int:
+        calls["count"].append(where())
+        return real.count_tokens(text)
+
     watched = PromptRenderer(
         render=render,
-        count_tokens=real.count_tokens,
+        count_tokens=count_tokens,
+        least_tokens=real.least_tokens,
         native_tools=real.native_tools,
         schema_problem=schema_problem,
         max_top_logprobs=real.max_top_logprobs,
@@ -174,7 +179,20 @@ async def test_rendering_and_schema_checks_run_off_the_event_loop(
     response = await api.post(CHAT, chat(response_format=output_schema({"type": "object"})))
 
     assert response.status_code == 200
-    assert watched_renderer == {"render": ["thread"], "schema": ["thread"]}
+    assert watched_renderer == {"render": ["thread"], "schema": ["thread"], "count": ["thread"]}
+
+
+async def test_a_prompt_of_many_short_messages_that_cannot_fit_is_refused_without_counting_it(
+    api: API, watched_renderer: dict[str, list[str]]
+) -> None:
+    # 100,000 one-letter messages: a 3 MB prompt whose exact count would keep a core busy for minutes.
+    response = await api.post(CHAT, chat(messages=[{"role": "user", "content": "a"}] * 100_000))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "your messages resulted in at least 200" in error["message"]  # two markers a message, and more
+    assert watched_renderer["count"] == []
 
 
 async def test_a_client_over_its_limit_is_refused_before_its_prompt_is_rendered(
@@ -274,3 +292,14 @@ async def test_a_usage_batch_with_one_bad_row_keeps_the_good_ones(api: API) -> N
 
     written = [record.request_id async for record in UsageRecord.objects.order_by("request_id")]
     assert written == ["req_good_1", "req_good_2"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "a", "<|im_start|>user\nHi<|im_end|>\n" * 50, " " * 5000, "日本語のテキスト 🐉🔥" * 40, "<|im_end|><|im_end|>x"],
+    ids=["empty", "a letter", "chat markup", "spaces", "multi-byte", "adjacent markers"],
+)
+def test_the_token_floor_never_passes_the_exact_count(catalog_model: CatalogEntry, text: str) -> None:
+    renderer = execution.get_renderer(catalog_model.runner, catalog_model.runner_settings)
+
+    assert renderer.least_tokens(text) <= renderer.count_tokens(text)

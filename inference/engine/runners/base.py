@@ -114,12 +114,19 @@ def _any_schema(schema: dict[str, Any]) -> str | None:
     return None
 
 
+def _no_floor(text: str) -> int:
+    return 0
+
+
 @dataclass(slots=True)
 class PromptRenderer:
     """Renders chat messages with a model's template and counts tokens, in the API process."""
 
     render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
     count_tokens: Callable[[str], int]
+    # A lower bound on ``count_tokens(text)``, in linear time: a prompt that plainly cannot fit is refused before
+    # counting it, which can cost more (llama.cpp's tokenizer slows with the square of the special tokens).
+    least_tokens: Callable[[str], int] = _no_floor
     # Whether ``render`` places the tool definitions itself (the template knows tools); when false
     # the decoding layer describes them in the system message.
     native_tools: bool = False

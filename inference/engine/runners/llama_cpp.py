@@ -1101,9 +1101,31 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     return PromptRenderer(
         render=render,
         count_tokens=count_tokens,
+        least_tokens=_token_floor(vocab),
         native_tools=native_tools,
         schema_problem=functools.partial(schema_problem, vocab=vocab),
     )
+
+
+def _token_floor(vocab: Any) -> Callable[[str], int]:
+    """A lower bound on a text's token count: every token holds at most the longest token's bytes, and each of
+    the vocabulary's special tokens written in the text (the chat template's markers) is a token of its own."""
+    from llama_cpp import llama_cpp as lib
+
+    special_kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+    longest, specials = 1, set()
+    for token in range(vocab.n_vocab()):
+        longest = max(longest, len(piece(vocab, token)))
+        if vocab.token_get_attr(token) & special_kinds and (text := piece(vocab, token, special=True)):
+            specials.add(text.decode("utf-8", errors="replace"))
+    # Longest first, as llama.cpp splits them out.
+    marker = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+
+    def floor(text: str) -> int:
+        by_size = -(-len(text.encode("utf-8")) // longest)
+        return max(by_size, sum(1 for _ in marker.finditer(text)) if marker else 0)
+
+    return floor
 
 
 def self_test(settings: dict[str, Any]) -> None:
