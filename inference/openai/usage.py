@@ -42,7 +42,11 @@ def _day(raw: str, *, name: str, ceil: bool) -> date:
     except (ValueError, OverflowError, OSError):
         raise _param_error(name, "use a date (2025-01-31), an ISO 8601 time or unix seconds.") from None
     day = moment.date()
-    return day + timedelta(days=1) if ceil and moment != reports.day_start(day) else day
+    if not ceil or moment == reports.day_start(day):
+        return day
+    if day == date.max:
+        raise _param_error(name, "the date is out of range.")
+    return day + timedelta(days=1)
 
 
 def parse_query(params: Mapping[str, str]) -> UsageQuery:
@@ -55,7 +59,7 @@ def parse_query(params: Mapping[str, str]) -> UsageQuery:
     end = reports.utc_today() + timedelta(days=1)
     if params.get("end"):
         end = _day(params["end"], name="end", ceil=True)
-    start = end - timedelta(days=DEFAULT_DAYS)
+    start = end - timedelta(days=min(DEFAULT_DAYS, (end - date.min).days))
     if params.get("start"):
         start = _day(params["start"], name="start", ceil=False)
     if start >= end:

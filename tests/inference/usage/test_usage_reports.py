@@ -382,6 +382,7 @@ async def test_usage_takes_unix_seconds_and_counts_the_whole_day_of_the_end(
         ("start=2025-02-01&end=2025-01-01", "end", "invalid_value"),
         ("start=2020-01-01&end=2025-01-01", "start", "invalid_value"),
         ("organization=globex", "organization", "unknown_parameter"),
+        ("end=9999-12-31T00:00:01", "end", "invalid_value"),
     ],
 )
 async def test_bad_usage_parameters_are_refused_by_name(api: API, query: str, param: str, code: str) -> None:
@@ -390,6 +391,17 @@ async def test_bad_usage_parameters_are_refused_by_name(api: API, query: str, pa
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["start=9999-12-30&end=9999-12-31", "start=0001-01-01&end=0001-01-03", "end=0001-01-02", "end=9999-12-31"],
+)
+async def test_usage_at_the_ends_of_the_calendar_is_an_empty_report(api: API, query: str) -> None:
+    response = await api.get(f"{USAGE}?{query}")
+
+    assert response.status_code == 200
+    assert response.json()["total"]["requests"] == 0
 
 
 async def test_usage_needs_a_key(api: API) -> None:
