@@ -329,11 +329,12 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     await precheck_request(caller, meter, model_pk=agent.entry.pk, tokens=least)
     first = await turn.prepare_first()
     # Admitted as any request, on the first step's prompt and the whole output budget; later steps' prompts,
-    # which hold tool results, are charged as they are built.
+    # which hold tool results, are charged as they are built, and only if they fit: a step that would take the
+    # organization past its tokens per minute fails the response with the rate-limit error instead.
     grant = await admit_request(
         caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
     )
-    turn.charge = grant.charge
+    turn.charge = grant.charge_within
     stream = metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
     return Result(headers=grant.headers, stream=stream, route=ROUTE)
 

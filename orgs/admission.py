@@ -68,6 +68,7 @@ class Grant:
     headers: dict[str, str]
     _release: Any = None
     _charge: Any = None
+    _charge_within: Any = None
     released: bool = False
     charged: int = 0  # tokens counted against tokens per minute for this request so far
     _callbacks: list[Any] = field(default_factory=list)
@@ -76,6 +77,13 @@ class Grant:
         """Counts ``tokens`` more against tokens per minute: input that only became known after admission."""
         if self._charge is not None and tokens > 0:
             await self._charge(tokens)
+            self.charged += tokens
+
+    async def charge_within(self, tokens: int) -> None:
+        """Counts ``tokens`` more for new work of an admitted request (an agent's next step, which holds tool
+        results), only if they fit its tokens per minute: else ``LimitExceeded``, and nothing is charged."""
+        if self._charge_within is not None and tokens > 0:
+            await self._charge_within(tokens)
             self.charged += tokens
 
     async def settle(self, tokens: int) -> None:
@@ -142,8 +150,19 @@ class MemoryStore:
         self._windows: dict[str, _Window] = {}
         self._lock = threading.Lock()
 
-    def try_admit(self, key: str, limits: Limits, tokens: int, slot: str, now: float, *, dry: bool = False) -> Decision:
-        """Admits and charges, or refuses; ``dry`` only tells whether it would admit, and charges nothing."""
+    def try_admit(
+        self,
+        key: str,
+        limits: Limits,
+        tokens: int,
+        slot: str,
+        now: float,
+        *,
+        dry: bool = False,
+        tokens_only: bool = False,
+    ) -> Decision:
+        """Admits and charges, or refuses; ``dry`` only tells whether it would admit, and charges nothing;
+        ``tokens_only`` charges tokens that must fit, with no request counted and no slot held."""
         with self._lock:
             w = self._windows.setdefault(key, _Window())
             while w.requests and w.requests[0] <= now - WINDOW:
@@ -165,11 +184,12 @@ class MemoryStore:
             elif dry:
                 return Decision(True)
             else:
-                w.requests.append(now)
+                if not tokens_only:
+                    w.requests.append(now)
+                    w.slots[slot] = now + SLOT_TTL
                 if tokens:
                     w.tokens.append((now, tokens))
                     w.token_sum += tokens
-                w.slots[slot] = now + SLOT_TTL
             return Decision(
                 refused is None,
                 *(refused or ("", 0.0)),
@@ -218,8 +238,9 @@ def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limi
 # --- the Redis store ---------------------------------------------------------------------------
 
 # KEYS: requests zset, tokens zset, slots zset, tokens-in-window sum.
-# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry. Limits of -1 mean unlimited; with
-# dry "1" it only tells whether it would admit, and charges nothing.
+# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry, tokens only. Limits of -1 mean
+# unlimited; with dry "1" it only tells whether it would admit, and charges nothing; with tokens only "1" it
+# charges the tokens if they fit, and counts no request and holds no slot.
 # Token entries are members "nonce:tokens" scored by time; their running sum is kept beside them, so
 # admission touches only the entries that leave the window, not all of them.
 # A refund is an entry of negative tokens.
@@ -278,12 +299,14 @@ end
 if ARGV[10] == '1' then
   return {1, '', '0', tostring(nreq), tostring(total), '0', '0'}
 end
-redis.call('ZADD', KEYS[1], now, nonce)
+if ARGV[11] ~= '1' then
+  redis.call('ZADD', KEYS[1], now, nonce)
+  redis.call('ZADD', KEYS[3], now + ttl, slot)
+end
 if wanted > 0 then
   redis.call('ZADD', KEYS[2], now, nonce .. ':' .. wanted)
   total = redis.call('INCRBY', KEYS[4], wanted)
 end
-redis.call('ZADD', KEYS[3], now + ttl, slot)
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
 return state(1, '', 0)
 """
@@ -313,7 +336,15 @@ class RedisStore:
         return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots", f"b3os:lim:{key}:toksum"]
 
     async def try_admit(
-        self, key: str, limits: Limits, tokens: int, slot: str, now: float, *, dry: bool = False
+        self,
+        key: str,
+        limits: Limits,
+        tokens: int,
+        slot: str,
+        now: float,
+        *,
+        dry: bool = False,
+        tokens_only: bool = False,
     ) -> Decision:
         _, script = self._client()
         unlimited = lambda v: -1 if v is None else v  # noqa: E731
@@ -330,6 +361,7 @@ class RedisStore:
                 SLOT_TTL,
                 secrets.token_hex(8),
                 "1" if dry else "0",
+                "1" if tokens_only else "0",
             ],
         )
         used_requests, used_tokens = int(result[3]), int(result[4])
@@ -454,7 +486,9 @@ async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -
         raise _refusal(limits, decision, tokens, at_least=True)
 
 
-def _refusal(limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False) -> LimitExceeded:
+def _refusal(
+    limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False, step: bool = False
+) -> LimitExceeded:
     retry = max(1, math.ceil(decision.retry_after))
     value = {
         "requests_per_minute": limits.requests_per_minute,
@@ -463,8 +497,11 @@ def _refusal(limits: Limits, decision: Decision, tokens: int, *, at_least: bool 
     }[decision.limit]
     detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
     if decision.limit == "tokens_per_minute":
-        needs = "at least " if at_least else ""
-        detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
+        if step:
+            detail += f" The response's next step needs {tokens} more tokens for its input."
+        else:
+            needs = "at least " if at_least else ""
+            detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
         if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
             detail += " It can never fit: lower max_tokens or the input."
     detail += f" Try again in {retry}s."
@@ -503,7 +540,20 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.charge(key, tokens, clock())
 
+    async def charge_within(tokens: int) -> None:
+        only_tokens = Limits(tokens_per_minute=limits.tokens_per_minute)
+        if isinstance(store, RedisStore):
+            charged = await store.try_admit(key, only_tokens, tokens, "", clock(), tokens_only=True)
+        else:
+            charged = store.try_admit(key, only_tokens, tokens, "", clock(), tokens_only=True)
+        if not charged.admitted:
+            raise _refusal(limits, charged, tokens, step=True)
+
     metered = limits.tokens_per_minute is not None
     return Grant(
-        headers=_headers(limits, decision), _release=release, _charge=charge if metered else None, charged=tokens
+        headers=_headers(limits, decision),
+        _release=release,
+        _charge=charge if metered else None,
+        _charge_within=charge_within if metered else None,
+        charged=tokens,
     )

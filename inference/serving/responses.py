@@ -331,6 +331,11 @@ class _OpenItem:
         return build(item_id=self.item_id, status=status, content=content)
 
 
+# A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
+# carries the API's own code.
+_RESPONSE_ERROR_CODES = {"rate_limited": "rate_limit_exceeded", "context_length_exceeded": "invalid_prompt"}
+
+
 class ResponseEncoder:
     """Turns generation events into Responses stream events and keeps the Response they add up to.
 
@@ -472,7 +477,8 @@ class ResponseEncoder:
         events = self._close("incomplete")
         if error_code is not None:
             events.append(wire.error_event(code=error_code, message=message))
-        self.response = self._response("failed", error={"code": "server_error", "message": message})
+        code = _RESPONSE_ERROR_CODES.get(error_code or "", "server_error")
+        self.response = self._response("failed", error={"code": code, "message": message})
         events.append(wire.lifecycle_event("failed", self.response))
         return self.numbered(events)
 

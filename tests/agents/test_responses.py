@@ -25,6 +25,7 @@ from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage,
 from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage.records import flush
+from orgs.admission import memory_store
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
@@ -621,7 +622,7 @@ async def test_a_response_that_cannot_go_on_sends_an_error_then_fails_keeping_wh
     error, failed = events[-2:]
     assert error["type"] == "error" and error["code"] == "context_length_exceeded" and error["message"]
     assert failed["type"] == "response.failed" and response["status"] == "failed"
-    assert response["error"] == {"code": "server_error", "message": error["message"]}
+    assert response["error"] == {"code": "invalid_prompt", "message": error["message"]}
     (call,) = response["output"]
     assert call["type"] == AGENT_CALL and call["status"] == "completed"
     seen = SeedClient().read(events)
@@ -710,6 +711,40 @@ async def test_admission_limits_apply_to_agent_requests(
     assert response["Retry-After"]
     (record,) = await records(endpoint="agents.responses")
     assert (record.status, record.error_code) == (429, "rate_limited")
+
+
+async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_instead_of_overrunning_it(
+    tenant: Tenant, searching_agent: AgentInstance, organization: Organization
+) -> None:
+    async def limit(tokens_per_minute: int) -> None:
+        await sync_to_async(set_limit)(
+            organization=organization,
+            model_id=None,
+            tokens_per_minute=tokens_per_minute,
+            requests_per_minute=None,
+            requests_in_flight=None,
+        )
+
+    await limit(100_000)
+    body = {"model": searching_agent.instance_id, "input": SPARE_PARTS_QUESTION, "max_output_tokens": 48}
+    probe = await tenant.post("/v1/responses", {**body, "stream": True}, accept="text/event-stream")
+    await read_stream(probe)
+    admitted = 100_000 - int(probe["x-ratelimit-remaining-tokens"])  # the first step's prompt and the budget
+    (turn,) = await records(endpoint="agents.responses")
+    whole = turn.input_tokens + 48  # every step's prompt and the budget
+    assert whole > admitted, "the turn should have had a second step, with the search results in its prompt"
+    memory_store.reset()
+    await limit(tokens_per_minute := admitted + (whole - admitted) // 2)
+
+    events, response = await tenant.stream(**body)
+
+    assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "rate_limit_exceeded")
+    assert events[-2]["type"] == "error" and events[-2]["code"] == "rate_limited"
+    assert "tokens per minute" in response["error"]["message"]
+    # The failed turn holds what admission charged and nothing more, as the next refusal's headers show.
+    after = await tenant.post("/v1/responses", {**body, "stream": True, "max_output_tokens": tokens_per_minute})
+    assert after.status_code == 429
+    assert int(after["x-ratelimit-remaining-tokens"]) == tokens_per_minute - admitted
 
 
 async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
