@@ -49,10 +49,16 @@ def _declared_length(request: Request) -> int:
 
 
 class AsyncAPIView(APIView):
-    """Every handler is ``async``; ``http_method_names`` lists only the methods the view serves."""
+    """Every handler is ``async``; ``http_method_names`` lists only the methods the view serves, and HEAD is
+    served wherever GET is (RFC 9110), by the GET handler: the envelope sends its answer without the body."""
 
     authentication_classes = [APIKeyAuthentication]
     content_negotiation_class = JSONOrStream
+
+    @property
+    def allowed_methods(self) -> list[str]:
+        allowed: list[str] = super().allowed_methods
+        return [*allowed, "HEAD"] if "GET" in allowed and "HEAD" not in allowed else allowed
 
     async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:  # type: ignore[override]
         self.args, self.kwargs = args, kwargs
@@ -68,6 +74,8 @@ class AsyncAPIView(APIView):
                 drf_request
             )
             method = drf_request.method.lower()
+            if method == "head" and "head" not in self.http_method_names:
+                method = "get"
             handler = getattr(self, method, None) if method in self.http_method_names else None
             if handler is None:
                 self.http_method_not_allowed(drf_request, *args, **kwargs)

@@ -1,9 +1,10 @@
-"""Request ids, ``Server-Timing`` and the body bound for API paths."""
+"""Request ids, ``Server-Timing``, the body's framing and bound for API paths; ids and timing for operations."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -11,13 +12,16 @@ from contextvars import ContextVar
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import Resolver404, ResolverMatch, get_resolver
 
-from inference.openai.errors import body_too_large, not_found, status_error
+from inference.openai.errors import body_too_large, content_coding_refused, not_found, status_error
 
 from .context import RequestContext
 from .errors import is_api_path, render, render_exception
+
+# Plain Django views outside the API (no error shape of the API's), timed and numbered like it.
+OPERATIONS_PATHS = frozenset({"/health", "/metrics"})
 
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
@@ -35,11 +39,43 @@ class RequestIdLogFilter(logging.Filter):
         return True
 
 
-def _declared_length(request: HttpRequest) -> int:
-    try:
-        return int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
+def _body_length(request: HttpRequest) -> int:
+    """The body's size in bytes: as declared, or else as buffered.
+
+    A chunked body (or an HTTP/2 one) declares no ``Content-Length``, and DRF reads no body without one. The
+    ASGI handler has buffered the whole body before any middleware runs, so its size is one seek away; it is
+    declared here for DRF (and Django's own bound), and bounded like a declared one."""
+    declared = request.META.get("CONTENT_LENGTH")
+    if declared:
+        try:
+            return int(declared)
+        except ValueError:
+            return 0
+    # Django's ASGIRequest keeps the buffered body (a spooled temporary file) as ``_stream``; no public handle
+    # tells its size without reading it. A WSGI stream without a declared length has nothing to read.
+    stream = getattr(request, "_stream", None)
+    if stream is None or not getattr(stream, "seekable", lambda: False)():
         return 0
+    size: int = stream.seek(0, os.SEEK_END)
+    stream.seek(0)
+    if size:
+        request.META["CONTENT_LENGTH"] = str(size)
+    return size
+
+
+def _content_coding(request: HttpRequest) -> str | None:
+    """The body's content coding, unless it is none (``identity``)."""
+    coding = request.META.get("HTTP_CONTENT_ENCODING", "").strip()
+    return coding if coding and coding.lower() != "identity" else None
+
+
+def _without_body(response: HttpResponseBase) -> HttpResponseBase:
+    """A HEAD answer: the GET's status and headers, its length declared, its body not sent (RFC 9110 9.3.2)."""
+    if isinstance(response, HttpResponse):
+        length = len(response.content)
+        response.content = b""
+        response["Content-Length"] = str(length)
+    return response
 
 
 def _finish(context: RequestContext, response: HttpResponseBase, started: float) -> HttpResponseBase:
@@ -87,7 +123,8 @@ async def _call_api_view(request: HttpRequest) -> HttpResponseBase:
 
 
 class api_envelope:  # noqa: N801 (Django middleware naming)
-    """Wraps API requests: request id, timing header, body bound, and the error shape for anything that escapes."""
+    """Wraps API requests: request id, timing header, body framing, coding and bound, and the error shape for
+    anything that escapes; operations endpoints get the id and timing. HEAD answers leave without a body."""
 
     async_capable = True
     sync_capable = False
@@ -98,20 +135,28 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
             markcoroutinefunction(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if not is_api_path(request.path):
+        api = is_api_path(request.path)
+        if not api and request.path not in OPERATIONS_PATHS:
             return await self.get_response(request)
         started = time.perf_counter()
         context = request.api_context = RequestContext(request_id=new_request_id())  # type: ignore[attr-defined]
         token = _request_id.set(context.request_id)
         try:
-            if _declared_length(request) > settings.MAX_REQUEST_BODY_BYTES:
-                response: HttpResponseBase = render(body_too_large())
-            else:
-                try:
-                    response = await _call_api_view(request)
-                except Exception as exc:  # noqa: BLE001  (last line of defence: always the API's error shape)
-                    response = render_exception(exc, context)
-                response = _ensure_error_shape(response)
+            response = await (self._answer_api(request, context) if api else self.get_response(request))
+            if request.method == "HEAD":
+                response = _without_body(response)
             return _finish(context, response, started)
         finally:
             _request_id.reset(token)
+
+    async def _answer_api(self, request: HttpRequest, context: RequestContext) -> HttpResponseBase:
+        length = _body_length(request)
+        if length and (coding := _content_coding(request)) is not None:
+            return render(content_coding_refused(coding))
+        if length > settings.MAX_REQUEST_BODY_BYTES:
+            return render(body_too_large())
+        try:
+            response = await _call_api_view(request)
+        except Exception as exc:  # noqa: BLE001  (last line of defence: always the API's error shape)
+            response = render_exception(exc, context)
+        return _ensure_error_shape(response)

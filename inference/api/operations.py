@@ -11,7 +11,7 @@ import hmac
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_safe
 
 from inference.usage import health as health_checks
 from inference.usage import metrics as prometheus
@@ -25,7 +25,7 @@ def _bears_metrics_token(request: HttpRequest) -> bool:
 
 
 @never_cache
-@require_GET
+@require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus' text format; behind ``Authorization: Bearer <METRICS_TOKEN>`` when that is set."""
     if settings.METRICS_TOKEN and not _bears_metrics_token(request):
@@ -39,7 +39,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
 
 @never_cache
-@require_GET
+@require_safe
 async def health(request: HttpRequest) -> JsonResponse:
     """200 when the deployment can serve (``ok`` or ``degraded``), 503 when it cannot (``down``); with the
     metrics token, what each check found."""

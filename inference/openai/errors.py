@@ -120,6 +120,17 @@ def body_too_large() -> APIError:
     )
 
 
+def content_coding_refused(coding: str) -> APIError:
+    # Not decompressed: a compressed body's size says nothing of what it inflates to. RFC 7694: the 415
+    # names the codings that are accepted.
+    return APIError(
+        f"Request bodies with 'Content-Encoding: {coding[:64]}' are not accepted: send the body uncompressed.",
+        code="unsupported_media_type",
+        status=415,
+        headers={"Accept-Encoding": "identity"},
+    )
+
+
 def not_found() -> APIError:
     return APIError("No API endpoint at this path.", code="not_found", status=404, type=NOT_FOUND)
 
