@@ -296,7 +296,14 @@ async def test_a_usage_batch_with_one_bad_row_keeps_the_good_ones(api: API) -> N
 
 @pytest.mark.parametrize(
     "text",
-    ["", "a", "<|im_start|>user\nHi<|im_end|>\n" * 50, " " * 5000, "日本語のテキスト 🐉🔥" * 40, "<|im_end|><|im_end|>x"],
+    [
+        "",
+        "a",
+        "<|im_start|>user\nHi<|im_end|>\n" * 50,
+        " " * 5000,
+        "日本語のテキスト 🐉🔥" * 40,
+        "<|im_end|><|im_end|>x",
+    ],
     ids=["empty", "a letter", "chat markup", "spaces", "multi-byte", "adjacent markers"],
 )
 def test_the_token_floor_never_passes_the_exact_count(catalog_model: CatalogEntry, text: str) -> None:
