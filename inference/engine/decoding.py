@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint
+from inference.engine.runners.base import SCHEMA_DATA, SCHEMA_MAPS, TOOL_CLOSE, TOOL_OPEN, Constraint
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -88,10 +88,15 @@ class DecodePlan:
 
 
 def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[str, Any]:
-    """JSON schema of one call object ``{"name": …, "arguments": …}`` for the given tools."""
+    """JSON schema of one call object ``{"name": …, "arguments": …}`` for the given tools.
+
+    Each tool's parameters sit under ``arguments``, so its local ``$ref``s are rebased to point there: written
+    against the parameters as the root, they would miss (or meet another tool's ``$defs`` of the same name).
+    """
     options = []
-    for tool in tools:
-        arguments = tool.schema() if (tool.strict or not strict_only) else {"type": "object"}
+    for index, tool in enumerate(tools):
+        where = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{index}/properties/arguments"
+        arguments = _rebased(tool.schema(), where) if (tool.strict or not strict_only) else {"type": "object"}
         options.append(
             {
                 "type": "object",
@@ -101,6 +106,26 @@ def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[
             }
         )
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _rebased(schema: Any, where: str, *, in_map: bool = False) -> Any:
+    """``schema`` with its local ``$ref``s (``#``, ``#/$defs/…``, ``#/properties/…``) pointing at the same places
+    once the schema sits at ``where``, a JSON pointer fragment into an enclosing schema."""
+    if isinstance(schema, list):
+        return [_rebased(item, where) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if in_map:
+            out[key] = _rebased(value, where)
+        elif key in SCHEMA_DATA:
+            out[key] = value
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = where + value[1:]
+        else:
+            out[key] = _rebased(value, where, in_map=key in SCHEMA_MAPS)
+    return out
 
 
 def plan_decoding(

@@ -14,6 +14,7 @@ from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
     FUNCTION_NAME,
     MAX_TOOLS,
+    FunctionParameters,
     JSONSchema,
     LogprobItems,
     LooseModel,
@@ -28,7 +29,7 @@ from .shared import (
 class FunctionDefinition(WireModel):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
-    parameters: JSONSchema | None = None
+    parameters: FunctionParameters | None = None
     strict: bool | None = None
 
 

@@ -17,6 +17,7 @@ from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
     FUNCTION_NAME,
     MAX_TOOLS,
+    FunctionParameters,
     JSONSchema,
     LooseModel,
     ModelId,
@@ -159,7 +160,7 @@ class FunctionTool(WireModel):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
-    parameters: JSONSchema | None = None
+    parameters: FunctionParameters | None = None
     strict: bool | None = None
     # Codex sends these; the output schema documents what the client will send back.
     output_schema: dict[str, Any] | None = None

@@ -22,7 +22,7 @@ from .errors import APIError, invalid_request
 MAX_TOOLS = 128
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
-LogprobItems = list[tuple[str, float, list[tuple[str, float]]]]  # token, its logprob, the top alternatives
+LogprobItems = list[tuple[bytes, float, list[tuple[bytes, float]]]]  # token, its logprob, the top alternatives
 
 
 class WireModel(BaseModel):
@@ -120,6 +120,18 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
 JSONSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
 
 
+def _function_parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters: a JSON schema of an object, as OpenAI requires (arguments are a JSON object), with
+    ``type`` left out or ``"object"``."""
+    if "type" in schema and schema["type"] != "object":
+        given = orjson.dumps(schema["type"]).decode()
+        raise ValueError(f'function parameters must be a JSON schema of type "object", not of type {given}')
+    return schema
+
+
+FunctionParameters = Annotated[JSONSchema, AfterValidator(_function_parameters)]
+
+
 def _model_id(value: str) -> str:
     """A client's ``model`` reaches catalog lookups, usage records and metrics only in the catalog's form."""
     if not is_model_id(value):
@@ -196,14 +208,24 @@ def response_usage(
     }
 
 
+def token_name(token: bytes) -> str:
+    """A logprob's ``token``: its text, or, for a piece of a character (which no string holds), ``bytes:`` and
+    the bytes escaped, as OpenAI names one ("bytes:\\xf0\\x9f"; ``bytes`` gives the bytes themselves). Bytes
+    that are text stay text (``backslashreplace``): how OpenAI names a token mixing both is not documented."""
+    try:
+        return token.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + token.decode(errors="backslashreplace")
+
+
 def logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
     """Logprobs with their bytes: a chat completion's ``content`` logprobs, a Responses ``output_text``'s."""
     return [
         {
-            "token": token,
+            "token": token_name(token),
             "logprob": logprob,
-            "bytes": list(token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+            "bytes": list(token),
+            "top_logprobs": [{"token": token_name(t), "logprob": lp, "bytes": list(t)} for t, lp in top],
         }
         for token, logprob, top in items
     ]
@@ -212,7 +234,11 @@ def logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
 def delta_logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
     """Logprobs of a Responses text delta event (``ResponseLogProb``: without bytes)."""
     return [
-        {"token": token, "logprob": logprob, "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}
+        {
+            "token": token_name(token),
+            "logprob": logprob,
+            "top_logprobs": [{"token": token_name(t), "logprob": lp} for t, lp in top],
+        }
         for token, logprob, top in items
     ]
 

@@ -126,6 +126,36 @@ async def test_logprobs_come_with_the_top_alternatives(api: API, openai_spec: Op
         assert item["top_logprobs"][0]["logprob"] >= item["logprob"] - 1e-6
 
 
+# The greedy model answers "🐉🔥...": each emoji is split over three byte-level tokens.
+EMOJI = [{"role": "user", "content": "Répète: 日本語のテキスト 🐉🔥 ÅÄÖ"}]
+
+
+def assert_the_bytes_rebuild_the_content(items: list[dict[str, Any]], content: str) -> None:
+    assert "🐉" in content
+    assert bytes(b for item in items for b in item["bytes"]) == content.encode()
+    for token in [*items, *(top for item in items for top in item["top_logprobs"])]:
+        assert "\ufffd" not in token["token"]
+        whole = bytes(token["bytes"]).decode(errors="ignore") == token["token"]
+        # OpenAI names a piece of a character by its bytes: "bytes:\\xf0\\x9f".
+        assert whole or token["token"] == "bytes:" + bytes(token["bytes"]).decode(errors="backslashreplace")
+
+
+async def test_logprob_bytes_of_the_pieces_of_a_character_add_up_to_the_character(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    data = await complete(api, openai_spec, messages=EMOJI, max_tokens=6, logprobs=True, top_logprobs=2)
+    content = data["choices"][0]["logprobs"]["content"]
+    assert_the_bytes_rebuild_the_content(content, data["choices"][0]["message"]["content"])
+    assert content[0]["token"] == "bytes:\\xf0\\x9f"
+
+
+async def test_streamed_logprob_bytes_add_up_to_the_streamed_text(api: API, openai_spec: OpenAISpec) -> None:
+    chunks = await stream(api, openai_spec, messages=EMOJI, max_tokens=6, logprobs=True, top_logprobs=2)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    items = [item for c in chunks if c["choices"][0]["logprobs"] for item in c["choices"][0]["logprobs"]["content"]]
+    assert_the_bytes_rebuild_the_content(items, text)
+
+
 async def test_json_schema_output_always_matches_the_schema(api: API, openai_spec: OpenAISpec) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
     data = await complete(
@@ -300,8 +330,22 @@ async def test_a_recursive_schema_as_pydantic_writes_it_is_enforced(api: API, op
             "response_format.json_schema.schema",
             "cannot enforce",
         ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+            'must be a JSON schema of type "object", not of type "string"',
+        ),
     ],
-    ids=["invalid-tool-schema", "invalid-output-schema", "unenforceable-strict-tool", "unenforceable-output"],
+    ids=[
+        "invalid-tool-schema",
+        "invalid-output-schema",
+        "unenforceable-strict-tool",
+        "unenforceable-output",
+        "non-object-tool-parameters",
+    ],
 )
 async def test_a_schema_that_is_invalid_or_cannot_be_enforced_is_refused_by_name(
     api: API, overrides: dict, param: str, says: str
@@ -312,6 +356,49 @@ async def test_a_schema_that_is_invalid_or_cannot_be_enforced_is_refused_by_name
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_value", param)
     assert says in error["message"]
+
+
+# As ``openai.pydantic_function_tool`` writes a model with a nested one: its parameters refer to their ``$defs``.
+ADDRESS = {
+    "type": "object",
+    "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["street", "city"],
+    "additionalProperties": False,
+}
+PERSON_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "Person",
+        "strict": True,
+        "parameters": {
+            "$defs": {"Address": ADDRESS},
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "home": {"$ref": "#/$defs/Address"},
+                "work": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]},
+            },
+            "required": ["name", "home", "work"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+async def test_a_tool_whose_parameters_refer_to_their_definitions_is_enforced(
+    api: API, openai_spec: OpenAISpec, tool_choice: str
+) -> None:
+    messages = [{"role": "user", "content": "Record Ann, who lives at 1 Main St, Eugene, and works from home."}]
+    data = await complete(
+        api, openai_spec, messages=messages, tools=[PERSON_TOOL, WEATHER_TOOL], tool_choice=tool_choice, max_tokens=80
+    )
+
+    message = data["choices"][0]["message"]
+    for call in message.get("tool_calls") or []:
+        if call["function"]["name"] == "Person" and data["choices"][0]["finish_reason"] != "length":
+            jsonschema.validate(json.loads(call["function"]["arguments"]), PERSON_TOOL["function"]["parameters"])
+    assert message.get("tool_calls") or tool_choice == "auto"
 
 
 async def test_tool_choice_none_answers_in_text(api: API, openai_spec: OpenAISpec) -> None:

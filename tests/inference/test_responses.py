@@ -280,6 +280,20 @@ async def test_it_returns_logprobs_when_included(api: API, openai_spec: OpenAISp
     assert "".join(lp["token"] for lp in part["logprobs"]).strip() == part["text"].strip()
 
 
+async def test_the_logprob_bytes_of_a_character_split_over_tokens_add_up_to_it(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    body = ask(input="Répète: 日本語のテキスト 🐉🔥 ÅÄÖ", include=["message.output_text.logprobs"])
+    result = (await api.post(RESPONSES, body)).json()
+
+    openai_spec.validate("Response", result)
+    part = result["output"][0]["content"][0]
+    assert "🐉" in part["text"]
+    # The 16th token is the first piece of a character, which the text can only show as U+FFFD.
+    assert bytes(b for lp in part["logprobs"] for b in lp["bytes"]).decode(errors="replace") == part["text"]
+    assert part["logprobs"][0]["token"] == "bytes:\\xf0\\x9f"  # a piece of a character, named as OpenAI does
+
+
 # --- the conversation, replayed --------------------------------------------------------------------
 
 
@@ -530,6 +544,7 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
         ({"stream_options": {"include_obfuscation": False}}, "invalid_value", "stream_options"),
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "missing_required_parameter", "text.format.name"),
         ({"tools": [{**WEATHER, "parameters": {"type": "place"}}]}, "invalid_value", "tools.0.parameters"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "invalid_value", "tools.0.parameters"),
         (
             {"tools": [{**WEATHER, "strict": True, "parameters": {"type": "string", "pattern": "^(?!x)$"}}]},
             "invalid_value",
@@ -634,6 +649,28 @@ async def test_allowed_tools_limits_the_calls_to_its_subset_and_is_echoed(api: A
     openai_spec.validate("Response", result)
     assert [(item["type"], item["name"]) for item in result["output"]] == [("function_call", "get_weather")]
     assert result["tool_choice"] == choice and len(result["tools"]) == 2
+
+
+async def test_a_required_call_of_a_tool_whose_parameters_refer_to_their_definitions_is_made(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    parameters = {
+        "$defs": {"Address": address},
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+        "required": ["name", "home"],
+    }
+    person = {"type": "function", "name": "Person", "strict": True, "parameters": parameters}
+    question = "Record Ann, who lives in Eugene."
+    response = await api.post(
+        RESPONSES, ask(input=question, tools=[person, WEATHER], tool_choice="required", max_output_tokens=60)
+    )
+    result = response.json()
+
+    assert response.status_code == 200, result
+    openai_spec.validate("Response", result)
+    assert [item["type"] for item in result["output"]] == ["function_call"]
 
 
 @pytest.mark.parametrize(

@@ -77,9 +77,12 @@ class GenerationJob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    token: str
+    """A generated token's logprob and the likeliest alternatives. Tokens are bytes: one can be a piece of a
+    character, which no string can hold (the API layer names such a piece)."""
+
+    token: bytes
     logprob: float
-    top: tuple[tuple[str, float], ...] = ()
+    top: tuple[tuple[bytes, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,12 @@ class RunnerError(Exception):
     def __init__(self, message: str, *, code: str = "generation_failed") -> None:
         super().__init__(message)
         self.code = code
+
+
+# JSON Schema keywords whose value maps names to subschemas (there, a key called "pattern" or "$ref" is a
+# property's name), and keywords whose value is data, not a schema (left exactly as written).
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
 
 
 def _any_schema(schema: dict[str, Any]) -> str | None:

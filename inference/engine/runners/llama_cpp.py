@@ -35,6 +35,7 @@ import secrets
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -46,6 +47,8 @@ import orjson
 from django.conf import settings as django_settings
 
 from .base import (
+    SCHEMA_DATA,
+    SCHEMA_MAPS,
     Constraint,
     Finished,
     GenerationJob,
@@ -209,10 +212,8 @@ class SchemaTooLarge(ValueError):
 
 def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> str:
     """A GBNF grammar for the constraint, built from its JSON schema; ``SchemaTooLarge`` past ``limits``."""
-    from llama_cpp.llama_grammar import SchemaConverter
-
     limits = limits or SchemaLimits.from_settings()
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter = _converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     if constraint.kind == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     else:
@@ -222,10 +223,11 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
         schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
     schema = converter.resolve_refs(schema, "schema")
     if constraint.kind == "tool_calls":
-        converter.visit(schema, "call")
+        # The names the rules got: a definition of the schema may have taken "call" first.
+        call = converter.visit(schema, "call")
         # Free text (not starting with a tag), or a tool call in the Hermes format.
-        converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
-        converter._add_rule("root", r'"<tool_call>\n" call "\n</tool_call>" | free-text')
+        free_text = converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
+        converter._add_rule("root", rf'"<tool_call>\n" {call} "\n</tool_call>" | {free_text}')
     else:
         converter.visit(schema, "")
     if "char" in converter._rules:
@@ -335,12 +337,12 @@ def size_problem(schema: Any, limits: SchemaLimits) -> str | None:
         for key, value in node.items():
             if not isinstance(value, dict | list):
                 continue
-            if role == "data" or (role == "schema" and key in _DATA):
+            if role == "data" or (role == "schema" and key in SCHEMA_DATA):
                 stack.append((value, depth + 1, "data", name))
             elif role == "map":
                 stack.append((value, depth + 1, "schema", name + len(str(key)) + 1))
             else:
-                stack.append((value, depth + 1, "map" if key in _SCHEMA_MAPS else "schema", name + len(key) + 1))
+                stack.append((value, depth + 1, "map" if key in SCHEMA_MAPS else "schema", name + len(key) + 1))
     if properties_in_all > 4 * limits.properties:
         most = 4 * limits.properties
         return f"it has {properties_in_all} properties in all, more than the {most} this model enforces"
@@ -364,15 +366,21 @@ def _property_count(node: dict[str, Any], root: Any) -> int:
 
 
 def _local(root: Any, ref: str) -> Any:
-    """The subschema a local ``$ref`` (``#/$defs/Name``) points at, or None."""
+    """The subschema a local ``$ref`` (``#``, ``#/$defs/Name``: a JSON pointer in a URI fragment) points at, or
+    None."""
+    if ref == "#":
+        return root
     if not ref.startswith("#/"):
         return None
     node = root
-    for part in ref[2:].split("/"):
+    for part in urllib.parse.unquote(ref[2:]).split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
             return None
-        node = node[part]
     return node
 
 
@@ -439,10 +447,69 @@ def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": [{"$ref": schema["$ref"]}, *rest.get("allOf", [])]}
 
 
-# Keywords whose value maps names to subschemas: there, a key called "pattern" is a property's name.
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-# Keywords whose value is data, not a schema: left exactly as written.
-_DATA = frozenset({"const", "enum", "default", "examples"})
+def _refs(schema: Any, *, in_map: bool = False) -> Iterator[str]:
+    """Every ``$ref`` in the schema, outside its data."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _refs(item)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if in_map:
+                yield from _refs(value)
+            elif key == "$ref" and isinstance(value, str):
+                yield value
+            elif key not in SCHEMA_DATA:
+                yield from _refs(value, in_map=key in SCHEMA_MAPS)
+
+
+# What a rule being built holds until it is: nothing else ever equals it, so no other rule takes its name.
+_BUILDING = "<being built>"
+
+
+@functools.cache
+def _converter_class() -> type[Any]:
+    """llama.cpp's JSON-schema-to-grammar converter, with its ``$ref``s and literals made to mean what they say."""
+    from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, RESERVED_NAMES, SchemaConverter
+
+    class Converter(SchemaConverter):  # type: ignore[misc]  # the library is untyped
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            self._ref_rules: dict[str, str] = {}
+
+        def resolve_refs(self, schema: dict[str, Any], url: str) -> dict[str, Any]:
+            """Finds every local ``$ref``'s target (``#`` too), or says which one points at nothing. The
+            library's own fetches remote ones (refused here), names no ``#``, and reads refs inside ``const``."""
+            for ref in _refs(schema):
+                if ref in self._refs:
+                    continue
+                if not ref.startswith("#"):
+                    raise ValueError(f"its $ref {ref!r} is not local to the schema, and remote schemas are not fetched")
+                if (target := _local(schema, ref)) is None:
+                    raise ValueError(f"its $ref {ref!r} points at nothing in the schema")
+                self._refs[ref] = target
+            return schema
+
+        def _resolve_ref(self, ref: str) -> str:
+            """One rule per ``$ref``. The library names a ref's rule by its last part alone, so that
+            ``#/$defs/a/$defs/Item`` and ``#/$defs/Item`` shared one rule (or a property's of that name)."""
+            if (name := self._ref_rules.get(ref)) is None:
+                base = INVALID_RULE_CHARS_RE.sub("-", ref.rsplit("/", 1)[-1]).strip("-") or "ref"
+                name, count = base, 0
+                while name in self._rules or name in RESERVED_NAMES:
+                    name, count = f"{base}{count}", count + 1
+                self._ref_rules[ref] = name
+                # Reserved before its rule is built, as a recursive schema names it from inside that rule.
+                self._rules[name] = _BUILDING
+                self._rules[name] = self.visit(self._refs[ref], name)
+            return name
+
+        def _format_literal(self, literal: str) -> str:
+            """A GBNF literal. The library escapes quotes but not backslashes, so the escaped quote of a JSON string
+            (a property called ``a"b``) ended the literal early and the grammar did not compile."""
+            escaped = literal.replace("\\", "\\\\").replace('"', '\\"').replace("\r", "\\r").replace("\n", "\\n")
+            return f'"{escaped}"'
+
+    return Converter
 
 
 # Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.
@@ -462,7 +529,7 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
     for key, value in schema.items():
         if in_map:
             out[key] = _anchored(value)
-        elif key in _DATA:
+        elif key in SCHEMA_DATA:
             out[key] = value
         elif key == "pattern" and isinstance(value, str):
             head = "" if value.startswith("^") else _STRING_CHARS
@@ -470,7 +537,7 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
             core = value[1 if not head else 0 : len(value) - (1 if not tail else 0)]
             out[key] = f"^{head}({core}){tail}$"
         else:
-            out[key] = _anchored(value, in_map=key in _SCHEMA_MAPS)
+            out[key] = _anchored(value, in_map=key in SCHEMA_MAPS)
     return out
 
 
@@ -607,9 +674,6 @@ class Vocabulary:
     def is_end(self, token: int) -> bool:
         return token in self._end
 
-    def text(self, token: int) -> str:
-        return self.pieces[token].decode("utf-8", errors="replace")
-
     def tokenize(self, text: str) -> list[int]:
         return list(self.model.tokenize(text.encode("utf-8"), False, True))
 
@@ -730,13 +794,13 @@ class _Sequence:
 
     def _logprob(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
         logprobs = _log_softmax(logits)
-        text = self.vocabulary.text
-        best: tuple[tuple[str, float], ...] = ()
+        pieces = self.vocabulary.pieces  # bytes, not text: a token can be a piece of a character
+        best: tuple[tuple[bytes, float], ...] = ()
         if top:
             ids = np.argpartition(-logprobs, top)[:top]
             ids = ids[np.argsort(-logprobs[ids])]
-            best = tuple((text(int(i)), float(logprobs[i])) for i in ids)
-        return TokenLogprob(text(token), float(logprobs[token]), best)
+            best = tuple((pieces[int(i)], float(logprobs[i])) for i in ids)
+        return TokenLogprob(pieces[token], float(logprobs[token]), best)
 
 
 @dataclass

@@ -71,9 +71,7 @@ MIN_VERSION: Final = (1, 2)
 MAX_TOP_LOGPROBS: Final = 20
 
 # Settings that are the platform's, not ``LLM()`` keyword arguments.
-_NOT_LLM_ARGS: Final = frozenset(
-    {"model", "kv_cache_free_gpu_memory_fraction", "chat_template", "max_top_logprobs"}
-)
+_NOT_LLM_ARGS: Final = frozenset({"model", "kv_cache_free_gpu_memory_fraction", "chat_template", "max_top_logprobs"})
 
 # A request that outlives its own deadline in the engine is cut short, like one that hit max_tokens:
 # the client gets a truncated answer either way, and "length" is the reason that tells it so.
@@ -323,18 +321,49 @@ def _refusal_code(exc: BaseException) -> str:
     return "context_length_exceeded" if "max_num_tokens" in message or "max_seq_len" in message else "generation_failed"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character (``bytes_to_unicode`` in
+    ``transformers``' GPT-2 tokenizer): printable Latin-1 bytes as themselves, the others from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+_BYTE_LEVEL: Final = _byte_level_alphabet()
+_BYTE_FALLBACK: Final = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's spelling of a byte
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's bytes. Decoding a piece of a character gives U+FFFD, so its bytes are read from the way the
+    vocabulary spells it: a SentencePiece byte-fallback token (``<0xF0>``) or a byte-level BPE token."""
+    text = str(tokenizer.decode([token_id]))
+    if "\ufffd" not in text:
+        return text.encode()
+    spelled = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(spelled, str):
+        return text.encode()
+    if byte := _BYTE_FALLBACK.fullmatch(spelled):
+        return bytes([int(byte[1], 16)])
+    if spelled and all(char in _BYTE_LEVEL for char in spelled):
+        return bytes(_BYTE_LEVEL[char] for char in spelled)
+    return text.encode()
+
+
 def _token_logprobs(
     tokenizer: Any, token_ids: list[int], entries: list[Any], top_logprobs: int
 ) -> tuple[TokenLogprob, ...]:
-    """Per-token logprobs as trtllm-serve reports them (``serve/postprocess_handlers.py``)."""
+    """Per-token logprobs as trtllm-serve reports them (``serve/postprocess_handlers.py``), with each token's
+    bytes rather than its decoded text (which is U+FFFD for a piece of a character)."""
     result: list[TokenLogprob] = []
     for token_id, entry in zip(token_ids, entries, strict=False):
-        token = tokenizer.decode([token_id])
+        token = _token_bytes(tokenizer, token_id)
         if isinstance(entry, dict):  # PyTorch backend: {token_id: Logprob(logprob, rank)}, top-k plus the sampled one
             chosen = entry.get(token_id)
             logprob = max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB
             ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
-            top = tuple((tokenizer.decode([tid]), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs])
+            top = tuple(
+                (_token_bytes(tokenizer, tid), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs]
+            )
         else:  # TensorRT backend without gathered logits: one float per token, no alternatives
             logprob, top = max(float(entry), _MIN_LOGPROB), ()
         result.append(TokenLogprob(token=token, logprob=logprob, top=top))

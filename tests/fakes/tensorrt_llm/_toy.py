@@ -5,7 +5,9 @@ counts, stop strings, ``max_tokens``, guided JSON, cancellation and concurrency.
 around it follows TensorRT-LLM's PyTorch executor, each rule from the file named where it is kept:
 
 - ``ToyTokenizer`` behaves like a Hugging Face tokenizer whose tokens are runs of non-space
-  characters together with the whitespace before them, so ``decode(encode(text)) == text``.
+  characters together with the whitespace before them, so ``decode(encode(text)) == text``. A run
+  with a non-ASCII character is spelled byte by byte instead, as SentencePiece's byte fallback
+  spells what is not in its vocabulary (``<0xF0>``): ``decode`` of one such token is ``"\ufffd"``.
   ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true.
 - ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is fixed
   when it is submitted: the prompt's words echoed, or, under guided decoding, a minimal instance of
@@ -51,6 +53,7 @@ class ToyTokenizer:
     bos_token = "<s>"
     eos_token = "</s>"
     _PIECE = re.compile(r"\s*\S+|\s+")
+    _BYTE = re.compile(r"<0x([0-9A-F]{2})>")
 
     def __init__(self, name_or_path: str = "toy") -> None:
         self.name_or_path = name_or_path
@@ -82,14 +85,24 @@ class ToyTokenizer:
             return self._ids[piece]
 
     def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
-        ids = [self._id(piece) for piece in self._PIECE.findall(text)]
+        ids = [
+            self._id(token)
+            for piece in self._PIECE.findall(text)
+            for token in ([piece] if piece.isascii() else [f"<0x{b:02X}>" for b in piece.encode()])
+        ]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **_: Any) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        pieces = self.convert_ids_to_tokens(token_ids, skip_special_tokens=skip_special_tokens)
+        data = b"".join(
+            bytes([int(byte[1], 16)]) if (byte := self._BYTE.fullmatch(piece)) else piece.encode() for piece in pieces
+        )
+        return data.decode(errors="replace")
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> list[str]:
+        ids = [ids] if isinstance(ids, int) else list(ids)
         with self._lock:
-            pieces = [self._pieces[i] for i in ids if not (skip_special_tokens and i in self.all_special_ids)]
-        return "".join(pieces)
+            return [self._pieces[i] for i in ids if not (skip_special_tokens and i in self.all_special_ids)]
 
     def get_vocab(self) -> dict[str, int]:
         with self._lock:

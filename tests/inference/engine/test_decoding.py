@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from inference.engine.decoding import (
@@ -12,6 +13,7 @@ from inference.engine.decoding import (
     StreamDecoder,
     TextPiece,
     ToolCallPiece,
+    ToolChoice,
     plan_decoding,
 )
 
@@ -84,3 +86,84 @@ def test_a_named_call_the_budget_cut_short_is_a_call_of_that_function_however_li
     [call] = decoder.feed('{"') + decoder.finish()
 
     assert isinstance(call, ToolCallPiece) and (call.name, call.arguments, call.complete) == ("get_weather", "", False)
+
+
+# --- the call schema: each tool's parameters, nested under ``arguments`` --------------------------------------
+
+ADDRESS = {
+    "type": "object",
+    "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["street", "city"],
+    "additionalProperties": False,
+}
+# As ``openai.pydantic_function_tool`` writes a model with a nested one.
+PERSON = FunctionTool(
+    "Person",
+    None,
+    {
+        "$defs": {"Address": ADDRESS},
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+        "required": ["name", "home"],
+        "additionalProperties": False,
+    },
+    True,
+)
+HOME = {"street": "1 Main St", "city": "Eugene"}
+
+
+def call_schema(*tools: FunctionTool, tool_choice: ToolChoice = "required") -> jsonschema.Draft202012Validator:
+    plan = plan_decoding(tools=tools, tool_choice=tool_choice, parallel_tool_calls=True, reasoning=False)
+    assert plan.constraint is not None and plan.constraint.schema is not None
+    return jsonschema.Draft202012Validator(plan.constraint.schema)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", ForcedFunction("Person"), "auto"])
+def test_a_tools_local_refs_still_point_into_its_parameters_in_the_call_schema(tool_choice: ToolChoice) -> None:
+    schema = call_schema(PERSON, WEATHER, tool_choice=tool_choice)
+
+    assert schema.is_valid({"name": "Person", "arguments": {"name": "Ann", "home": HOME}})
+    assert not schema.is_valid({"name": "Person", "arguments": {"name": "Ann", "home": {"street": "1 Main St"}}})
+
+
+def test_two_tools_with_a_definition_of_the_same_name_each_keep_their_own() -> None:
+    postcode = {"type": "object", "properties": {"zip": {"type": "string"}}, "required": ["zip"]}
+    letter = FunctionTool(
+        "Letter",
+        None,
+        {
+            "definitions": {"Address": postcode},
+            "type": "object",
+            "properties": {"to": {"$ref": "#/definitions/Address"}},
+        },
+        True,
+    )
+    schema = call_schema(PERSON, letter)
+
+    assert schema.is_valid({"name": "Letter", "arguments": {"to": {"zip": "97401"}}})
+    assert not schema.is_valid({"name": "Letter", "arguments": {"to": HOME}})
+    assert schema.is_valid({"name": "Person", "arguments": {"name": "Ann", "home": HOME}})
+
+
+def test_a_ref_to_the_parameters_themselves_or_into_them_points_at_the_arguments() -> None:
+    tree = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "child": {"$ref": "#"},
+            "nickname": {"$ref": "#/properties/name"},
+        },
+        "required": ["name"],
+    }
+    schema = call_schema(FunctionTool("tree", None, tree, True))
+
+    assert schema.is_valid({"name": "tree", "arguments": {"name": "a", "nickname": "b", "child": {"name": "c"}}})
+    assert not schema.is_valid({"name": "tree", "arguments": {"name": "a", "child": {"nickname": "c"}}})
+    assert not schema.is_valid({"name": "tree", "arguments": {"name": "a", "nickname": 1}})
+
+
+def test_a_constant_that_holds_a_ref_is_data_and_left_as_written() -> None:
+    constant = {"type": "object", "properties": {"link": {"const": {"$ref": "#/x"}}}, "required": ["link"]}
+    schema = call_schema(FunctionTool("f", None, constant, True))
+
+    assert schema.is_valid({"name": "f", "arguments": {"link": {"$ref": "#/x"}}})

@@ -58,6 +58,7 @@ class CompletionOutput:
     _last_text_len: int = field(default=0, init=False, repr=False)
     _last_token_ids_len: int = field(default=0, init=False, repr=False)
     _last_logprobs_len: int = field(default=0, init=False, repr=False)
+    _incremental_states: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
     @property
     def length(self) -> int:
@@ -212,8 +213,12 @@ class GenerationResult:
             output._last_text_len = len(output.text)
             kwargs = {"skip_special_tokens": params.skip_special_tokens}
             if self._streaming and hasattr(self.tokenizer, "decode_incrementally"):
-                output.text, _ = self.tokenizer.decode_incrementally(
-                    output.token_ids_diff, prev_text=output.text, flush=self._done, **kwargs
+                output.text, output._incremental_states = self.tokenizer.decode_incrementally(
+                    output.token_ids_diff,
+                    prev_text=output.text,
+                    states=output._incremental_states,
+                    flush=self._done,
+                    **kwargs,
                 )
             else:
                 output.text = self.tokenizer.decode(output.token_ids, **kwargs)

@@ -42,8 +42,17 @@ class TransformersTokenizer(TokenizerBase):
         flush: bool = False,
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
-        """The new ids' text appended to what was decoded before: text once decoded is never taken back."""
-        return (prev_text or "") + self.decode(token_ids, **kwargs), states or {}
+        """The new ids' text appended to what was decoded before: text once decoded is never taken back, and
+        ids that end in a piece of a character wait in ``states`` for the rest (``trtllm_decode_incrementally``)."""
+        pending = [*(states or {}).get("pending", []), *token_ids]
+        text = self.decode(pending, **kwargs)
+        if not flush and text.endswith("\ufffd"):
+            return prev_text or "", {"pending": pending}
+        return (prev_text or "") + text, {}
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | list[str]:
+        tokens = self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+        return tokens[0] if isinstance(ids, int) else tokens
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
         return self.tokenizer.apply_chat_template(conversation, *args, **kwargs)

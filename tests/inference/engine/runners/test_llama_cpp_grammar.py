@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as lib
 
+from inference.engine.decoding import FunctionTool, ToolChoice, plan_decoding
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint
 from inference.engine.runners.llama_cpp import grammar_for, schema_problem
@@ -96,6 +97,126 @@ def test_a_recursive_model_as_pydantic_writes_it_compiles() -> None:
 
     assert schema_problem(schema) is None
     assert rules(schema)["children-item"] == "Node"
+
+
+def test_a_ref_to_the_whole_schema_is_a_recursive_rule(vocab: Any) -> None:
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}}, "required": ["name"]}
+
+    assert schema_problem(tree, vocab=vocab) is None
+    assert accepts(vocab, tree, '{"name": "a", "child": {"name": "b", "child": {"name": "c"}}}')
+    assert not accepts(vocab, tree, '{"name": "a", "child": {"child": ')
+
+
+def test_refs_to_definitions_of_the_same_last_name_are_rules_of_their_own(vocab: Any) -> None:
+    number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    text = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    schema = {
+        "$defs": {"a": {"$defs": {"Item": number}}, "Item": text},
+        "type": "object",
+        "properties": {"number": {"$ref": "#/$defs/a/$defs/Item"}, "text": {"$ref": "#/$defs/Item"}},
+        "required": ["number", "text"],
+    }
+
+    assert accepts(vocab, schema, '{"number": {"n": 1}, "text": {"s": "x"}}')
+    assert not accepts(vocab, schema, '{"number": {"n": 1}, "text": {"n"')
+
+
+def test_a_definition_named_like_a_built_in_rule_keeps_its_own_meaning(vocab: Any) -> None:
+    schema = {
+        "$defs": {"string": {"type": "integer"}},
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/string"}, "s": {"type": "string"}},
+        "required": ["n", "s"],
+    }
+
+    assert accepts(vocab, schema, '{"n": 1, "s": "x"}')
+    assert not accepts(vocab, schema, '{"n": "x"')
+
+
+def test_a_ref_that_points_at_nothing_is_named() -> None:
+    problem = schema_problem({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}) or ""
+
+    assert "'#/$defs/Missing'" in problem and "points at nothing" in problem
+
+
+@pytest.mark.parametrize("name", ['a"b', "a\\b", 'say "hi"\\n'])
+def test_a_property_name_that_json_escapes_compiles_and_is_written_escaped(vocab: Any, name: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "string"}},
+        "required": [name],
+        "additionalProperties": False,
+    }
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, json.dumps({name: "x"}))
+
+
+def test_a_constant_string_with_a_backslash_is_written_as_json_escapes_it(vocab: Any) -> None:
+    schema = {"enum": ["C:\\temp", 'a"b']}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, json.dumps("C:\\temp")) and accepts(vocab, schema, json.dumps('a"b'))
+
+
+# --- tool calls: every enforced tool's parameters in one call schema ----------------------------------------
+
+ADDRESS = {
+    "type": "object",
+    "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["street", "city"],
+    "additionalProperties": False,
+}
+
+
+def person(address: dict[str, Any]) -> dict[str, Any]:
+    """Parameters as ``openai.pydantic_function_tool`` writes a model with a nested one."""
+    return {
+        "$defs": {"Address": address},
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+        "required": ["name", "home"],
+        "additionalProperties": False,
+    }
+
+
+def call_schema(*tools: FunctionTool, tool_choice: ToolChoice = "required") -> dict[str, Any]:
+    plan = plan_decoding(tools=tools, tool_choice=tool_choice, parallel_tool_calls=True, reasoning=False)
+    assert plan.constraint is not None and plan.constraint.schema is not None
+    return plan.constraint.schema
+
+
+def test_a_forced_call_of_a_tool_with_definitions_compiles_and_is_enforced(vocab: Any) -> None:
+    schema = call_schema(FunctionTool("Person", None, person(ADDRESS), True))
+    home = {"street": "1 Main St", "city": "Eugene"}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, json.dumps({"name": "Person", "arguments": {"name": "Ann", "home": home}}))
+    assert not accepts(vocab, schema, '{"name": "Person", "arguments": {"name": "Ann", "home": {"zip"')
+
+
+def test_two_tools_each_call_under_their_own_definition_of_the_same_name(vocab: Any) -> None:
+    postcode = {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}
+    schema = call_schema(
+        FunctionTool("Person", None, person(ADDRESS), True), FunctionTool("Letter", None, person(postcode), True)
+    )
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, '{"name": "Letter", "arguments": {"name": "Ann", "home": {"zip": 97401}}}')
+    assert not accepts(vocab, schema, '{"name": "Letter", "arguments": {"name": "Ann", "home": {"street"')
+    assert not accepts(vocab, schema, '{"name": "Person", "arguments": {"name": "Ann", "home": {"zip"')
+
+
+def test_a_strict_recursive_tool_compiles_under_auto(vocab: Any) -> None:
+    node = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+        "required": ["name", "children"],
+        "additionalProperties": False,
+    }
+    schema = call_schema(FunctionTool("Node", None, {"$defs": {"Node": node}, **node}, True), tool_choice="auto")
+
+    assert schema_problem(schema, vocab=vocab) is None
 
 
 def test_what_the_converter_cannot_express_is_named() -> None:

@@ -263,10 +263,21 @@ def test_it_returns_logprobs_when_asked(engine: Seen) -> None:
 
     assert engine.calls[0].sampling_params.logprobs == 2
     logprobs = [lp for c in chunks for lp in c.logprobs]
-    assert [lp.token for lp in logprobs] == ["red", " green"]
+    assert [lp.token for lp in logprobs] == [b"red", b" green"]
     assert all(lp.logprob == -0.25 for lp in logprobs)
     assert [len(lp.top) for lp in logprobs] == [2, 2]
-    assert logprobs[0].top[0] == ("red", -0.25)
+    assert logprobs[0].top[0] == (b"red", -0.25)
+
+
+def test_the_logprobs_of_the_pieces_of_a_character_carry_its_bytes(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(runner.stream(make_job("fire 🔥", logprobs=True, top_logprobs=2), never))
+
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert "".join(c.text for c in chunks) == "fire 🔥"
+    assert [lp.token for lp in logprobs] == [b"fire", b" ", b"\xf0", b"\x9f", b"\x94", b"\xa5"]
+    assert logprobs[2].top[0] == (b"\xf0", -0.25)
 
 
 # -- cancellation ------------------------------------------------------------------------------------
