@@ -160,6 +160,18 @@ class NamedToolChoice(WireModel):
     function: NamedToolChoiceFunction
 
 
+class AllowedTools(WireModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice]
+
+
+class AllowedToolsChoice(WireModel):
+    """Calls only to these tools, in ``mode`` auto or required; ``tools`` still lists every tool."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ResponseFormatText(WireModel):
     type: Literal["text"]
 
@@ -219,7 +231,7 @@ class ChatCompletionRequest(WireModel):
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     route: Literal["node", "gateway"] | None = None
@@ -268,6 +280,21 @@ class ChatCompletionRequest(WireModel):
                     param="tool_choice.function.name",
                     code="invalid_value",
                 )
+        if isinstance(self.tool_choice, AllowedToolsChoice) and self.tools:
+            names = {tool.function.name for tool in self.tools}
+            if not self.tool_choice.allowed_tools.tools:
+                raise invalid_request(
+                    "allowed_tools needs at least one tool.",
+                    param="tool_choice.allowed_tools.tools",
+                    code="invalid_value",
+                )
+            for index, allowed in enumerate(self.tool_choice.allowed_tools.tools):
+                if allowed.function.name not in names:
+                    raise invalid_request(
+                        f"allowed_tools names the function {allowed.function.name!r}, which is not in tools.",
+                        param=f"tool_choice.allowed_tools.tools.{index}.function.name",
+                        code="invalid_value",
+                    )
         if self.tools:
             listed = [tool.function.name for tool in self.tools]
             if len(set(listed)) != len(listed):

@@ -7,6 +7,7 @@ the builders both response families use: usage objects, logprobs, stream options
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, TypeVar
 
@@ -57,17 +58,17 @@ def _undeclared(value: Any) -> dict[Any, Any]:
 # --- parsing a body -------------------------------------------------------------------------------
 
 
-def _param(loc: tuple[Any, ...], data: Any) -> str:
+def _param(loc: tuple[Any, ...], data: Any, *, missing: bool = False) -> str:
     """The dotted path of a validation error in the request body (``messages.1.content``).
 
-    Pydantic's locations also hold union members and discriminator tags; walking the body keeps only
-    the parts that address it.
+    Pydantic's locations also hold union members and discriminator tags (``literal['auto']``, ``list``,
+    ``assistant``); walking the body keeps only the parts that address it, and a missing field's name.
     """
     parts: list[str] = []
     node = data
     for index, part in enumerate(loc):
         last = index == len(loc) - 1
-        if isinstance(node, dict) and isinstance(part, str) and (part in node or last):
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or (last and missing)):
             parts.append(part)
             node = node.get(part)
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -78,15 +79,15 @@ def _param(loc: tuple[Any, ...], data: Any) -> str:
 
 def validation_error(exc: ValidationError, data: Any) -> APIError:
     first = exc.errors(include_url=False)[0]
-    param = _param(tuple(first["loc"]), data)
     kind = first["type"]
+    param = _param(tuple(first["loc"]), data, missing=kind == "missing")
     if kind == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
     if kind == "missing":
         return invalid_request(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
         )
-    message = first["msg"]
+    message = re.sub(r" or instance of \w+", "", first["msg"])  # the class names behind a union are not the API's
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")

@@ -107,7 +107,22 @@ def _tool_choice(request: wire.ChatCompletionRequest) -> ToolChoice:
     choice = request.tool_choice
     if isinstance(choice, wire.NamedToolChoice):
         return ForcedFunction(choice.function.name)
+    if isinstance(choice, wire.AllowedToolsChoice):
+        return choice.allowed_tools.mode
     return choice or "auto"
+
+
+def _callable_tools(request: wire.ChatCompletionRequest) -> tuple[FunctionTool, ...]:
+    """The function tools the model may call: all, or those ``allowed_tools`` allows."""
+    choice = request.tool_choice
+    allowed = None
+    if isinstance(choice, wire.AllowedToolsChoice):
+        allowed = {tool.function.name for tool in choice.allowed_tools.tools}
+    return tuple(
+        FunctionTool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
+        for t in request.tools or ()
+        if allowed is None or t.function.name in allowed
+    )
 
 
 def to_generation_request(request: wire.ChatCompletionRequest, entry: CatalogEntry) -> GenerationRequest:
@@ -126,10 +141,7 @@ def to_generation_request(request: wire.ChatCompletionRequest, entry: CatalogEnt
     schema = fmt.json_schema.schema_ if isinstance(fmt, wire.ResponseFormatJSONSchema) else None
     return GenerationRequest(
         messages=messages(request),
-        tools=tuple(
-            FunctionTool(t.function.name, t.function.description, t.function.parameters, t.function.strict)
-            for t in request.tools or ()
-        ),
+        tools=_callable_tools(request),
         tool_choice=_tool_choice(request),
         parallel_tool_calls=request.parallel_tool_calls is not False,
         reasoning=capabilities.reasoning_on(model_reasons=entry.reasoning, effort=request.reasoning_effort),

@@ -401,6 +401,51 @@ async def test_a_tool_whose_parameters_refer_to_their_definitions_is_enforced(
     assert message.get("tool_calls") or tool_choice == "auto"
 
 
+async def test_allowed_tools_required_calls_only_an_allowed_tool(api: API, openai_spec: OpenAISpec) -> None:
+    time_tool = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+        },
+    }
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]},
+    }
+    messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
+
+    data = await complete(
+        api, openai_spec, messages=messages, tools=[WEATHER_TOOL, time_tool], tool_choice=choice, max_tokens=60
+    )
+
+    (call,) = data["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), time_tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize(
+    ("allowed", "param"),
+    [
+        ([], "tool_choice.allowed_tools.tools"),
+        ([{"type": "function", "function": {"name": "nope"}}], "tool_choice.allowed_tools.tools.0.function.name"),
+    ],
+    ids=["none allowed", "an unknown tool"],
+)
+async def test_allowed_tools_must_name_listed_tools(api: API, allowed: list[Any], param: str) -> None:
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": allowed}}
+    response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice=choice))
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, "invalid_value")
+
+
+async def test_a_bad_tool_choice_is_named_as_the_client_wrote_it(api: API) -> None:
+    response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice={"type": "something_else"}))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and "instance of" not in error["message"]
+
+
 async def test_tool_choice_none_answers_in_text(api: API, openai_spec: OpenAISpec) -> None:
     data = await complete(api, openai_spec, tools=[WEATHER_TOOL], tool_choice="none")
     assert "tool_calls" not in data["choices"][0]["message"]
