@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
     FUNCTION_NAME,
     MAX_TOOLS,
+    UNSUPPORTED,
     FunctionParameters,
     JSONSchema,
     LogprobItems,
@@ -149,6 +151,17 @@ ChatMessage = Annotated[
 class ChatTool(WireModel):
     type: Literal["function"]
     function: FunctionDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_functions(cls, value: Any) -> Any:
+        """A kind of tool OpenAI knows (``custom``) is refused as unsupported, not as a malformed function."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise PydanticCustomError(
+                UNSUPPORTED, "the {kind} tool is not supported; only function tools", {"kind": kind[:40]}
+            )
+        return value
 
 
 class NamedToolChoiceFunction(WireModel):

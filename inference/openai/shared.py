@@ -18,9 +18,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, Wit
 
 from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
-from .errors import APIError, invalid_request
+from .errors import APIError, invalid_request, unsupported_parameter
 
 MAX_TOOLS = 128
+# The error type of a validator that refuses something OpenAI's API knows but this one does not serve.
+UNSUPPORTED = "unsupported_parameter"
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 LogprobItems = list[tuple[bytes, float, list[tuple[bytes, float]]]]  # token, its logprob, the top alternatives
@@ -83,6 +85,8 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
     param = _param(tuple(first["loc"]), data, missing=kind == "missing")
     if kind == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+    if kind == UNSUPPORTED:
+        return unsupported_parameter(param, first["msg"])
     if kind == "missing":
         return invalid_request(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"

@@ -439,6 +439,14 @@ async def test_allowed_tools_must_name_listed_tools(api: API, allowed: list[Any]
     assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, "invalid_value")
 
 
+async def test_a_custom_tool_is_refused_as_unsupported(api: API) -> None:
+    response = await api.post(CHAT, body(tools=[{"type": "custom", "custom": {"name": "grep"}}]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "tools.0")
+    assert "custom tool is not supported" in error["message"]
+
+
 async def test_a_bad_tool_choice_is_named_as_the_client_wrote_it(api: API) -> None:
     response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice={"type": "something_else"}))
     assert response.status_code == 400
