@@ -44,7 +44,7 @@ from inference.engine.generation import Done, Failed, Generation, GenerationRequ
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import from_exception
+from inference.openai.errors import APIError, from_exception
 from inference.serving import responses
 from inference.serving.caller import generation_error
 from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
@@ -451,13 +451,17 @@ class AgentTurn:
         )
         events = self.encoder.finish(done, always_completed=True)
         if self.keep is not None:
+            unstored: TurnFailed | None = None
             try:
                 await self.keep(self.encoder.response)
+            except APIError as exc:  # the conversation filled up while this turn ran
+                unstored = TurnFailed(exc.code, exc.message)
             except Exception:
                 logger.exception("storing agent response %s failed", self.encoder.response_id)
-                self.failure = TurnFailed("store_failed", "The response could not be stored: it cannot be continued.")
-                # The completed event is withheld: the turn ends failed (its sequence number stays unused).
-                events = events[:-1] + self.encoder.fail(self.failure.message, error_code=self.failure.code)
+                unstored = TurnFailed("store_failed", "The response could not be stored: it cannot be continued.")
+            if unstored is not None:
+                self.failure = unstored
+                events = self.encoder.fail_instead(events, unstored.message, error_code=unstored.code)
         self.finished = True
         return events
 
@@ -465,6 +469,8 @@ class AgentTurn:
         if self.keep is not None:
             try:
                 await self.keep(self.encoder.response)
+            except APIError:
+                pass  # the conversation is full: a failed or cancelled turn is not kept past its caps
             except Exception:
                 logger.exception("storing failed agent response %s failed", self.encoder.response_id)
 

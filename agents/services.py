@@ -10,7 +10,8 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from django.db.models import Exists, Max, OuterRef
+from django.db import transaction
+from django.db.models import Count, Exists, Max, OuterRef, Sum
 from django.utils import timezone
 from pydantic import ValidationError
 
@@ -177,6 +178,44 @@ def keep_response(
         # Embedded mode has no Celery beat: whoever stores prunes, at most hourly per process.
         _last_prune = time.monotonic()
         prune_responses()
+    size = stored_size(input_items, response["output"])
+    with transaction.atomic():
+        if previous is not None:
+            _check_room_to_store(thread=previous.thread, organization_id=organization_id, adding=size)
+        return _store(response, organization_id, instance_pk, api_key_id, previous, input_items, size, request_id)
+
+
+def _check_room_to_store(*, thread: str, organization_id: int, adding: int) -> None:
+    """The turn cap and the size cap, checked again as the turn is stored: the conversation's first turn is
+    locked until the transaction ends, so turns of one conversation stored at once are counted one after
+    another (checked only before they ran, concurrent continuations all passed)."""
+    conversation = StoredResponse.objects.filter(thread=thread, organization_id=organization_id)
+    list(conversation.filter(response_id=thread).select_for_update().values_list("pk"))
+    held = conversation.aggregate(turns=Count("pk"), size=Sum("size"))
+    if held["turns"] >= settings.AGENT_CONVERSATION_MAX_TURNS:
+        raise conversation_too_large(
+            f"The conversation holds {held['turns']} stored turns, the most one conversation may hold; this "
+            "response was not stored.",
+            param="previous_response_id",
+        )
+    if (held["size"] or 0) + adding > settings.AGENT_CONVERSATION_MAX_BYTES:
+        raise conversation_too_large(
+            f"The conversation holds {held['size']} bytes of items; with this response's {adding} it would pass "
+            f"the {settings.AGENT_CONVERSATION_MAX_BYTES} one conversation may hold; this response was not stored.",
+            param="previous_response_id",
+        )
+
+
+def _store(
+    response: dict[str, Any],
+    organization_id: int,
+    instance_pk: int,
+    api_key_id: int | None,
+    previous: StoredResponse | None,
+    input_items: list[dict[str, Any]],
+    size: int,
+    request_id: str,
+) -> StoredResponse:
     return StoredResponse.objects.create(
         response_id=response["id"],
         organization_id=organization_id,
@@ -187,7 +226,7 @@ def keep_response(
         status=response["status"],
         input_items=input_items,
         output_items=response["output"],
-        size=stored_size(input_items, response["output"]),
+        size=size,
         usage=response.get("usage") or {},
         request_id=request_id,
     )

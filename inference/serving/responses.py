@@ -467,6 +467,12 @@ class ResponseEncoder:
             events.append(wire.lifecycle_event("completed", self.response))
         return self.numbered(events)
 
+    def fail_instead(self, events: list[dict[str, Any]], message: str, *, error_code: str) -> list[dict[str, Any]]:
+        """``events`` from ``finish`` with their ``response.completed`` withheld (the response could not be kept):
+        the response fails in its place, from its sequence number on."""
+        self._sequence -= 1
+        return events[:-1] + self.fail(message, error_code=error_code)
+
     def cancel(self) -> None:
         """The client went away: the Response is what was produced, ``cancelled``; there is nobody to send events to."""
         self._close("incomplete")

@@ -25,7 +25,7 @@ from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage,
 from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage.records import flush
-from orgs.admission import memory_store
+from orgs.admission import clear_limits_cache, memory_store
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
@@ -186,6 +186,28 @@ async def test_a_stored_conversation_holds_at_most_its_turns_counting_every_bran
         assert refused.json()["error"]["param"] == "previous_response_id"
     assert unstored.status_code == 200
     assert await StoredResponse.objects.acount() == 2
+
+
+@override_settings(AGENT_CONVERSATION_MAX_TURNS=3)
+async def test_continuations_sent_at_once_fill_a_conversation_no_further_than_its_turns(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    _, first = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN)
+    _, second = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=first["id"])
+
+    turns = await asyncio.gather(
+        *(
+            tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=second["id"])
+            for _ in range(4)
+        )
+    )
+
+    outcomes = sorted(response["status"] for _, response in turns)
+    assert outcomes == ["completed", "failed", "failed", "failed"]
+    for events, response in turns:
+        if response["status"] == "failed":
+            assert events[-2]["code"] == "conversation_too_large"
+    assert await StoredResponse.objects.acount() == 3
 
 
 @override_settings(AGENT_CONVERSATION_MAX_BYTES=3_000)
@@ -735,6 +757,7 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     assert whole > admitted, "the turn should have had a second step, with the search results in its prompt"
     memory_store.reset()
     await limit(tokens_per_minute := admitted + (whole - admitted) // 2)
+    clear_limits_cache()  # the new limit at once, not within the seconds the old one is remembered
 
     events, response = await tenant.stream(**body)
 

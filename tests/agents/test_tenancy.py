@@ -169,7 +169,7 @@ async def test_an_old_turn_of_a_conversation_still_in_use_can_be_branched_from_a
             "input": "Go on.",
             "stream": True,
             "previous_response_id": "resp_acme",
-            "max_output_tokens": 4,
+            "max_output_tokens": 16,
         },
     )
     rated = await tenant.post("/v1/feedback", {"meta": {"message_id": "resp_acme"}, "rating": "positive"})
