@@ -68,6 +68,8 @@ def session() -> aiohttp.ClientSession:
             ),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
+            # Bodies are relayed as they come, never decoded: the upstream is asked for them uncompressed.
+            headers={"Accept-Encoding": "identity"},
         )
     return found
 
@@ -141,10 +143,23 @@ def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
 
 
 def estimate_tokens(body: dict[str, Any]) -> int:
-    """Admission's charge without the upstream's tokenizer: about four bytes a token, plus the output cap."""
-    size = len(orjson.dumps(body.get("messages") or body.get("input") or ""))
+    """Admission's charge without the upstream's tokenizer: about four bytes a token of the whole body (its
+    instructions and tools are read too), plus the output cap."""
+    size = len(orjson.dumps(body))
     cap = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     return size // 4 + (cap if isinstance(cap, int) and cap > 0 else settings.GATEWAY_DEFAULT_MAX_TOKENS)
+
+
+MAX_REPORTED_TOKENS = 10**9
+
+
+def _count(value: Any) -> int | None:
+    """A token count the upstream reported (absent is 0), or None for anything that is not one."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REPORTED_TOKENS:
+        return None
+    return value
 
 
 @dataclass
@@ -165,14 +180,22 @@ class UpstreamUsage:
         return self.input_tokens > 0 or self.output_tokens > 0
 
     def read_usage(self, usage: Any) -> None:
+        """The upstream's usage object, if its counts are counts: anything else (a string, a negative or
+        astronomical number) is not trusted, and the request keeps admission's estimate."""
         if not isinstance(usage, dict):
             return
-        self.input_tokens = int(usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0)
-        self.output_tokens = int(usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0)
-        details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
-        self.reasoning_tokens = int(details.get("reasoning_tokens", 0) or 0) if isinstance(details, dict) else 0
-        prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        self.cached_tokens = int(prompt_details.get("cached_tokens", 0) or 0) if isinstance(prompt_details, dict) else 0
+        details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
+        prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        counts = [
+            _count(usage.get("prompt_tokens", usage.get("input_tokens"))),
+            _count(usage.get("completion_tokens", usage.get("output_tokens"))),
+            _count(details.get("reasoning_tokens") if isinstance(details, dict) else None),
+            _count(prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None),
+        ]
+        if any(count is None for count in counts):
+            logger.warning("the upstream reported usage that is not token counts: %.200r", usage)
+            return
+        self.input_tokens, self.output_tokens, self.reasoning_tokens, self.cached_tokens = (c or 0 for c in counts)
 
     def outcome(self, *, ran_to_end: bool = True) -> StreamOutcome:
         """The request's usage record: what the upstream reported, or with the client gone, what it had so far."""

@@ -3,7 +3,8 @@
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
 picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-500-text`` fail, ``stall``
 streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
-seconds (0.5) apart: a long generation. ``GET /last`` tells what the last request carried.
+seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers. ``GET /last``
+tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -62,7 +63,12 @@ class Upstream:
             data = json.loads(body or b"{}")
         except ValueError:
             data = {}
-        self.last = {"path": path, "authorization": headers.get("authorization"), "body": data}
+        self.last = {
+            "path": path,
+            "authorization": headers.get("authorization"),
+            "accept_encoding": headers.get("accept-encoding"),
+            "body": data,
+        }
         if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
             self.write_json(
                 writer,
@@ -103,7 +109,10 @@ class Upstream:
             if data.get("stream"):
                 await self.stream_chat(reader, writer, model, data, stall=model == "stall", trickle=model == "trickle")
             else:
-                self.write_json(writer, 200, self.chat(model))
+                answer = self.chat(model)
+                if model == "bad-usage":
+                    answer["usage"] = {"prompt_tokens": "lots", "completion_tokens": -5, "total_tokens": None}
+                self.write_json(writer, 200, answer)
             return True
         if path.endswith("/responses"):
             self.write_json(writer, 200, self.response(model))

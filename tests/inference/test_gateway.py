@@ -71,7 +71,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )
     # The upstream's models this node offers through the gateway; the fake upstream's names pick its behaviour.
     server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n")
-    for model in ("slow", "error-400", "error-500-text", "stall", "trickle", "upstream/plain"):
+    for model in ("slow", "error-400", "error-500-text", "stall", "trickle", "upstream/plain", "bad-usage"):
         server.manage("add_gateway_model", model)
     yield Setup(server=server, upstream_url=upstream_url)
     stop_server(server)
@@ -385,3 +385,29 @@ def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setu
     # A stream begins at once, and is never cut by that timeout however long it runs.
     lines, _ = stream_lines(setup, {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 2, "stream": True})
     assert lines[-1] == "[DONE]"
+
+
+def test_bodies_are_asked_for_uncompressed_as_they_are_relayed_undecoded(setup: Setup) -> None:
+    assert setup.post(chat()).status_code == 200
+    assert setup.last()["accept_encoding"] == "identity"
+
+
+def test_usage_the_upstream_reports_in_words_is_not_trusted_and_the_answer_still_arrives(setup: Setup) -> None:
+    response = setup.post(chat(model="bad-usage", max_tokens=7))
+
+    assert response.status_code == 200
+    route, status, error_code, input_tokens, output_tokens, _ = setup.usage(response.headers["x-request-id"])
+    assert (route, status, error_code, input_tokens, output_tokens) == ("gateway", 200, "", 0, 0)
+    assert "not token counts" in setup.log()
+
+
+def test_admission_estimates_the_whole_body_not_only_its_messages(setup: Setup) -> None:
+    setup.server.manage("create_org", "gw-estimate")
+    key = setup.server.manage("create_key", "gw-estimate").strip()
+    setup.server.manage("set_limit", "gw-estimate", "--tpm", "20000")
+    body = {"model": "upstream/gpt-x", "route": "gateway", "input": "hi", "instructions": "x" * 400_000}
+
+    response = setup.post(body, path="/v1/infer/responses", key=key)
+
+    assert response.status_code == 429
+    assert "can never fit" in response.json()["error"]["message"]
