@@ -10,6 +10,7 @@ hold a slot for long.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import secrets
@@ -71,6 +72,7 @@ class Grant:
     _charge_within: Any = None
     released: bool = False
     charged: int = 0  # tokens counted against tokens per minute for this request so far
+    admitted_at: float = 0.0  # the admission's time on ``clock``
     _callbacks: list[Any] = field(default_factory=list)
 
     async def charge(self, tokens: int) -> None:
@@ -88,9 +90,12 @@ class Grant:
 
     async def settle(self, tokens: int) -> None:
         """Corrects the charge to ``tokens``, what the request is known to have used: more is charged, or the
-        difference refunded, so an estimate made at admission does not stand in for the real count."""
+        difference refunded, so an estimate made at admission does not stand in for the real count.
+
+        A refund is dated at admission, so it leaves the window with the charge it corrects: dated later, it
+        would outlive that charge and leave the window below what was used."""
         if self._charge is not None and tokens != self.charged:
-            await self._charge(tokens - self.charged)
+            await self._charge(tokens - self.charged, at=self.admitted_at if tokens < self.charged else None)
             self.charged = tokens
 
     def on_release(self, callback: Any) -> None:
@@ -200,9 +205,10 @@ class MemoryStore:
             )
 
     def charge(self, key: str, tokens: int, now: float) -> None:
+        """Counts ``tokens`` (a refund: fewer) at ``now``, which may be a past moment still in the window."""
         with self._lock:
             window = self._windows.setdefault(key, _Window())
-            window.tokens.append((now, tokens))
+            bisect.insort(window.tokens, (now, tokens))
             window.token_sum += tokens
 
     def release(self, key: str, slot: str) -> None:
@@ -534,11 +540,13 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.release(key, slot)
 
-    async def charge(tokens: int) -> None:
+    async def charge(tokens: int, *, at: float | None = None) -> None:
+        if at is not None and at <= clock() - WINDOW:
+            return  # what it corrects has left the window already
         if isinstance(store, RedisStore):
-            await store.charge(key, tokens, clock())
+            await store.charge(key, tokens, clock() if at is None else at)
         else:
-            store.charge(key, tokens, clock())
+            store.charge(key, tokens, clock() if at is None else at)
 
     async def charge_within(tokens: int) -> None:
         only_tokens = Limits(tokens_per_minute=limits.tokens_per_minute)
@@ -556,4 +564,5 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         _charge=charge if metered else None,
         _charge_within=charge_within if metered else None,
         charged=tokens,
+        admitted_at=now,
     )

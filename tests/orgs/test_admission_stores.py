@@ -59,3 +59,34 @@ async def test_a_refusal_reports_what_is_left_of_every_limit_not_only_the_one_th
     assert (refused.remaining_requests, refused.remaining_tokens) == (9, 40)
     assert refused.reset_requests == pytest.approx(admission.WINDOW - 5)
     assert refused.reset_tokens == pytest.approx(admission.WINDOW - 5)
+
+
+async def test_a_refund_dated_at_admission_leaves_the_window_with_the_charge_it_corrects(store: Any) -> None:
+    await call(store.try_admit("1:0", LIMITS, 100, "slot-a", NOW))
+    await call(store.charge("1:0", -90, NOW))  # settled 25 s later to 10 tokens, dated at admission
+
+    held = await call(store.try_admit("1:0", LIMITS, 80, "slot-b", NOW + 25))
+    after = await call(store.try_admit("1:0", LIMITS, 100, "slot-c", NOW + admission.WINDOW + 1))
+
+    assert held.admitted and held.remaining_tokens == 10
+    # Both left together: the window holds the 80 of slot-b and the 100 just admitted would not fit beside it,
+    # where a refund dated later would have stayed behind as -90.
+    assert (after.admitted, after.limit) == (False, "tokens_per_minute")
+    assert after.remaining_tokens == 20
+
+
+async def test_settling_below_the_estimate_refunds_at_the_admissions_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = admission.MemoryStore()
+    moments = iter([NOW, NOW + 25])
+    monkeypatch.setattr(admission, "clock", lambda: next(moments))
+    monkeypatch.setattr(admission, "_store", lambda: store)
+
+    async def limits_for(organization_id: int, model_pk: int | None) -> admission.Limits:
+        return LIMITS
+
+    monkeypatch.setattr(admission, "limits_for", limits_for)
+    grant = await admission.admit(organization_id=1, model_pk=None, tokens=100)
+    await grant.settle(10)
+    grant.release()
+
+    assert sorted(store._windows["1:0"].tokens) == [(NOW, -90), (NOW, 100)]  # both dated at admission
