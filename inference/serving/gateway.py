@@ -34,6 +34,7 @@ from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
 from inference.openai.errors import (
     ERROR_TYPES,
     INVALID_REQUEST,
+    RATE_LIMIT,
     SERVER,
     APIError,
     invalid_request,
@@ -242,8 +243,9 @@ def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes, *, 
         code=code or ("rate_limited" if status == 429 else "upstream_error"),
         status=status if refused else 502,
         param=param,
-        type=kind if kind in ERROR_TYPES else (INVALID_REQUEST if refused else SERVER),
-        headers={"Retry-After": headers["retry-after"]} if "retry-after" in headers else None,
+        type=kind if kind in ERROR_TYPES else (RATE_LIMIT if status == 429 else INVALID_REQUEST if refused else SERVER),
+        # A 429 always says when to come back; the upstream's own word if it gave one.
+        headers={"Retry-After": headers.get("retry-after", "1")} if status == 429 or "retry-after" in headers else None,
     )
 
 
@@ -352,7 +354,9 @@ class StreamRelay:
         except aiohttp.ClientError:
             self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
             yield _sse_error(
-                APIError("The gateway connection broke mid-stream.", code="upstream_unavailable", status=502)
+                APIError(
+                    "The gateway connection broke mid-stream.", code="upstream_unavailable", status=502, type=SERVER
+                )
             )
         finally:
             if finished:

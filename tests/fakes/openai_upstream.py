@@ -1,7 +1,7 @@
 """A fast OpenAI-compatible upstream on loopback, for gateway tests and the overhead benchmark.
 
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
-picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-500-text`` fail, ``stall``
+picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-429`` / ``error-500-text`` fail, ``stall``
 streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
 seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers. ``GET /last``
 tells what the last request carried.
@@ -100,6 +100,13 @@ class Upstream:
                         "code": "upstream_refused",
                     }
                 },
+            )
+            return True
+        if model == "error-429":  # as OpenAI's: its own type, and here no Retry-After
+            self.write_json(
+                writer,
+                429,
+                {"error": {"message": "Slow down.", "type": "tokens", "param": None, "code": "rate_limit_exceeded"}},
             )
             return True
         if model == "error-500-text":
@@ -228,6 +235,7 @@ class Upstream:
             400: b"Bad Request",
             401: b"Unauthorized",
             404: b"Not Found",
+            429: b"Too Many Requests",
             500: b"Internal Server Error",
         }[status]
         writer.write(

@@ -71,7 +71,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )
     # The upstream's models this node offers through the gateway; the fake upstream's names pick its behaviour.
     server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n")
-    for model in ("slow", "error-400", "error-500-text", "stall", "trickle", "upstream/plain", "bad-usage"):
+    for model in (
+        "slow",
+        "error-400",
+        "error-429",
+        "error-500-text",
+        "stall",
+        "trickle",
+        "upstream/plain",
+        "bad-usage",
+    ):
         server.manage("add_gateway_model", model)
     yield Setup(server=server, upstream_url=upstream_url)
     stop_server(server)
@@ -411,3 +420,12 @@ def test_admission_estimates_the_whole_body_not_only_its_messages(setup: Setup) 
 
     assert response.status_code == 429
     assert "can never fit" in response.json()["error"]["message"]
+
+
+def test_an_upstream_429_is_a_rate_limit_error_that_says_when_to_come_back(setup: Setup) -> None:
+    response = setup.post(chat(model="error-429"))
+
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert response.headers["Retry-After"] == "1"
