@@ -52,6 +52,9 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 CONNECT_TIMEOUT = 5.0
 MAX_PENDING_EVENT = 1 << 20
+# What a stream's last event holds, by API.
+CHAT_END = (b"[DONE]",)
+RESPONSE_END = (b"response.completed", b"response.failed", b"response.incomplete")
 
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
@@ -314,12 +317,18 @@ async def open_stream(
 @dataclass
 class StreamRelay:
     """Passes an upstream's event stream on, event by event: reads usage from the event that carries it, keeps
-    that event from a client that did not ask for usage, and ends the stream at its time limit."""
+    that event from a client that did not ask for usage, puts the upstream's own error events in the API's
+    words (their message, which may name its hosts or accounts, goes to the log), ends the stream at its time
+    limit, and tells the client when the upstream stopped before its stream's last event."""
 
     tally: UpstreamUsage
     hide_usage: bool
     deadline: float
     settle: Callable[[int], Awaitable[None]]
+    request_id: str
+    # What the stream's last event holds: chat's ``[DONE]``, or a Response's terminal event types.
+    terminal: tuple[bytes, ...]
+    _ended: bool = False
 
     async def relay(self, response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         pending = b""
@@ -328,7 +337,10 @@ class StreamRelay:
             async for chunk in response.content.iter_any():
                 if self.tally.first_byte_at is None:
                     self.tally.first_byte_at = time.monotonic()
-                *events, pending = (pending + chunk).split(b"\n\n")
+                received = pending + chunk
+                if b"\r" in received:  # events framed with CRLF, as SSE allows
+                    received = received.replace(b"\r\n", b"\n")
+                *events, pending = received.split(b"\n\n")
                 out = b"".join(self._event(event) for event in events)
                 if len(pending) > MAX_PENDING_EVENT:  # no event is that long: pass it on unread
                     out, pending = out + pending, b""
@@ -346,8 +358,19 @@ class StreamRelay:
                     )
                     return
             if pending:
-                yield pending
+                yield self._event(pending)
             finished = True
+            if not self._ended and not self.tally.error_code:
+                self.tally.status, self.tally.error_code = 502, "upstream_error"
+                yield _sse_error(
+                    APIError(
+                        f"The gateway's stream stopped before its end. Quote the request id {self.request_id} when "
+                        "you report it.",
+                        code="upstream_error",
+                        status=502,
+                        type=SERVER,
+                    )
+                )
         except TimeoutError:
             self.tally.status, self.tally.error_code = 504, "upstream_timeout"
             yield _sse_error(unreachable(TimeoutError()))
@@ -366,8 +389,26 @@ class StreamRelay:
         if self.tally.reported:
             await self.settle(self.tally.input_tokens + self.tally.output_tokens)
 
+    def _error(self, event: bytes) -> bytes | None:
+        """The upstream's error event in the API's words, or None when the event is not one."""
+        found = _upstream_error_event(event)
+        if found is None:
+            return None
+        data, error = found
+        logger.warning("the gateway failed request %s mid-stream: %.2000r", self.request_id, event)
+        code = _plain_name(error.get("code")) or "upstream_error"
+        self.tally.status, self.tally.error_code, self._ended = 502, code, True
+        error["message"] = (
+            f"The gateway failed mid-stream ({code}). Quote the request id {self.request_id} when you report it."
+        )
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
     def _event(self, event: bytes) -> bytes:
         """The event as the client gets it (with its separator), or nothing."""
+        if not self._ended and any(marker in event for marker in self.terminal):
+            self._ended = True
+        if b'"error"' in event and (replaced := self._error(event)) is not None:
+            return replaced
         if b'"usage"' not in event:
             return event + b"\n\n"
         lines = event.split(b"\n")
@@ -390,6 +431,23 @@ class StreamRelay:
                 del data["usage"]
                 lines[index] = b"data: " + orjson.dumps(data)
         return b"\n".join(lines) + b"\n\n"
+
+
+def _upstream_error_event(event: bytes) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The upstream's error event (chat's ``{"error": {…}}``, or a Responses ``error`` event) and the error in
+    it, or None."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            data = orjson.loads(line[5:].strip())
+        except orjson.JSONDecodeError:
+            return None
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return data, data["error"]
+        if isinstance(data, dict) and data.get("type") == "error":
+            return data, data
+    return None
 
 
 def _sse_error(error: APIError) -> bytes:
@@ -438,6 +496,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         hide_usage=streamed_chat and not asked_usage,
         deadline=meter.started + settings.GATEWAY_STREAM_MAX_SECONDS,
         settle=grant.settle,
+        request_id=caller.request_id,
+        terminal=CHAT_END if path == "chat/completions" else RESPONSE_END,
     )
     stream = metered(
         relay.relay(response),

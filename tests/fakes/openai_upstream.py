@@ -3,8 +3,9 @@
 Plain asyncio HTTP/1.1 with keep-alive, so it costs little next to what it serves. The model name
 picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-429`` / ``error-500-text`` fail, ``stall``
 streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
-seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers. ``GET /last``
-tells what the last request carried.
+seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers; streams of
+``crlf`` frame their events with CRLF, ``error-midstream`` sends an error event (naming a secret host) after two
+chunks, ``no-done`` ends without ``[DONE]``. ``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -210,8 +211,13 @@ class Upstream:
                     "usage": {"prompt_tokens": 11, "completion_tokens": chunks, "total_tokens": 11 + chunks},
                 }
             )
+        separator = b"\r\n\r\n" if model == "crlf" else b"\n\n"
         for index, event in enumerate(events):
-            self.chunk(writer, b"data: " + json.dumps(event).encode() + b"\n\n")
+            if model == "error-midstream" and index == 2:
+                failure = {"message": "overloaded at internal-7.example", "type": "server_error", "code": "overloaded"}
+                self.chunk(writer, b"data: " + json.dumps({"error": failure}).encode() + separator)
+                break
+            self.chunk(writer, b"data: " + json.dumps(event).encode() + separator)
             if interval and 1 <= index <= chunks:
                 await writer.drain()
                 await asyncio.sleep(interval)
@@ -220,7 +226,8 @@ class Upstream:
                 await reader.read()  # until the client hangs up
                 self.abandoned_streams += 1
                 return
-        self.chunk(writer, b"data: [DONE]\n\n")
+        if model not in ("no-done", "error-midstream"):
+            self.chunk(writer, b"data: [DONE]" + separator)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 

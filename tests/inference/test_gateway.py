@@ -80,6 +80,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "trickle",
         "upstream/plain",
         "bad-usage",
+        "crlf",
+        "error-midstream",
+        "no-done",
     ):
         server.manage("add_gateway_model", model)
     yield Setup(server=server, upstream_url=upstream_url)
@@ -429,3 +432,41 @@ def test_an_upstream_429_is_a_rate_limit_error_that_says_when_to_come_back(setup
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert response.headers["Retry-After"] == "1"
+
+
+def stream_events(setup: Setup, body: dict) -> tuple[httpx.Response, list[str]]:
+    with httpx.stream(
+        "POST",
+        setup.server.url + "/v1/infer/chat/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {setup.server.key}"},
+        timeout=30,
+    ) as response:
+        text = response.read().decode()
+    return response, [event for event in text.split("\n\n") if event.strip()]
+
+
+def test_an_upstream_stream_framed_with_crlf_streams_and_is_metered(setup: Setup) -> None:
+    response, events = stream_events(setup, chat(model="crlf"))
+
+    assert events[-1] == "data: [DONE]"
+    assert all("usage" not in event for event in events)  # the client did not ask for it
+    assert setup.usage(response.headers["x-request-id"])[3:5] == (11, 8)
+
+
+def test_an_upstreams_error_mid_stream_reaches_the_client_in_the_apis_words(setup: Setup) -> None:
+    response, events = stream_events(setup, chat(model="error-midstream"))
+
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    request_id = response.headers["x-request-id"]
+    assert error["code"] == "overloaded" and request_id in error["message"]
+    assert "internal-7" not in error["message"] and "internal-7" in setup.log()
+    assert setup.usage(request_id)[1:3] == (502, "overloaded")
+
+
+def test_an_upstream_stream_that_stops_before_its_end_ends_with_an_error(setup: Setup) -> None:
+    response, events = stream_events(setup, chat(model="no-done"))
+
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert (error["code"], error["type"]) == ("upstream_error", "server_error")
+    assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
