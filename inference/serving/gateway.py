@@ -112,8 +112,12 @@ def upstream_for(entry: CatalogEntry) -> Upstream:
 
 def gateway_model(body: dict[str, Any]) -> str:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise invalid_request(
+            "Invalid value for 'model': Input should be a valid string.", param="model", code="invalid_value"
+        )
     if not is_model_id(model):
         raise invalid_request(f"Invalid value for 'model': {MODEL_ID_RULE}.", param="model", code="invalid_value")
     return model

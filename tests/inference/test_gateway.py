@@ -257,6 +257,14 @@ def test_a_model_outside_the_catalog_is_refused_not_forwarded(setup: Setup) -> N
     assert setup.last() == before
 
 
+@pytest.mark.parametrize(("model", "code"), [(123, "invalid_value"), (None, "missing_required_parameter")])
+def test_a_gateway_model_that_is_not_a_name_is_named_as_such(setup: Setup, model: object, code: str) -> None:
+    response = setup.post(chat(model=model))
+
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("model", code)
+
+
 def test_a_disabled_gateway_model_is_refused_not_forwarded(setup: Setup) -> None:
     setup.server.manage("add_gateway_model", "upstream/retired", "--disable")
     before = setup.last()
