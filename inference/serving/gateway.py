@@ -55,6 +55,7 @@ MAX_PENDING_EVENT = 1 << 20
 # What a stream's last event holds, by API.
 CHAT_END = (b"[DONE]",)
 RESPONSE_END = (b"response.completed", b"response.failed", b"response.incomplete")
+_SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 
 
 _sessions: dict[int, aiohttp.ClientSession] = {}
@@ -333,6 +334,22 @@ class StreamRelay:
     # What the stream's last event holds: chat's ``[DONE]``, or a Response's terminal event types.
     terminal: tuple[bytes, ...]
     _ended: bool = False
+    _sequence: int = -1  # a Responses stream's last sequence number
+
+    def _sse_error(self, error: APIError) -> bytes:
+        """The stream's closing error event: chat's ``{"error": …}``, or a Responses ``error`` event that takes
+        the next sequence number."""
+        if self.terminal is not RESPONSE_END:
+            return _sse_error(error)
+        self._sequence += 1
+        event = {
+            "type": "error",
+            "code": error.code,
+            "message": error.message,
+            "param": error.param,
+            "sequence_number": self._sequence,
+        }
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
     async def relay(self, response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         pending = b""
@@ -353,7 +370,7 @@ class StreamRelay:
                 if time.monotonic() > self.deadline:
                     self.tally.error_code = "stream_time_limit"
                     limit = settings.GATEWAY_STREAM_MAX_SECONDS
-                    yield _sse_error(
+                    yield self._sse_error(
                         APIError(
                             f"The stream reached its time limit of {limit} s.",
                             code="stream_time_limit",
@@ -366,7 +383,7 @@ class StreamRelay:
             finished = True
             if not self._ended and not self.tally.error_code:
                 self.tally.status, self.tally.error_code = 502, "upstream_error"
-                yield _sse_error(
+                yield self._sse_error(
                     APIError(
                         f"The gateway's stream stopped before its end. Quote the request id {self.request_id} when "
                         "you report it.",
@@ -377,10 +394,10 @@ class StreamRelay:
                 )
         except TimeoutError:
             self.tally.status, self.tally.error_code = 504, "upstream_timeout"
-            yield _sse_error(unreachable(TimeoutError()))
+            yield self._sse_error(unreachable(TimeoutError()))
         except aiohttp.ClientError:
             self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
-            yield _sse_error(
+            yield self._sse_error(
                 APIError(
                     "The gateway connection broke mid-stream.", code="upstream_unavailable", status=502, type=SERVER
                 )
@@ -411,6 +428,8 @@ class StreamRelay:
         """The event as the client gets it (with its separator), or nothing."""
         if not self._ended and any(marker in event for marker in self.terminal):
             self._ended = True
+        if self.terminal is RESPONSE_END and (number := _SEQUENCE.search(event)) is not None:
+            self._sequence = int(number[1])
         if b'"error"' in event and (replaced := self._error(event)) is not None:
             return replaced
         if b'"usage"' not in event:

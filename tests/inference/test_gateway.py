@@ -478,3 +478,20 @@ def test_an_upstream_stream_that_stops_before_its_end_ends_with_an_error(setup: 
     error = json.loads(events[-1].removeprefix("data: "))["error"]
     assert (error["code"], error["type"]) == ("upstream_error", "server_error")
     assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
+
+
+def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_error_event(setup: Setup) -> None:
+    # The fake upstream answers a streamed Responses request with one JSON body and no events at all.
+    with httpx.stream(
+        "POST",
+        setup.server.url + "/v1/infer/responses",
+        json={"model": "upstream/gpt-x", "route": "gateway", "input": "Hi", "stream": True},
+        headers={"Authorization": f"Bearer {setup.server.key}"},
+        timeout=30,
+    ) as response:
+        last = response.read().decode().strip().split("\n\n")[-1]
+
+    name, data = last.split("\n")
+    event = json.loads(data.removeprefix("data: "))
+    assert name == "event: error"
+    assert (event["type"], event["code"], event["sequence_number"]) == ("error", "upstream_error", 0)
