@@ -182,7 +182,20 @@ def keep_response(
     with transaction.atomic():
         if previous is not None:
             _check_room_to_store(thread=previous.thread, organization_id=organization_id, adding=size)
-        return _store(response, organization_id, instance_pk, api_key_id, previous, input_items, size, request_id)
+        return StoredResponse.objects.create(
+            response_id=response["id"],
+            organization_id=organization_id,
+            instance_id=instance_pk,
+            api_key_id=api_key_id,
+            previous=previous,
+            thread=previous.thread if previous is not None else response["id"],
+            status=response["status"],
+            input_items=input_items,
+            output_items=response["output"],
+            size=size,
+            usage=response.get("usage") or {},
+            request_id=request_id,
+        )
 
 
 def _check_room_to_store(*, thread: str, organization_id: int, adding: int) -> None:
@@ -204,32 +217,6 @@ def _check_room_to_store(*, thread: str, organization_id: int, adding: int) -> N
             f"the {settings.AGENT_CONVERSATION_MAX_BYTES} one conversation may hold; this response was not stored.",
             param="previous_response_id",
         )
-
-
-def _store(
-    response: dict[str, Any],
-    organization_id: int,
-    instance_pk: int,
-    api_key_id: int | None,
-    previous: StoredResponse | None,
-    input_items: list[dict[str, Any]],
-    size: int,
-    request_id: str,
-) -> StoredResponse:
-    return StoredResponse.objects.create(
-        response_id=response["id"],
-        organization_id=organization_id,
-        instance_id=instance_pk,
-        api_key_id=api_key_id,
-        previous=previous,
-        thread=previous.thread if previous is not None else response["id"],
-        status=response["status"],
-        input_items=input_items,
-        output_items=response["output"],
-        size=size,
-        usage=response.get("usage") or {},
-        request_id=request_id,
-    )
 
 
 def prune_responses() -> int:
