@@ -348,6 +348,8 @@ GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512)
 GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
 # Longest a gateway stream may run, however the upstream paces it.
 GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600)
+# Largest upstream answer read whole (a non-streamed response, an error body); past it the client gets a 502.
+GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024)
 # Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
 # past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
 HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)

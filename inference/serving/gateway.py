@@ -268,18 +268,33 @@ def unreachable(exc: BaseException) -> APIError:
     return APIError("The gateway could not be reached.", code="upstream_unavailable", status=502, type="server_error")
 
 
+async def read_bounded(response: aiohttp.ClientResponse) -> bytes:
+    """The upstream's whole answer, or a 502 once it passes ``GATEWAY_MAX_RESPONSE_BYTES``."""
+    most = settings.GATEWAY_MAX_RESPONSE_BYTES
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > most:
+            raise APIError(
+                f"The gateway's answer is larger than {most} bytes.", code="upstream_error", status=502, type=SERVER
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 async def forward_json(
     *, upstream: Upstream, path: str, body: dict[str, Any], request_id: str, tally: UpstreamUsage
 ) -> dict[str, Any]:
     try:
         async with session().post(
-            upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id)
+            upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id), allow_redirects=False
         ) as response:
-            content = await response.read()
+            content = await read_bounded(response)
             status, headers = response.status, response.headers
     except UpstreamFailure as exc:
         raise unreachable(exc) from None
-    if status >= 400:
+    if status >= 300:
         raise upstream_error(status, headers, content, request_id=request_id)
     try:
         data = orjson.loads(content)
@@ -304,13 +319,13 @@ async def open_stream(
     """Send the request and wait for the upstream's status line, so failures become a proper HTTP error."""
     try:
         response = await session().post(
-            upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id)
+            upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id), allow_redirects=False
         )
     except UpstreamFailure as exc:
         raise unreachable(exc) from None
-    if response.status >= 400:
+    if response.status >= 300:  # an error, or a redirect: the request is not sent on to another address
         try:
-            content = await response.read()
+            content = await read_bounded(response)
         except UpstreamFailure:
             content = b""
         finally:

@@ -5,7 +5,8 @@ picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-429`
 streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
 seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers; streams of
 ``crlf`` frame their events with CRLF, ``error-midstream`` sends an error event (naming a secret host) after two
-chunks, ``no-done`` ends without ``[DONE]``. ``GET /last`` tells what the last request carried.
+chunks, ``no-done`` ends without ``[DONE]``; ``redirect`` answers 307 to another path, ``huge`` with a 300 KB
+answer. ``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -110,6 +111,9 @@ class Upstream:
                 {"error": {"message": "Slow down.", "type": "tokens", "param": None, "code": "rate_limit_exceeded"}},
             )
             return True
+        if model == "redirect":
+            writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n")
+            return True
         if model == "error-500-text":
             self.write(writer, 500, b"text/plain", b"internal failure")
             return True
@@ -118,6 +122,8 @@ class Upstream:
                 await self.stream_chat(reader, writer, model, data, stall=model == "stall", trickle=model == "trickle")
             else:
                 answer = self.chat(model)
+                if model == "huge":
+                    answer["choices"][0]["message"]["content"] = "x" * 300_000
                 if model == "bad-usage":
                     answer["usage"] = {"prompt_tokens": "lots", "completion_tokens": -5, "total_tokens": None}
                 self.write_json(writer, 200, answer)

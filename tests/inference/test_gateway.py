@@ -66,6 +66,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "GATEWAY_TIMEOUT_SECONDS": "2",
             "GATEWAY_STREAM_MAX_SECONDS": "3",
             "HTTP_TIMEOUT_SECONDS": "4",
+            "GATEWAY_MAX_RESPONSE_BYTES": "200000",
         },
         org="gw",
     )
@@ -83,6 +84,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "crlf",
         "error-midstream",
         "no-done",
+        "redirect",
+        "huge",
     ):
         server.manage("add_gateway_model", model)
     yield Setup(server=server, upstream_url=upstream_url)
@@ -495,3 +498,18 @@ def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_erro
     event = json.loads(data.removeprefix("data: "))
     assert name == "event: error"
     assert (event["type"], event["code"], event["sequence_number"]) == ("error", "upstream_error", 0)
+
+
+def test_an_upstream_redirect_is_not_followed(setup: Setup) -> None:
+    response = setup.post(chat(model="redirect"))
+
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_error"
+    assert setup.last()["path"] != "/elsewhere"
+
+
+def test_an_upstream_answer_past_the_bound_is_a_502_not_read_whole(setup: Setup) -> None:
+    response = setup.post(chat(model="huge"))
+
+    assert response.status_code == 502
+    assert "larger than 200000 bytes" in response.json()["error"]["message"]
