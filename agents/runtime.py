@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from django.db import IntegrityError
 
 from inference.engine import capabilities
 from inference.engine.decoding import (
@@ -471,6 +472,8 @@ class AgentTurn:
                 await self.keep(self.encoder.response)
             except APIError:
                 pass  # the conversation is full: a failed or cancelled turn is not kept past its caps
+            except IntegrityError:
+                pass  # kept already: the client hung up while the finished turn was being stored
             except Exception:
                 logger.exception("storing failed agent response %s failed", self.encoder.response_id)
 
