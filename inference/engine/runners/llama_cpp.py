@@ -602,7 +602,7 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(self._single))
         return bool(np.isfinite(self._single_data[0].logit))
 
-    def next(self, logits: np.ndarray, *, closing: ClosingVocabulary | None = None) -> int:
+    def next(self, logits: np.ndarray, *, closing: Closing | None = None) -> int:
         """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows."""
         if closing is not None and self._grammar:
             token = self._closing(logits, closing)
@@ -615,26 +615,78 @@ class _Sampler:
         self._lib.llama_sampler_accept(self._chain.sampler, token)
         return token
 
-    def _closing(self, logits: np.ndarray, closing: ClosingVocabulary) -> int:
+    def _closing(self, logits: np.ndarray, closing: Closing) -> int:
         candidates = self._candidates
         candidates.copy_logits(logits)
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
-        allowed = candidates.candidates_data.logit
-        closers = closing.closers
-        if np.isfinite(allowed[closers]).any():
-            return int(closers[np.argmax(allowed[closers])])
-        # What the grammar still requires (a property's name, say) is spelled in as few tokens as it allows.
+        return closing.pick(candidates.candidates_data.logit)
+
+
+class JsonTail:
+    """How far a JSON text written so far is from whole, as far as its strings and brackets go."""
+
+    def __init__(self) -> None:
+        self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.open.append("}" if char == "{" else "]")
+            elif char in "}]" and self.open:
+                self.open.pop()
+
+    def closers(self) -> str:
+        """The quotes and brackets that close every open string, array and object, in order."""
+        if self.escaped:  # an escape needs its letter before the string can close
+            return ""
+        return ('"' if self.in_string else "") + "".join(reversed(self.open))
+
+
+@dataclass(frozen=True)
+class Closing:
+    """One step of closing a JSON value: the closing vocabulary and the quotes and brackets still open."""
+
+    vocabulary: ClosingVocabulary
+    closers: str
+
+    def pick(self, allowed: np.ndarray) -> int:
+        """Of the tokens the grammar allows (finite ``allowed`` logits): an end of generation once the value is
+        whole; else the longest run of the open quotes and brackets, in order; else, for what the grammar still
+        requires (a property's name, a value, a digit), the longest token, to spell it in as few as it allows."""
+        vocabulary = self.vocabulary
+        ends = vocabulary.ends[np.isfinite(allowed[vocabulary.ends])]
+        if ends.size:
+            return int(ends[np.argmax(allowed[ends])])
+        closers = [
+            (len(text), allowed[token], token)
+            for token, text in vocabulary.closers
+            if self.closers.startswith(text) and np.isfinite(allowed[token])
+        ]
+        if closers:
+            return int(max(closers)[2])
         ids = np.flatnonzero(np.isfinite(allowed))
-        ids = ids[closing.lengths[ids] == closing.lengths[ids].max()]
+        ids = ids[vocabulary.lengths[ids] == vocabulary.lengths[ids].max()]
         return int(ids[np.argmax(allowed[ids])])
 
 
 @dataclass(frozen=True)
 class ClosingVocabulary:
-    """What closing a JSON value takes: tokens that are only closing quotes and brackets (``"``, ``"}``,
-    ``]}`` …) or end generation, and every token's length, to spell what the grammar still requires."""
+    """What closing a JSON value takes: the tokens that end generation, the tokens made only of quotes, closing
+    brackets and spaces (``"``, ``"}``, `` ]}`` …, each with its spaces taken out), and every token's length."""
 
-    closers: np.ndarray
+    ends: np.ndarray
+    closers: tuple[tuple[int, str], ...]
     lengths: np.ndarray
 
     @classmethod
@@ -643,9 +695,11 @@ class ClosingVocabulary:
         for token, piece in enumerate(vocabulary.pieces):
             text = piece.decode("utf-8", errors="replace")
             lengths[token] = len(text)
-            if (text.strip() and not text.strip().strip('"]}')) or vocabulary.is_end(token):
-                closers.append(token)
-        return cls(closers=np.array(closers, dtype=np.intc), lengths=lengths)
+            bare = "".join(text.split())  # a space is insignificant between JSON tokens and harmless in a string
+            if bare and not bare.strip('"]}'):
+                closers.append((token, bare))
+        ends = np.array(sorted(vocabulary.ends), dtype=np.intc)
+        return cls(ends=ends, closers=tuple(closers), lengths=lengths)
 
 
 def piece(model: Any, token: int, *, special: bool = False) -> bytes:
@@ -668,11 +722,11 @@ class Vocabulary:
 
         self.model = model
         self.pieces = [piece(model, token) for token in range(model.n_vocab())]
-        self._end = {token for token in range(model.n_vocab()) if lib.llama_vocab_is_eog(model.vocab, token)}
+        self.ends = frozenset(token for token in range(model.n_vocab()) if lib.llama_vocab_is_eog(model.vocab, token))
         self._closing: ClosingVocabulary | None = None
 
     def is_end(self, token: int) -> bool:
-        return token in self._end
+        return token in self.ends
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.model.tokenize(text.encode("utf-8"), False, True))
@@ -728,7 +782,8 @@ class _Sequence:
         self.stream_interval = stream_interval
         self.sent_at = -math.inf
         self.closing_from = max_tokens - min(CLOSING_RESERVE, max(12, max_tokens // 3))
-        self.must_close = job.constraint is not None and job.constraint.close_before_limit
+        # A value that must be whole: how far it is from closed, followed as it is written.
+        self.tail = JsonTail() if job.constraint is not None and job.constraint.close_before_limit else None
 
     @property
     def gone(self) -> bool:
@@ -740,16 +795,21 @@ class _Sequence:
 
     def advance(self, logits: np.ndarray, now: float) -> bool:
         """Takes the next token from ``logits`` at time ``now``; true when the sequence is finished."""
-        closing = self.must_close and self.produced >= self.closing_from
-        token = self.sampler.next(logits, closing=self.vocabulary.closing if closing else None)
+        closing = None
+        if self.tail is not None and self.produced >= self.closing_from:
+            closing = Closing(self.vocabulary.closing, self.tail.closers())
+        token = self.sampler.next(logits, closing=closing)
         if self.vocabulary.is_end(token):
-            return self.finish("length" if closing else "stop")
+            return self.finish("stop" if closing is None else "length")
         self.produced += 1
         self.pending_tokens += 1
         sampling = self.job.sampling
         if sampling.logprobs:
             self.pending_logprobs.append(self._logprob(logits, token, sampling.top_logprobs))
-        self.pending += self.decoder.decode(self.vocabulary.pieces[token])
+        text = self.decoder.decode(self.vocabulary.pieces[token])
+        if self.tail is not None:
+            self.tail.feed(text)
+        self.pending += text
         cut = len(self.pending)
         if self.stops:
             hit = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 from llama_cpp import llama_cpp as lib
@@ -223,6 +224,83 @@ def test_what_the_converter_cannot_express_is_named() -> None:
     assert "Unsupported pattern syntax" in (schema_problem({"type": "string", "pattern": "^(?=a)a$"}) or "")
     assert "Unrecognized schema" in (schema_problem({"not": {"type": "null"}}) or "")
     assert "remote" in (schema_problem({"$ref": "https://example.com/schema.json"}) or "")
+
+
+# --- closing a forced call before its budget runs out -------------------------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHOICES = {
+    "type": "object",
+    "properties": {"question": {"type": "string"}, "options": {"type": "array", "items": {"type": "string"}}},
+    "required": ["question", "options"],
+}
+TEMPERATURE = {"type": "object", "properties": {"celsius": {"type": "number"}}, "required": ["celsius"]}
+
+
+@pytest.fixture(scope="module")
+def vocabulary(vocab: Any) -> llama_cpp.Vocabulary:
+    return llama_cpp.Vocabulary(vocab)
+
+
+def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written: str) -> tuple[str, int]:
+    """A forced call of ``get_weather`` written as far as ``written``, then closed by the runner; the text and the
+    tokens closing took. The model's logits favour closing brackets and braces, which inside a string are text."""
+    schema = call_schema(FunctionTool("get_weather", None, parameters, False))
+    grammar = lib.llama_sampler_init_grammar(
+        vocabulary.model.vocab, grammar_for(Constraint("json_schema", schema)).encode(), b"root"
+    )
+    sampler = llama_cpp._Sampler(vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar)
+    tail = llama_cpp.JsonTail()
+    bracey = np.array([float(bool(p.strip()) and not p.strip().strip(b"}]")) * 50 for p in vocabulary.pieces])
+    text = ""
+    try:
+        for token in vocabulary.tokenize(written):
+            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
+            logits[token] = 100
+            assert sampler.next(logits) == token
+            tail.feed(vocabulary.pieces[token].decode())
+            text += vocabulary.pieces[token].decode()
+        for steps in range(32):
+            closing = llama_cpp.Closing(vocabulary.closing, tail.closers())
+            token = sampler.next(bracey.astype(np.float32), closing=closing)
+            if vocabulary.is_end(token):
+                return text, steps
+            tail.feed(vocabulary.pieces[token].decode())
+            text += vocabulary.pieces[token].decode()
+        return text, 32
+    finally:
+        sampler.close()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "arguments"),
+    [
+        (WEATHER, '{"city": "Eu'),
+        (WEATHER, '{"city": "}} ]'),
+        (WEATHER, '{"city": "a\\'),
+        (WEATHER, '{"ci'),
+        (CHOICES, '{"question": "Which {colour'),
+        (CHOICES, '{"question": "Which?", "options": ["red", "gr'),
+        (TEMPERATURE, '{"celsius": 21.'),
+    ],
+    ids=[
+        "in-a-string",
+        "brackets-in-a-string",
+        "in-an-escape",
+        "in-a-name",
+        "a-property-missing",
+        "in-a-list",
+        "in-a-number",
+    ],
+)
+def test_a_forced_call_is_closed_in_a_few_tokens_from_wherever_its_budget_ran_low(
+    vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], arguments: str
+) -> None:
+    text, steps = closed(vocabulary, parameters, '{"name": "get_weather", "arguments": ' + arguments)
+
+    call = json.loads(text)
+    jsonschema.validate(call["arguments"], parameters)
+    assert steps <= 12, text
 
 
 # --- bounds: what the converter writes out in full, and llama.cpp's parser recurses through -----------------
