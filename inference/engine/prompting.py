@@ -9,7 +9,9 @@ tools are described in the system message and calls and results are written in t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+import secrets
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .decoding import FunctionTool, format_tool_call, tool_system_prompt
@@ -23,6 +25,51 @@ Message = dict[str, Any]
 class RenderedPrompt:
     text: str
     tokens: int
+    literal: tuple[tuple[int, int], ...] = ()  # see ``GenerationJob.literal``
+
+
+class _Literals:
+    """Keeps the special tokens a request spells (in any string of its messages or tools) out of the template's
+    reach: each is swapped for a placeholder no client can guess before rendering, and put back after, its span
+    noted so that it is read as text. A template that reshapes a message's text (trims it, splits it) moves the
+    placeholders along with the rest."""
+
+    def __init__(self, special_tokens: tuple[str, ...]) -> None:
+        self._marker = re.compile("|".join(map(re.escape, special_tokens))) if special_tokens else None
+        self._nonce = secrets.token_hex(8)
+        self._found: list[str] = []
+
+    def hide(self, value: Any) -> Any:
+        if self._marker is None:
+            return value
+        if isinstance(value, str):
+            return self._marker.sub(self._placeholder, value) if self._marker.search(value) else value
+        if isinstance(value, list):
+            return [self.hide(item) for item in value]
+        if isinstance(value, dict):
+            return {self.hide(key): self.hide(item) for key, item in value.items()}
+        return value
+
+    def _placeholder(self, match: re.Match[str]) -> str:
+        self._found.append(match.group())
+        return f"literal{self._nonce}n{len(self._found) - 1}n"
+
+    def restore(self, text: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """``text`` with each placeholder back to what it stood for, and the spans those now take."""
+        if not self._found:
+            return text, ()
+        pieces: list[str] = []
+        spans: list[tuple[int, int]] = []
+        at = length = 0
+        for match in re.finditer(f"literal{self._nonce}n([0-9]+)n", text):
+            original = self._found[int(match.group(1))]
+            pieces += [text[at : match.start()], original]
+            length += match.start() - at
+            spans.append((length, length + len(original)))
+            length += len(original)
+            at = match.end()
+        pieces.append(text[at:])
+        return "".join(pieces), tuple(spans)
 
 
 def _text_only(messages: list[Message]) -> list[Message]:
@@ -66,6 +113,17 @@ def render_prompt(
     """Render and count. ``describe_tools`` is false when ``tool_choice`` is ``none``: the model is not told of
     tools. A prompt that cannot fit ``context_length`` whatever its exact count raises ``ContextLengthExceeded``
     before it is counted."""
+    literals = _Literals(renderer.special_tokens)
+    messages = literals.hide(messages)
+    tools = tuple(
+        replace(
+            tool,
+            name=literals.hide(tool.name),
+            description=literals.hide(tool.description),
+            parameters=literals.hide(tool.parameters),
+        )
+        for tool in tools
+    )
     # Developer messages are system messages to templates that predate them.
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if renderer.native_tools:
@@ -75,11 +133,12 @@ def render_prompt(
         if tools and describe_tools:
             plain = _with_tool_prompt(plain, tools)
         text = renderer.render(plain, None)
+    text, literal = literals.restore(text)
     if (least := renderer.least_tokens(text)) > context_length:
         raise ContextLengthExceeded(
             prompt_tokens=least, context_length=context_length, requested_output=None, at_least=True
         )
-    return RenderedPrompt(text=text, tokens=renderer.count_tokens(text))
+    return RenderedPrompt(text=text, tokens=renderer.count_tokens(text, literal), literal=literal)
 
 
 def check_context(*, prompt_tokens: int, max_output: int | None, context_length: int) -> int:

@@ -157,9 +157,9 @@ def watched_renderer(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatc
         calls["schema"].append(where())
         return real.schema_problem(schema)
 
-    def count_tokens(text: str) -> int:
+    def count_tokens(text: str, literal: tuple[tuple[int, int], ...]) -> int:
         calls["count"].append(where())
-        return real.count_tokens(text)
+        return real.count_tokens(text, literal)
 
     watched = PromptRenderer(
         render=render,
@@ -168,6 +168,7 @@ def watched_renderer(catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatc
         native_tools=real.native_tools,
         schema_problem=schema_problem,
         max_top_logprobs=real.max_top_logprobs,
+        special_tokens=real.special_tokens,
     )
     monkeypatch.setattr(generation, "get_renderer", lambda runner, settings: watched)
     yield calls
@@ -309,4 +310,4 @@ async def test_a_usage_batch_with_one_bad_row_keeps_the_good_ones(api: API) -> N
 def test_the_token_floor_never_passes_the_exact_count(catalog_model: CatalogEntry, text: str) -> None:
     renderer = execution.get_renderer(catalog_model.runner, catalog_model.runner_settings)
 
-    assert renderer.least_tokens(text) <= renderer.count_tokens(text)
+    assert renderer.least_tokens(text) <= renderer.count_tokens(text, ())

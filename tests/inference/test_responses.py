@@ -151,7 +151,7 @@ class EchoTokenizer:
     ) -> str:
         return jinja2.Template(chat_template or self.chat_template).render(messages=conversation)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
         return list(range(len(text.split())))
 
 

@@ -61,6 +61,10 @@ class GenerationJob:
     prompt_tokens: int
     sampling: Sampling
     constraint: Constraint | None = None
+    # Spans of ``prompt`` (character offsets) that the request wrote and that spell one of the model's special
+    # tokens (``<|im_end|>``): they are read as text, never as the token, so that no message can close its own
+    # turn and open another. What the chat template wrote is read with its special tokens.
+    literal: tuple[tuple[int, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,8 +75,26 @@ class GenerationJob:
         sampling["stop"] = tuple(sampling.get("stop") or ())
         constraint = data.get("constraint")
         return cls(
-            **{**data, "sampling": Sampling(**sampling), "constraint": Constraint(**constraint) if constraint else None}
+            **{
+                **data,
+                "sampling": Sampling(**sampling),
+                "constraint": Constraint(**constraint) if constraint else None,
+                "literal": tuple((start, end) for start, end in data.get("literal") or ()),
+            }
         )
+
+
+def prompt_pieces(prompt: str, literal: tuple[tuple[int, int], ...]) -> Iterator[tuple[str, bool]]:
+    """``prompt`` in order as pieces of text, each with whether it is to be read as text only (its special
+    tokens spelled out) rather than with special tokens."""
+    at = 0
+    for start, end in literal:
+        if at < start:
+            yield prompt[at:start], False
+        yield prompt[start:end], True
+        at = end
+    if at < len(prompt):
+        yield prompt[at:], False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +154,8 @@ class PromptRenderer:
     """Renders chat messages with a model's template and counts tokens, in the API process."""
 
     render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
-    count_tokens: Callable[[str], int]
+    # A rendered prompt's tokens, its literal spans (``GenerationJob.literal``) read as text only.
+    count_tokens: Callable[[str, tuple[tuple[int, int], ...]], int]
     # A lower bound on ``count_tokens(text)``, in linear time: a prompt that plainly cannot fit is refused before
     # counting it, which can cost more (llama.cpp's tokenizer slows with the square of the special tokens).
     least_tokens: Callable[[str], int] = _no_floor
@@ -143,6 +166,8 @@ class PromptRenderer:
     schema_problem: Callable[[dict[str, Any]], str | None] = _any_schema
     # How many alternatives per token the model can return with logprobs (OpenAI allows up to 20).
     max_top_logprobs: int = 20
+    # The text of the tokenizer's special tokens, longest first: where a request writes one, it is text.
+    special_tokens: tuple[str, ...] = ()
 
 
 class Runner(Protocol):

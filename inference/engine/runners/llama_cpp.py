@@ -58,6 +58,7 @@ from .base import (
     Sampling,
     TextChunk,
     TokenLogprob,
+    prompt_pieces,
 )
 
 logger = logging.getLogger(__name__)
@@ -714,6 +715,14 @@ def piece(model: Any, token: int, *, special: bool = False) -> bytes:
     return buffer.raw[:size]
 
 
+def tokenize(model: Any, prompt: str, literal: tuple[tuple[int, int], ...] = ()) -> list[int]:
+    """A prompt's tokens: the chat template's special tokens as themselves, its ``literal`` spans as text."""
+    tokens: list[int] = []
+    for text, as_text in prompt_pieces(prompt, literal):
+        tokens += model.tokenize(text.encode("utf-8"), False, not as_text)
+    return tokens
+
+
 class Vocabulary:
     """A model's tokens as text, looked up without a call into llama.cpp per token."""
 
@@ -728,8 +737,8 @@ class Vocabulary:
     def is_end(self, token: int) -> bool:
         return token in self.ends
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.model.tokenize(text.encode("utf-8"), False, True))
+    def tokenize(self, text: str, literal: tuple[tuple[int, int], ...] = ()) -> list[int]:
+        return tokenize(self.model, text, literal)
 
     @property
     def closing(self) -> ClosingVocabulary:
@@ -1009,7 +1018,7 @@ class LlamaCppRunner:
 
     def _prepare(self, job: GenerationJob, cancelled: Callable[[], bool]) -> _Sequence:
         """Tokenizing and compiling the grammar happen on the caller's thread, never in the scheduler's way."""
-        prompt = self.vocabulary.tokenize(job.prompt)
+        prompt = self.vocabulary.tokenize(job.prompt, job.literal)
         context = self.context_per_sequence
         if len(prompt) + 1 > context:
             raise RunnerError("the prompt does not fit the model's context", code="context_length_exceeded")
@@ -1219,31 +1228,39 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return formatter(messages=messages, tools=tools).prompt  # type: ignore[arg-type]  # plain dicts of that shape
 
-    def count_tokens(text: str) -> int:
-        return len(vocab.tokenize(text.encode("utf-8"), False, True))
+    def count_tokens(text: str, literal: tuple[tuple[int, int], ...]) -> int:
+        return len(tokenize(vocab, text, literal))
 
+    specials = _special_tokens(vocab)
     return PromptRenderer(
         render=render,
         count_tokens=count_tokens,
-        least_tokens=_token_floor(vocab),
+        least_tokens=_token_floor(vocab, specials),
         native_tools=native_tools,
         schema_problem=functools.partial(schema_problem, vocab=vocab),
+        special_tokens=specials,
     )
 
 
-def _token_floor(vocab: Any) -> Callable[[str], int]:
-    """A lower bound on a text's token count: every token holds at most the longest token's bytes, and each of
-    the vocabulary's special tokens written in the text (the chat template's markers) is a token of its own."""
+def _special_tokens(vocab: Any) -> tuple[str, ...]:
+    """The text of the tokens llama.cpp reads as special where a prompt spells them, longest first (as it
+    splits them out)."""
     from llama_cpp import llama_cpp as lib
 
     special_kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
-    longest, specials = 1, set()
+    specials = set()
     for token in range(vocab.n_vocab()):
-        longest = max(longest, len(piece(vocab, token)))
         if vocab.token_get_attr(token) & special_kinds and (text := piece(vocab, token, special=True)):
             specials.add(text.decode("utf-8", errors="replace"))
-    # Longest first, as llama.cpp splits them out.
-    marker = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+    return tuple(sorted(specials, key=len, reverse=True))
+
+
+def _token_floor(vocab: Any, specials: tuple[str, ...]) -> Callable[[str], int]:
+    """A lower bound on a text's token count: every token holds at most the longest token's bytes, and each
+    special token written in the text (the chat template's markers, or a request's own, read as text) takes at
+    least a token of its own."""
+    longest = max(1, *(len(piece(vocab, token)) for token in range(vocab.n_vocab())))
+    marker = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def floor(text: str) -> int:
         by_size = -(-len(text.encode("utf-8")) // longest)

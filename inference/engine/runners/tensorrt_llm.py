@@ -49,6 +49,7 @@ from .base import (
     RunnerError,
     TextChunk,
     TokenLogprob,
+    prompt_pieces,
 )
 
 logger = logging.getLogger(__name__)
@@ -213,24 +214,24 @@ class _Engine:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def submit(self, prompt: str, params: Any, top_logprobs: int | None) -> _Request:
+    def submit(self, job: GenerationJob, params: Any, top_logprobs: int | None) -> _Request:
         request = _Request(self)
         with self._lock:
             self._active.add(request)
-        request.driver = asyncio.run_coroutine_threadsafe(self._drive(request, prompt, params, top_logprobs), self.loop)
+        request.driver = asyncio.run_coroutine_threadsafe(self._drive(request, job, params, top_logprobs), self.loop)
         return request
 
     def forget(self, request: _Request) -> None:
         with self._lock:
             self._active.discard(request)
 
-    async def _drive(self, request: _Request, prompt: str, params: Any, top_logprobs: int | None) -> None:
+    async def _drive(self, request: _Request, job: GenerationJob, params: Any, top_logprobs: int | None) -> None:
         if request._abort_requested:  # cancelled before it reached the engine
             return
         try:
             # Tokenized here, on the loop's thread like the library's own calls, and submitted as ids:
             # the prompt is counted once, exactly, and checked before anything is queued.
-            prompt_ids = list(self.llm.tokenizer.encode(prompt, add_special_tokens=False))
+            prompt_ids = encode_prompt(self.llm.tokenizer, job.prompt, job.literal)
         except Exception as exc:  # noqa: BLE001  (a tokenizer failure is this request's)
             request.events.put(_Failed(exc, "generation_failed"))
             return
@@ -600,7 +601,7 @@ class TensorRTLLMRunner:
         if problem := _constraint_problem(job.constraint):
             raise RunnerError(f"the output constraint cannot be enforced: {problem}", code="invalid_constraint")
         params = _sampling_params(job, self._api)
-        request = engine.submit(job.prompt, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
+        request = engine.submit(job, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
         stops = job.sampling.stop
         prompt_tokens = job.prompt_tokens
         last: _Step | None = None
@@ -681,6 +682,25 @@ def load(settings: dict[str, Any]) -> TensorRTLLMRunner:
 # -- prompt rendering, in the API process ------------------------------------------------------------
 
 
+def encode_prompt(tokenizer: Any, prompt: str, literal: tuple[tuple[int, int], ...]) -> list[int]:
+    """A prompt's ids: the special tokens the chat template wrote (BOS included) as themselves, the ``literal``
+    spans as text (Hugging Face's ``split_special_tokens``)."""
+    ids: list[int] = []
+    for text, as_text in prompt_pieces(prompt, literal):
+        options = {"split_special_tokens": True} if as_text else {}
+        ids += tokenizer.encode(text, add_special_tokens=False, **options)
+    return ids
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The text of the tokenizer's special tokens, longest first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(token.content))
+    return tuple(sorted(filter(None, texts), key=len, reverse=True))
+
+
 def _hf_tokenizer(source: str, trust_remote_code: bool) -> Any:
     try:
         from transformers import AutoTokenizer
@@ -727,9 +747,8 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **extra)
         return str(text)
 
-    def count_tokens(text: str) -> int:
-        # As the runner tokenizes the prompt: the template placed the special tokens already.
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    def count_tokens(text: str, literal: tuple[tuple[int, int], ...]) -> int:
+        return len(encode_prompt(tokenizer, text, literal))  # as the runner tokenizes it
 
     _check_structural_tags()
     return PromptRenderer(
@@ -738,6 +757,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         native_tools=_knows_tools(template),
         schema_problem=schema_problem,
         max_top_logprobs=_max_top_logprobs(settings),
+        special_tokens=_special_tokens(tokenizer),
     )
 
 

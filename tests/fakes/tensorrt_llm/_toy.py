@@ -54,6 +54,7 @@ class ToyTokenizer:
     eos_token = "</s>"
     _PIECE = re.compile(r"\s*\S+|\s+")
     _BYTE = re.compile(r"<0x([0-9A-F]{2})>")
+    _SPECIAL = re.compile(r"(<pad>|<s>|</s>)")
 
     def __init__(self, name_or_path: str = "toy") -> None:
         self.name_or_path = name_or_path
@@ -84,12 +85,25 @@ class ToyTokenizer:
                 self._pieces.append(piece)
             return self._ids[piece]
 
-    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
-        ids = [
-            self._id(token)
-            for piece in self._PIECE.findall(text)
-            for token in ([piece] if piece.isascii() else [f"<0x{b:02X}>" for b in piece.encode()])
-        ]
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [self.pad_token, self.bos_token, self.eos_token]
+
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, split_special_tokens: bool = False, **_: Any
+    ) -> list[int]:
+        """As a Hugging Face tokenizer encodes: the special tokens written in ``text`` are split out as themselves,
+        unless ``split_special_tokens``, and the rest is split into pieces."""
+        ids: list[int] = []
+        for part in [text] if split_special_tokens else self._SPECIAL.split(text):
+            if part in self.all_special_tokens and not split_special_tokens:
+                ids.append(self._ids[part])
+                continue
+            for piece in self._PIECE.findall(part):
+                # A special token's text read as text is spelled in bytes, never the special token's id.
+                plain = piece.isascii() and piece not in self.all_special_tokens
+                tokens = [piece] if plain else [f"<0x{b:02X}>" for b in piece.encode()]
+                ids += [self._id(token) for token in tokens]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **_: Any) -> str:

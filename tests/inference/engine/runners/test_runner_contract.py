@@ -58,7 +58,11 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         renderer = get_renderer("llama_cpp", LLAMA_SETTINGS)
         prompt = renderer.render([{"role": "user", "content": "Write a long story about a river in Oregon."}], None)
         yield Subject(
-            "llama_cpp", get_runner("llama_cpp", LLAMA_SETTINGS), LLAMA_SETTINGS, prompt, renderer.count_tokens(prompt)
+            "llama_cpp",
+            get_runner("llama_cpp", LLAMA_SETTINGS),
+            LLAMA_SETTINGS,
+            prompt,
+            renderer.count_tokens(prompt, ()),
         )
         return
     _drop_tensorrt_llm_modules()

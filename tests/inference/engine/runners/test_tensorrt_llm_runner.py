@@ -8,6 +8,7 @@ instance of a guided JSON schema; it compiles guides with the real xgrammar. See
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import io
 import json
@@ -172,6 +173,22 @@ def test_it_streams_the_generated_text_and_reports_exact_usage(engine: Seen) -> 
     assert call.streaming is True
     assert finished.prompt_tokens == len(call.output.prompt_token_ids)
     assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
+
+
+def test_a_special_token_the_request_wrote_reaches_the_engine_as_text(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    prompt = "<s>user: hi </s> there\n</s>"
+    job = dataclasses.replace(make_job(prompt), literal=((12, 16),))  # the first "</s>" is the user's
+
+    collect(runner.stream(job, never))
+
+    tokenizer = engine.llms[0].tokenizer.tokenizer  # the Hugging Face tokenizer TensorRT-LLM wraps
+    (call,) = engine.calls
+    assert tokenizer.decode(call.inputs) == prompt
+    assert [token for token in call.inputs if token in (tokenizer.bos_token_id, tokenizer.eos_token_id)] == [
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    ]
 
 
 def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
@@ -752,7 +769,7 @@ class StandInTokenizer:
             messages=conversation, tools=tools, add_generation_prompt=add_generation_prompt, bos_token="<s>"
         )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
         ids = list(range(len(text.split())))
         return [-1, *ids] if add_special_tokens else ids
 
@@ -791,7 +808,7 @@ def test_the_renderer_renders_tools_with_the_models_own_chat_template(hf: Loads)
     assert text.startswith("<s><|system|>You can call these tools:\n")
     assert json.dumps(WEATHER_TOOL) in text
     assert text.endswith("<|user|>Weather in Oslo?\n<|assistant|>")
-    assert render.count_tokens(text) == len(text.split())  # no BOS added on top of the template's
+    assert render.count_tokens(text, ()) == len(text.split())  # no BOS added on top of the template's
 
 
 def test_the_renderer_renders_without_tools_when_there_are_none(hf: Loads) -> None:
@@ -956,8 +973,9 @@ def test_the_smoke_test_command_loads_the_entry_and_streams_one_completion(
 
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("b3os/toy-chat: tensorrt_llm loaded in ")
-    assert lines[1] == "<s><|user|>Say hi <|assistant|>"  # the toy model echoes the rendered prompt's words
-    assert lines[2].startswith("finish_reason=stop prompt_tokens=3 completion_tokens=3 first_token=")
+    # The toy model echoes the rendered prompt's words; BOS is a special token, which the text leaves out.
+    assert lines[1] == "<|user|>Say hi <|assistant|>"
+    assert lines[2].startswith("finish_reason=stop prompt_tokens=4 completion_tokens=3 first_token=")
     assert engine.calls[0].sampling_params.max_tokens == 8
 
 
