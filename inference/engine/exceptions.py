@@ -82,6 +82,16 @@ class SchemaNotEnforceable(EngineError):
         self.problem = problem
 
 
+class OutputLimitTooLarge(EngineError):
+    """The request asks for more output tokens than the model writes in one response."""
+
+    def __init__(self, *, model_id: str, most: int, asked: int) -> None:
+        super().__init__(f"the model {model_id!r} writes at most {most} output tokens, not {asked}")
+        self.model_id = model_id
+        self.most = most
+        self.asked = asked
+
+
 class TooManyTopLogprobs(EngineError):
     """The request asks for more alternatives per token than the model returns."""
 

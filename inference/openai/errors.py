@@ -20,6 +20,7 @@ from inference.engine.exceptions import (
     ContextLengthExceeded,
     ModelNotServed,
     ModelUnavailable,
+    OutputLimitTooLarge,
     Overloaded,
     SchemaNotEnforceable,
     TooManyTopLogprobs,
@@ -228,6 +229,20 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             code="invalid_value",
             param=param,
         )
+    if isinstance(exc, OutputLimitTooLarge):
+        return invalid_request(
+            f"{names.output_limit} is too large: {exc.asked}. This model supports at most {exc.most} completion "
+            f"tokens, whereas you provided {exc.asked}.",
+            param=names.output_limit,
+            code="invalid_value",
+        )
+    if isinstance(exc, OutputLimitTooLarge):
+        return invalid_request(
+            f"{names.output_limit} is too large: {exc.asked}. This model supports at most {exc.most} completion "
+            f"tokens, whereas you provided {exc.asked}.",
+            param=names.output_limit,
+            code="invalid_value",
+        )
     if isinstance(exc, TooManyTopLogprobs):
         return invalid_request(
             f"The model {exc.model_id!r} returns at most {exc.most} top_logprobs.",
@@ -252,13 +267,10 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if unavailable_service(exc) is not None:
         return service_unavailable()
     if isinstance(exc, LimitExceeded):
-        return APIError(
-            exc.detail,
-            code="rate_limited",
-            status=429,
-            type=RATE_LIMIT,
-            headers={**exc.headers, "Retry-After": str(exc.retry_after)},
-        )
+        # A request no wait would admit gets no Retry-After, and OpenAI's SDKs, which retry a 429 by themselves,
+        # are told not to.
+        retry = {"x-should-retry": "false"} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return APIError(exc.detail, code="rate_limited", status=429, type=RATE_LIMIT, headers={**exc.headers, **retry})
     return None
 
 

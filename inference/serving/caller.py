@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
-from inference.engine.exceptions import ModelNotServed
+from inference.engine.exceptions import ModelNotServed, OutputLimitTooLarge
 from inference.engine.generation import Done, Failed, Generation
 from inference.models import CatalogEntry
 from inference.openai.errors import APIError, from_exception, generation_failed
@@ -134,6 +134,12 @@ async def admit_request(caller: Caller, meter: Meter, *, model_pk: int | None, t
     return grant
 
 
+def check_output_limit(entry: CatalogEntry, output_limit: int | None) -> None:
+    """Refuses an output limit past what the model writes in one response, as OpenAI does (it is not cut to fit)."""
+    if output_limit is not None and output_limit > entry.max_output_tokens:
+        raise OutputLimitTooLarge(model_id=entry.public_id, most=entry.max_output_tokens, asked=output_limit)
+
+
 def least_charge(entry: CatalogEntry, output_limit: int | None) -> int:
     """The fewest tokens admission can charge a request to ``entry``: a prompt of one token and the output it asks
     for (the model's maximum when it sets none), within the model's context."""
@@ -155,6 +161,7 @@ async def run_admitted(
     entry = await get_enabled_model(model)
     if not entry.served_here:
         raise ModelNotServed(model)
+    check_output_limit(entry, output_limit)
     meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
     await precheck_request(caller, meter, model_pk=entry.pk, tokens=least_charge(entry, output_limit))
     generation = await build(entry)

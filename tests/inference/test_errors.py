@@ -127,6 +127,26 @@ async def test_a_sampling_parameter_outside_openais_range_is_named(
     assert_error(await api.post(path, body), 400, "invalid_value", param)
 
 
+@pytest.mark.parametrize(
+    ("path", "param"),
+    [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"), ("/v1/infer/responses", "max_output_tokens")],
+)
+async def test_an_output_limit_past_what_the_model_writes_is_refused_not_cut_to_fit(
+    api: API, catalog_model: CatalogEntry, path: str, param: str
+) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
+    asked = catalog_model.max_output_tokens + 1
+
+    error = assert_error(await api.post(path, {"model": MODEL_ID, **prompt, param: asked}), 400, "invalid_value", param)
+
+    assert error["message"] == (
+        f"{param} is too large: {asked}. This model supports at most {catalog_model.max_output_tokens} completion "
+        f"tokens, whereas you provided {asked}."
+    )
+    usage = await api.get("/v1/infer/usage")
+    assert usage.json()["total"]["requests"] == 0  # refused before admission, as any invalid request
+
+
 async def test_an_unknown_parameter_is_named(api: API) -> None:
     assert_error(
         await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}),
@@ -222,7 +242,10 @@ def assert_told_without_the_runners_words(error: dict, request_id: str, caplog: 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/infer/responses"])
 async def test_a_runner_failure_is_told_by_its_code_and_request_id_and_its_own_words_are_only_logged(
-    api: API, toy_model: CatalogEntry, caplog: pytest.LogCaptureFixture, path: str  # noqa: F811
+    api: API,
+    toy_model: CatalogEntry,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+    path: str,
 ) -> None:
     await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(runner_settings=BROKEN)
     body = {"model": TOY_ID, "max_tokens" if path == CHAT else "max_output_tokens": 16}
