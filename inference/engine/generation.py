@@ -287,7 +287,9 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
             temperature=_or_default(request.temperature, entry, "temperature", 1.0),
             top_p=_or_default(request.top_p, entry, "top_p", 1.0),
             seed=request.seed,
-            stop=request.stop,
+            # Output that must be one whole JSON value (a schema, a JSON object, a forced call) ends where its
+            # grammar ends it: a stop sequence would cut it into something that does not parse.
+            stop=request.stop if plan.constraint is None or plan.constraint.kind == "tool_calls" else (),
             frequency_penalty=_or_default(request.frequency_penalty, entry, "frequency_penalty", 0.0),
             presence_penalty=_or_default(request.presence_penalty, entry, "presence_penalty", 0.0),
             logprobs=request.logprobs,

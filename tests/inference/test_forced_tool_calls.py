@@ -95,6 +95,35 @@ async def test_a_forced_call_that_outgrows_its_budget_is_closed_in_time(
     assert finish_reason in ("tool_calls", "length")
 
 
+@pytest.mark.parametrize("stop", ['"', ":", "city", "{"])
+async def test_a_stop_sequence_never_cuts_a_forced_call(api: API, openai_spec: OpenAISpec, stop: str) -> None:
+    body = chat_body(0, stream=False, choice="required", max_tokens=40, stop=stop)
+
+    function, text, finish_reason = await chat_call(api, openai_spec, body)
+
+    jsonschema.validate(json.loads(function["arguments"]), WEATHER)
+    assert finish_reason == "tool_calls"
+
+
+async def test_a_stop_sequence_never_cuts_json_schema_output(api: API, openai_spec: OpenAISpec) -> None:
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "strict": True, "schema": WEATHER},
+        },
+        "stop": ['"', "}"],
+        "max_tokens": 40,
+        "seed": 0,
+    }
+
+    response = await api.post("/v1/infer/chat/completions", body)
+
+    assert response.status_code == 200, response.content
+    jsonschema.validate(json.loads(response.json()["choices"][0]["message"]["content"]), WEATHER)
+
+
 def responses_body(seed: int, *, stream: bool, choice: Any) -> dict[str, Any]:
     tool = {
         "type": "function",

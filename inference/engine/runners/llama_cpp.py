@@ -20,6 +20,7 @@ llama.cpp's own tools do: masking 49k tokens at every step costs many times the 
 from __future__ import annotations
 
 import atexit
+import bisect
 import codecs
 import collections
 import contextlib
@@ -785,8 +786,9 @@ class _Sequence:
         self.stops = sampling.stop
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Text generated and not sent yet, where each of its tokens ends in it, and their logprobs.
         self.pending = ""
-        self.pending_tokens = 0
+        self.pending_ends: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
         self.stream_interval = stream_interval
         self.sent_at = -math.inf
@@ -811,7 +813,6 @@ class _Sequence:
         if self.vocabulary.is_end(token):
             return self.finish("stop" if closing is None else "length")
         self.produced += 1
-        self.pending_tokens += 1
         sampling = self.job.sampling
         if sampling.logprobs:
             self.pending_logprobs.append(self._logprob(logits, token, sampling.top_logprobs))
@@ -819,27 +820,40 @@ class _Sequence:
         if self.tail is not None:
             self.tail.feed(text)
         self.pending += text
-        cut = len(self.pending)
+        self.pending_ends.append(len(self.pending))
+        ready = len(self.pending)
         if self.stops:
             hit = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)
             if hit >= 0:
+                # The tokens of the stop sequence leave the logprobs as their text leaves the output.
+                del self.pending_logprobs[bisect.bisect_left([0, *self.pending_ends], hit) :]
                 self.pending = self.pending[:hit]
                 return self.finish("stop")
-            cut = max(0, len(self.pending) - self.holdback)
-        if cut and now - self.sent_at >= self.stream_interval:
-            self.out.put(TextChunk(self.pending[:cut], self.pending_tokens, tuple(self.pending_logprobs)))
-            self.pending, self.pending_tokens, self.pending_logprobs = self.pending[cut:], 0, []
+            ready = max(0, len(self.pending) - self.holdback)
+        if ready and now - self.sent_at >= self.stream_interval:
+            self._send_through(ready)
             self.sent_at = now
         if self.produced >= self.max_tokens:
             return self.finish("length")
         self.next_token = token
         return False
 
+    def _send_through(self, ready: int) -> None:
+        """Sends the pending tokens whose text ends within its first ``ready`` characters (the rest may still
+        become a stop sequence), each chunk's logprobs those of its own text."""
+        count = bisect.bisect_right(self.pending_ends, ready)
+        if not count or not (cut := self.pending_ends[count - 1]):
+            return
+        logprobs, self.pending_logprobs = self.pending_logprobs[:count], self.pending_logprobs[count:]
+        self.out.put(TextChunk(self.pending[:cut], count, tuple(logprobs)))
+        self.pending = self.pending[cut:]
+        self.pending_ends = [end - cut for end in self.pending_ends[count:]]
+
     def finish(self, reason: str) -> bool:
         if reason != "cancelled":
             self.pending += self.decoder.decode(b"", final=True)
-            if self.pending or self.pending_tokens:
-                self.out.put(TextChunk(self.pending, self.pending_tokens, tuple(self.pending_logprobs)))
+            if self.pending or self.pending_ends:
+                self.out.put(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
         self.out.put(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
         return True
 

@@ -121,6 +121,17 @@ def test_it_stops_before_a_stop_sequence(subject: Subject) -> None:
     assert finished.reason == "stop"
 
 
+def test_each_chunk_carries_the_logprobs_of_its_own_text_and_a_stop_sequence_none(subject: Subject) -> None:
+    free = text(run(subject, subject.job(max_tokens=16))[0])
+    stop = " " + free.split()[4]  # held back while it may still be forming, then left out
+
+    chunks, finished = run(subject, subject.job(max_tokens=16, stop=(stop,), logprobs=True, top_logprobs=2))
+
+    assert finished.reason == "stop" and free.startswith(text(chunks))
+    for chunk in chunks:
+        assert b"".join(logprob.token for logprob in chunk.logprobs) == chunk.text.encode()
+
+
 def test_it_stops_promptly_when_cancelled(subject: Subject) -> None:
     started = time.monotonic()
     chunks, finished = run(subject, subject.job(max_tokens=500), cancel_after=2)
