@@ -69,10 +69,14 @@ def _user_content(message: wire.UserMessage, index: int) -> str | list[dict[str,
 
 
 def messages(request: wire.ChatCompletionRequest) -> list[Message]:
-    """The request's messages in the chat template's form; a tool message must answer an earlier call."""
-    known_calls: set[str] = set()
+    """The request's messages in the chat template's form. As OpenAI requires, an assistant message's tool calls are
+    each answered, once, by the tool messages right after it."""
+    waiting: dict[str, None] = {}  # the calls of the last assistant message not answered yet, in order
+    asked_at = 0
     out: list[Message] = []
     for index, message in enumerate(request.messages):
+        if waiting and not isinstance(message, wire.ToolMessage):
+            raise _unanswered(asked_at, waiting)
         if isinstance(message, wire.UserMessage):
             out.append({"role": "user", "content": _user_content(message, index)})
         elif isinstance(message, wire.FunctionMessage):
@@ -88,19 +92,31 @@ def messages(request: wire.ChatCompletionRequest) -> list[Message]:
                     }
                     for c in message.tool_calls
                 ]
-                known_calls.update(c.id for c in message.tool_calls)
+                waiting, asked_at = dict.fromkeys(c.id for c in message.tool_calls), index
             out.append(item)
         elif isinstance(message, wire.ToolMessage):
-            if message.tool_call_id not in known_calls:
+            if message.tool_call_id not in waiting:
                 raise invalid_request(
-                    f"tool message answers tool_call_id {message.tool_call_id!r}, but no assistant message before it "
-                    "has a tool call with that id",
+                    f"tool message answers tool_call_id {message.tool_call_id!r}, but it is not a call of the "
+                    "assistant message before it that is still waiting for its answer: messages with role 'tool' "
+                    "must be a response to a preceding message with 'tool_calls'",
                     param=f"messages.{index}.tool_call_id",
                 )
+            del waiting[message.tool_call_id]
             out.append({"role": "tool", "content": _text(message.content), "tool_call_id": message.tool_call_id})
         else:
             out.append({"role": message.role, "content": _text(message.content)})
+    if waiting:
+        raise _unanswered(asked_at, waiting)
     return out
+
+
+def _unanswered(index: int, waiting: dict[str, None]) -> APIError:
+    return invalid_request(
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(waiting)}",
+        param=f"messages.{index}.tool_calls",
+    )
 
 
 def _tool_choice(request: wire.ChatCompletionRequest) -> ToolChoice:

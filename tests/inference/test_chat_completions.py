@@ -228,6 +228,36 @@ async def test_a_tool_message_must_answer_an_earlier_call(api: API) -> None:
     assert response.json()["error"]["param"] == "messages.1.tool_call_id"
 
 
+def calling(*ids: str) -> dict[str, Any]:
+    calls = [{"id": i, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} for i in ids]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def answer(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "52F"}
+
+
+@pytest.mark.parametrize(
+    ("history", "param", "says"),
+    [
+        ([calling("a", "b"), answer("a"), {"role": "user", "content": "And?"}], "messages.1.tool_calls", ": b"),
+        ([calling("a")], "messages.1.tool_calls", ": a"),
+        ([calling("a"), answer("a"), answer("a")], "messages.3.tool_call_id", "'a'"),
+        ([calling("a"), answer("a"), {"role": "user", "content": "?"}, answer("a")], "messages.4.tool_call_id", "'a'"),
+    ],
+    ids=["one-unanswered", "none-answered", "answered-twice", "answered-after-another-turn"],
+)
+async def test_each_tool_call_is_answered_once_by_the_tool_messages_right_after_it(
+    api: API, history: list[dict[str, Any]], param: str, says: str
+) -> None:
+    response = await api.post(CHAT, body(messages=[*QUESTION, *history]))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert says in error["message"]
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 async def test_a_forced_tool_call_always_parses_and_matches_its_schema(
     api: API, openai_spec: OpenAISpec, choice: Any
@@ -493,7 +523,7 @@ async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, pa
 async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
     api: API, catalog_model: CatalogEntry
 ) -> None:
-    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=16)
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=24)
     response = await api.post(CHAT, body(messages=[{"role": "user", "content": "river " * 100}]))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -512,7 +542,7 @@ async def test_asking_for_more_output_than_the_context_allows_is_refused(api: AP
 async def test_a_prompt_longer_than_the_context_is_named_as_the_messages_with_max_completion_tokens_too(
     api: API, catalog_model: CatalogEntry
 ) -> None:
-    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=16)
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=24)
     response = await api.post(
         CHAT, body(messages=[{"role": "user", "content": "river " * 100}], max_completion_tokens=8)
     )
