@@ -53,18 +53,18 @@ class Ending:
 
 
 def generation_outcome(generation: Generation, end: Done | Failed | None) -> StreamOutcome:
-    """The outcome of one generation: done (the runner's exact counts), failed (what was produced; nothing when it
-    failed before its first token, as a runner that refuses a job does), or, with no terminal event, cut off by the
-    client (what was produced)."""
+    """The outcome of one generation: done (the runner's exact counts), failed, or, with no terminal event, cut off
+    by the client. A failed or cut-off one counts what was produced, and nothing when it ended before its first
+    token (as ``caller.record_error`` counts a request that failed before it could answer, streamed or not)."""
     ttft = generation.time_to_first_token_ms
     if isinstance(end, Done):
         return StreamOutcome(
             200, "", end.prompt_tokens, end.completion_tokens, end.reasoning_tokens, end.cached_tokens, ttft
         )
     produced = {"input_tokens": generation.prompt_tokens, "output_tokens": generation.completion_tokens}
+    if generation.first_token_at is None:
+        produced = {"input_tokens": 0, "output_tokens": 0}
     if isinstance(end, Failed):
-        if generation.first_token_at is None:
-            produced = {"input_tokens": 0, "output_tokens": 0}
         return StreamOutcome(status=200, error_code=end.code, time_to_first_token_ms=ttft, **produced)
     return StreamOutcome(
         status=CLIENT_DISCONNECTED, error_code="client_disconnected", time_to_first_token_ms=ttft, **produced

@@ -119,6 +119,28 @@ async def test_time_waiting_in_the_queue_counts_against_the_stream(api: API, nar
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_client_that_hangs_up_while_queued_is_recorded_with_no_tokens_streamed_or_not(
+    api: API, narrow_model: CatalogEntry, stream: bool
+) -> None:
+    narrow_model.runner_settings = {**narrow_model.runner_settings, "queue": 1}
+    await narrow_model.asave()
+    with busy(narrow_model):
+        if stream:  # the answer has begun (its head sent), and waits for its job's first token
+            response = await api.post(CHAT, ask(stream=True))
+            request = asyncio.ensure_future(read_stream(response))
+        else:
+            request = asyncio.ensure_future(api.post(CHAT, ask()))
+        await asyncio.sleep(1.0)  # queued behind the busy sequence, no token yet
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+
+    usage.flush()
+    record = await UsageRecord.objects.aget()
+    assert (record.status, record.error_code) == (499, "client_disconnected")
+    assert (record.input_tokens, record.output_tokens) == (0, 0)
+
+
 async def test_a_client_that_hangs_up_on_a_whole_answer_is_recorded_as_gone(
     api: API, catalog_model: CatalogEntry
 ) -> None:
