@@ -4,7 +4,9 @@ Patterns are admins' regular expressions, and some of them backtrack for ever on
 runs with the ``regex`` module's timeout, on threads of its own with the GIL released, so a slow pattern
 neither blocks the event loop nor holds the threads that authenticate requests; a check that runs out of
 time (``AGENT_GUARDRAIL_TIMEOUT_MS`` for all the rules and texts of one check) counts as a match, because a
-guardrail that cannot say no must not say yes.
+guardrail that cannot say no must not say yes. For the same reason a guardrail whose expression does not
+compile (saved past the admin's check, or refused by a newer ``regex``) refuses every text it checks, and says
+so in the log, rather than failing the request or letting everything through.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 
-from agents.models import Guardrail
+from agents.models import COMPILE_ERRORS, Guardrail
 
 logger = logging.getLogger("agents.guardrails")
 
@@ -29,8 +31,17 @@ _threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guardrails")
 @dataclass(frozen=True, slots=True)
 class Rule:
     name: str
-    pattern: Any  # a compiled ``regex`` pattern
+    patterns: tuple[Any, ...] | None  # compiled ``regex`` patterns, any of which blocks; None: they do not compile
     refusal: str
+
+    @classmethod
+    def of(cls, guardrail: Guardrail) -> Rule:
+        try:
+            patterns = guardrail.compiled()
+        except COMPILE_ERRORS as exc:
+            logger.error("guardrail %r does not compile (%s): it refuses every text it checks", guardrail.name, exc)
+            patterns = None
+        return cls(guardrail.name, patterns, guardrail.refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +51,7 @@ class Guardrails:
 
     @classmethod
     def of(cls, guardrails: Iterable[Guardrail]) -> Guardrails:
-        rules = [(g, Rule(g.name, g.pattern(), g.refusal)) for g in guardrails if g.enabled and g.lines()]
+        rules = [(g, Rule.of(g)) for g in guardrails if g.enabled and g.lines()]
         return cls(
             on_input=tuple(rule for g, rule in rules if g.checks("input")),
             on_output=tuple(rule for g, rule in rules if g.checks("output")),
@@ -63,12 +74,17 @@ async def _first_match(rules: tuple[Rule, ...], texts: Sequence[str]) -> Rule | 
 def _search(rules: tuple[Rule, ...], texts: list[str]) -> Rule | None:
     deadline = time.monotonic() + settings.AGENT_GUARDRAIL_TIMEOUT_MS / 1000
     for rule in rules:
-        for text in texts:
-            try:
-                found = rule.pattern.search(text, timeout=max(deadline - time.monotonic(), 0.001), concurrent=True)
-            except TimeoutError:
-                logger.warning("guardrail %r ran out of time on a text of %d characters: refused", rule.name, len(text))
-                return rule
-            if found is not None:
-                return rule
+        if rule.patterns is None:
+            return rule
+        for pattern in rule.patterns:
+            for text in texts:
+                try:
+                    found = pattern.search(text, timeout=max(deadline - time.monotonic(), 0.001), concurrent=True)
+                except TimeoutError:
+                    logger.warning(
+                        "guardrail %r ran out of time on a text of %d characters: refused", rule.name, len(text)
+                    )
+                    return rule
+                if found is not None:
+                    return rule
     return None

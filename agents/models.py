@@ -119,6 +119,15 @@ class MatchKind(models.TextChoices):
     REGEX = "regex", "Regular expressions (any case)"
 
 
+# What compiling an admin's expression can raise: a syntax error, or nesting deeper than the parser recurses.
+COMPILE_ERRORS = (regex.error, RecursionError, OverflowError)
+
+
+def compile_line(expression: str) -> Any:
+    """One expression as the guardrails match it: in any case."""
+    return regex.compile(expression, regex.IGNORECASE)
+
+
 class Guardrail(models.Model):
     """A rule that blocks a turn: on a match the answer is replaced by the refusal message."""
 
@@ -139,13 +148,17 @@ class Guardrail(models.Model):
     def lines(self) -> list[str]:
         return [line.strip() for line in self.patterns.splitlines() if line.strip()]
 
-    def pattern(self) -> Any:
-        """The lines as one ``regex`` pattern (the module whose matching can be given a time limit)."""
+    def compiled(self) -> tuple[Any, ...]:
+        """The lines as ``regex`` patterns (the module whose matching can be given a time limit); raises one of
+        ``COMPILE_ERRORS`` for a line that does not compile.
+
+        Each expression is a pattern of its own, so that a line matches exactly what it matches alone: joined
+        into one, a line's ``#`` comment under ``(?x)`` would swallow what follows it, and its group numbers
+        would shift the back-references of the lines after it. Terms are literal, so they make one pattern.
+        """
         if self.kind == MatchKind.REGEX:
-            alternatives = [f"(?:{line})" for line in self.lines()]
-        else:
-            alternatives = [rf"(?<!\w){regex.escape(line)}(?!\w)" for line in self.lines()]
-        return regex.compile("|".join(alternatives), regex.IGNORECASE)
+            return tuple(compile_line(line) for line in self.lines())
+        return (compile_line("|".join(rf"(?<!\w){regex.escape(line)}(?!\w)" for line in self.lines())),)
 
     def checks(self, stage: Literal["input", "output"]) -> bool:
         return self.enabled and self.applies_to in (stage, Stage.BOTH)
@@ -156,9 +169,10 @@ class Guardrail(models.Model):
         if self.kind == MatchKind.REGEX:
             for line in self.lines():
                 try:
-                    regex.compile(line)
-                except regex.error as exc:
-                    raise ValidationError({"patterns": f"{line!r} is not a regular expression: {exc}."}) from None
+                    compile_line(line)
+                except COMPILE_ERRORS as exc:
+                    problem = "it nests too deeply" if isinstance(exc, RecursionError) else str(exc)
+                    raise ValidationError({"patterns": f"{line!r} is not a regular expression: {problem}."}) from None
 
 
 class StoredResponse(models.Model):

@@ -175,8 +175,9 @@ class TurnFailed(Exception):
 class AgentTurn:
     """Runs one turn and streams it; afterwards ``steps``, ``failure`` and ``finished`` tell how it went.
 
-    ``keep`` stores the finished response (``None`` with ``store: false``); ``tool_ran`` is told of every
-    server tool run, for usage records.
+    ``keep`` stores the finished response (``None`` with ``store: false``). The turn is one request, with one
+    usage record under its catalog model (``outcome``), however many server tools it runs: their runs are
+    shown in the stream and kept in the stored response, never counted as requests.
     """
 
     agent: Agent
@@ -186,7 +187,6 @@ class AgentTurn:
     encoder: responses.ResponseEncoder
     context: ToolContext
     keep: Callable[[dict[str, Any]], Awaitable[None]] | None
-    tool_ran: Callable[[str, ToolOutcome], None]
     request_id: str
     steps: list[StepUsage] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
@@ -425,7 +425,6 @@ class AgentTurn:
         else:
             outcome = await run_tool(tool, context=self.context, arguments=parsed)
         self._server_calls += 1
-        self.tool_ran(tool.name, outcome)
         known = {source.url for source in self.sources}
         self.sources += [source for source in dict.fromkeys(outcome.sources) if source.url not in known]
         if outcome.error is None:

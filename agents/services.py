@@ -29,10 +29,9 @@ from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse
 from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
 from .runtime import Agent, AgentTurn
-from .tools.registry import REGISTRY, ToolContext, ToolOutcome
+from .tools.registry import REGISTRY, ToolContext
 
 ENDPOINT = "agents.responses"
-TOOLS_ENDPOINT = "agents.tools"
 ROUTE = "agent"
 PRUNE_EVERY_SECONDS = 3600.0
 
@@ -333,12 +332,6 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
             request_id=caller.request_id,
         )
 
-    def tool_ran(name: str, outcome: ToolOutcome) -> None:
-        # One usage record per server tool run: the tool's name as the model, its time, and whether it failed.
-        meter = meter_for(caller, model=name, endpoint=TOOLS_ENDPOINT, route=ROUTE)
-        meter.started = time.monotonic() - outcome.elapsed_ms / 1000
-        meter.record(status=200, error_code="" if outcome.error is None else "tool_failed")
-
     turn = AgentTurn(
         agent=agent,
         params=params,
@@ -347,7 +340,6 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         encoder=responses.ResponseEncoder(echo=_echo(params, agent)),
         context=ToolContext(instance_pk=agent.pk, organization_id=organization_id),
         keep=keep if params.keeps else None,
-        tool_ran=tool_ran,
         request_id=caller.request_id,
     )
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.validators import RegexValidator
+from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 GATEWAY = "gateway"
@@ -98,8 +99,9 @@ class CatalogEntry(models.Model):
             "unset ones take OpenAI's defaults."
         ),
     )
-    context_length = models.PositiveIntegerField(default=8192)
-    max_output_tokens = models.PositiveIntegerField(default=2048)
+    # At least one token each: at 0 no request could fit, and every one would fail.
+    context_length = models.PositiveIntegerField(default=8192, validators=[MinValueValidator(1)])
+    max_output_tokens = models.PositiveIntegerField(default=2048, validators=[MinValueValidator(1)])
     json_schema = models.BooleanField("JSON schema output", default=True)
     image_input = models.BooleanField("image input", default=False)
     tools = models.BooleanField("tool calls", default=True)
@@ -162,6 +164,30 @@ class CatalogEntry(models.Model):
         parameters = self.gateway_parameters
         if not isinstance(parameters, list) or not all(isinstance(name, str) and name in known for name in parameters):
             raise ValidationError({"gateway_parameters": f"A list of: {', '.join(sorted(known))}."})
+        self._clean_for_agent_instances()
+
+    def _clean_for_agent_instances(self) -> None:
+        """What the agent instances on this entry need of it, as their own ``clean`` requires it: a runner here,
+        tool calls under server tools, reasoning under instances that reason."""
+        if self.pk is None:
+            return
+        instances = list(self.agent_instances.order_by("instance_id"))
+        if instances and not self.served_here:
+            raise ValidationError(
+                {"runner": f"The agent instances {_names(instances)} run on this model: they need a runner here."}
+            )
+        if not self.tools and (tooled := [instance for instance in instances if instance.tools]):
+            raise ValidationError(
+                {"tools": f"The agent instances {_names(tooled)} run server tools on this model: they need tool calls."}
+            )
+        if not self.reasoning and (reasoning := [instance for instance in instances if instance.reasons]):
+            raise ValidationError(
+                {"reasoning": f"The agent instances {_names(reasoning)} reason on this model: they need reasoning."}
+            )
+
+
+def _names(rows: Iterable[models.Model]) -> str:
+    return ", ".join(str(row) for row in rows)
 
 
 class UsageRecord(models.Model):

@@ -495,24 +495,37 @@ async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -
 def _refusal(
     limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False, step: bool = False
 ) -> LimitExceeded:
-    retry = max(1, math.ceil(decision.retry_after))
     value = {
         "requests_per_minute": limits.requests_per_minute,
         "tokens_per_minute": limits.tokens_per_minute,
         "requests_in_flight": limits.requests_in_flight,
     }[decision.limit]
     detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
+    never = _never_admitted(limits, decision.limit, tokens)
     if decision.limit == "tokens_per_minute":
         if step:
             detail += f" The response's next step needs {tokens} more tokens for its input."
         else:
             needs = "at least " if at_least else ""
             detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
-        if limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute:
+        if never:
             detail += " It can never fit: lower max_tokens or the input."
-    detail += f" Try again in {retry}s."
+    elif never:
+        detail += " A limit of 0 admits no request: this one can never be admitted, however long it waits."
+    retry = None if never else max(1, math.ceil(decision.retry_after))
+    if retry is not None:
+        detail += f" Try again in {retry}s."
     # The window as it stands: the limit that refused shows what is left of it, the others are untouched.
     return LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, decision))
+
+
+def _never_admitted(limits: Limits, limit: str, tokens: int) -> bool:
+    """Whether ``limit`` refuses the request whatever the window holds: no wait would admit it."""
+    if limit == "tokens_per_minute":
+        return limits.tokens_per_minute is not None and tokens > limits.tokens_per_minute
+    if limit == "requests_per_minute":
+        return limits.requests_per_minute == 0
+    return limits.requests_in_flight == 0
 
 
 async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> Grant:

@@ -8,9 +8,12 @@ class InvalidAPIKey(Exception):
 
 
 class LimitExceeded(Exception):
-    """Admission refused: ``limit`` names which one, ``retry_after`` is whole seconds until the request fits."""
+    """Admission refused: ``limit`` names which one, ``retry_after`` is whole seconds until the request fits, or
+    ``None`` when it never will (a limit of 0, or more tokens than the tokens per minute): waiting does not help."""
 
-    def __init__(self, *, limit: str, retry_after: int, detail: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *, limit: str, retry_after: int | None, detail: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(detail)
         self.limit = limit
         self.retry_after = retry_after

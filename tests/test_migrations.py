@@ -7,6 +7,10 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from django.utils import timezone
+
+from inference.models import UsageDailyRollup, UsageRecord
 
 pytestmark = pytest.mark.database
 
@@ -32,3 +36,26 @@ def test_every_migration_unapplies_and_applies_again() -> None:
     assert {"orgs_apikey", "inference_usagerecord", "agents_storedresponse"} <= set(
         connection.introspection.table_names()
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_usage_records_of_server_tool_runs_are_taken_out_of_the_usage_they_were_counted_in() -> None:
+    before, after = (
+        ("inference", "0009_catalog_token_limits_at_least_one"),
+        ("inference", "0010_usage_without_tool_runs"),
+    )
+    executor = MigrationExecutor(connection)
+    executor.migrate([before])
+    apps = executor.loader.project_state([before]).apps
+    organization = apps.get_model("orgs", "Organization").objects.create(slug="acme", name="Acme")
+    records, rollups = apps.get_model("inference", "UsageRecord"), apps.get_model("inference", "UsageDailyRollup")
+    for model, endpoint in [("b3os/model-a", "agents.responses"), ("knowledge_search", "agents.tools")]:
+        common = {"organization": organization, "model": model, "endpoint": endpoint}
+        records.objects.create(**common, status=200, request_id="req_1", created=timezone.now())
+        rollups.objects.create(**common, day=timezone.now().date(), requests=1)
+
+    executor = MigrationExecutor(connection)
+    executor.migrate([after])
+
+    assert list(UsageRecord.objects.values_list("model", "endpoint")) == [("b3os/model-a", "agents.responses")]
+    assert list(UsageDailyRollup.objects.values_list("model", "endpoint")) == [("b3os/model-a", "agents.responses")]

@@ -52,6 +52,10 @@ class UsageReportForm(forms.Form):
         end: date | None = data.get("end")
         if start is None or end is None:
             return data  # the field's own error says why
+        if end == date.max:
+            # The report runs up to the day after 'Through', which the calendar does not have.
+            self.add_error("end", f"Choose a day before {date.max.isoformat()}.")
+            return data
         if start > end:
             raise forms.ValidationError("'From' must not be after 'Through'.")
         if (end - start).days >= MAX_REPORT_DAYS:

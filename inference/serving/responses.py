@@ -332,8 +332,13 @@ class _OpenItem:
 
 
 # A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
-# carries the API's own code.
-_RESPONSE_ERROR_CODES = {"rate_limited": "rate_limit_exceeded", "context_length_exceeded": "invalid_prompt"}
+# carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
+# trying again (a prompt past the context, a stored conversation that is full) is ``invalid_prompt``.
+_RESPONSE_ERROR_CODES = {
+    "rate_limited": "rate_limit_exceeded",
+    "context_length_exceeded": "invalid_prompt",
+    "conversation_too_large": "invalid_prompt",
+}
 
 
 class ResponseEncoder:
@@ -559,9 +564,7 @@ def _empty(kind: Literal["message", "reasoning"]) -> dict[str, Any]:
     return wire.output_text_part("") if kind == "message" else wire.reasoning_text_part("")
 
 
-async def complete(
-    *, generation: Generation, encoder: ResponseEncoder, request_id: str
-) -> tuple[dict[str, Any], Done]:
+async def complete(*, generation: Generation, encoder: ResponseEncoder, request_id: str) -> tuple[dict[str, Any], Done]:
     """Run to the end and build one Response."""
     async for event in generation.run():
         if isinstance(event, Failed):

@@ -139,7 +139,7 @@ def test_a_guardrail_with_a_broken_regular_expression_is_refused(make_instance: 
 
 
 def test_a_guardrails_terms_match_whole_words_in_any_case(make_instance: Callable[..., AgentInstance]) -> None:
-    pattern = Guardrail(instance=make_instance("a.agent"), name="x", patterns="credit card\npass").pattern()
+    (pattern,) = Guardrail(instance=make_instance("a.agent"), name="x", patterns="credit card\npass").compiled()
 
     assert pattern.search("my CREDIT  card".replace("  ", " ")) and pattern.search("the pass, please")
     assert not pattern.search("a passport") and not pattern.search("credit cards? no: credit-card")

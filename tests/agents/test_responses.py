@@ -22,14 +22,16 @@ from django.db.models.signals import post_init
 from django.test import override_settings
 
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
+from agents.services import stored_size
 from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.models import CatalogEntry, UsageRecord
+from inference.usage.metrics import REGISTRY as METRICS
 from inference.usage.records import flush
 from orgs.admission import clear_limits_cache, memory_store
 from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
-from tests.conftest import read_stream
+from tests.conftest import MODEL_ID, read_stream
 from tests.inference.test_responses import THOUGHTFUL, WEATHER, parse_events, toy_model  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
@@ -204,6 +206,7 @@ async def test_continuations_sent_at_once_fill_a_conversation_no_further_than_it
         events = parse_events(await read_stream(response))
         if events[-1]["type"] == "response.failed":  # it filled up while this one ran
             assert events[-2]["code"] == "conversation_too_large"
+            assert events[-1]["response"]["error"]["code"] == "invalid_prompt"
             return "failed"
         return events[-1]["response"]["status"]
 
@@ -211,6 +214,24 @@ async def test_continuations_sent_at_once_fill_a_conversation_no_further_than_it
 
     assert outcomes.count("completed") == 1 and set(outcomes) - {"completed"} <= {"refused", "failed"}
     assert await StoredResponse.objects.acount() == 3
+
+
+async def test_a_turn_that_no_longer_fits_its_conversation_as_it_is_stored_fails_with_a_code_that_asks_no_retry(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    _, first = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN)
+    held = (await StoredResponse.objects.aget()).size
+    # Room for the next turn's input, checked before it runs, but not for its answer, checked as it is stored.
+    room = held + stored_size([{"type": "message", "role": "user", "content": REFUSED_TURN}])
+
+    with override_settings(AGENT_CONVERSATION_MAX_BYTES=room):
+        events, response = await tenant.stream(
+            model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=first["id"]
+        )
+
+    assert (events[-2]["type"], events[-2]["code"]) == ("error", "conversation_too_large")
+    assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "invalid_prompt")
+    assert SeedClient().read(events).failed and await StoredResponse.objects.acount() == 1
 
 
 @override_settings(AGENT_CONVERSATION_MAX_BYTES=3_000)
@@ -282,13 +303,35 @@ async def test_a_server_tool_the_model_calls_is_shown_with_its_arguments_and_res
     assert SeedClient(knows_agent_calls=False).read(events).text == seen.text == message_text(response)
 
     (turn,) = await records(endpoint="agents.responses")
-    (tool,) = await records(endpoint="agents.tools")
     assert (turn.status, turn.error_code, turn.model) == (200, "", searching_agent.model.public_id)
     assert (turn.input_tokens, turn.output_tokens) == (
         response["usage"]["input_tokens"],
         response["usage"]["output_tokens"],
     )
-    assert (tool.model, tool.status, tool.error_code, tool.request_id) == ("knowledge_search", 200, "", turn.request_id)
+
+
+# The turn's catalog model, and the name its server tool's runs were once counted under as requests.
+COUNTED = [(MODEL_ID, "agents.responses"), ("knowledge_search", "agents.tools")]
+
+
+async def test_a_turn_that_runs_a_server_tool_is_one_request_of_its_catalog_model_in_usage_and_metrics(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    def requests_counted(model: str, endpoint: str) -> float:
+        labels = {"model": model, "organization": tenant.slug, "endpoint": endpoint, "status": "200", "code": ""}
+        return METRICS.get_sample_value("b3os_requests_total", labels) or 0.0
+
+    before = {name: requests_counted(name, endpoint) for name, endpoint in COUNTED}
+
+    _, response = await tenant.stream(model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, **SHORT)
+
+    assert [call["name"] for call in agent_calls(response)] == ["knowledge_search"]
+    (turn,) = await records()
+    assert (turn.model, turn.endpoint, turn.status) == (MODEL_ID, "agents.responses", 200)
+    usage = (await tenant.get("/v1/infer/usage?group_by=model")).json()
+    assert [(row["model"], row["requests"]) for row in usage["data"]] == [(MODEL_ID, 1)]
+    after = {name: requests_counted(name, endpoint) for name, endpoint in COUNTED}
+    assert after == {MODEL_ID: before[MODEL_ID] + 1, "knowledge_search": before["knowledge_search"]}
 
 
 async def test_an_instance_that_searches_first_answers_from_its_documents_and_cites_them(
@@ -327,8 +370,8 @@ async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the
     assert (call["status"], call["error"], call["output"]) == ("failed", "The stock service is unreachable.", None)
     assert rest and rest[-1]["type"] == "message"
     assert SeedClient().read(events).activity == ["check_stock: failed"]
-    (tool,) = await records(endpoint="agents.tools")
-    assert (tool.model, tool.error_code) == ("check_stock", "tool_failed")
+    (turn,) = await records()  # a tool that failed is not a request that failed
+    assert (turn.model, turn.status, turn.error_code) == (MODEL_ID, 200, "")
 
 
 # --- guardrails -------------------------------------------------------------------------------------------
@@ -350,6 +393,25 @@ async def test_an_input_guardrail_refuses_the_turn_without_running_the_model_and
     assert (seen.text, seen.refusal) == ("", "I can't help with passwords or payment details.")
     stored = await StoredResponse.objects.aget()
     assert stored.output_items == response["output"]
+
+
+async def test_a_regex_guardrail_with_comments_and_back_references_refuses_what_each_line_matches(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    await Guardrail.objects.acreate(
+        instance=spare_parts,
+        name="codes",
+        applies_to=Stage.INPUT,
+        kind=MatchKind.REGEX,
+        patterns="\n".join([r"(?x) secret \s code   # internal codes", r"(iban|swift) code", r"(\d)\1\1\1"]),
+        refusal="I can't help with codes.",
+    )
+
+    for text in ["What is the secret code?", "My pin is 7777."]:
+        events, response = await tenant.stream(model=spare_parts.instance_id, input=text, store=False)
+
+        assert SeedClient().read(events).refusal == "I can't help with codes."
+        assert response["usage"]["output_tokens"] == 0
 
 
 BLOCKED = "Tell me the admin password."
@@ -733,7 +795,8 @@ async def test_admission_limits_apply_to_agent_requests(
     response = await tenant.post("/v1/responses", {"model": plain_agent.instance_id, "input": "Hi", "stream": True})
 
     assert response.status_code == 429 and response.json()["error"]["code"] == "rate_limited"
-    assert response["Retry-After"]
+    # No turn fits in 10 tokens a minute: waiting would not help.
+    assert "can never fit" in response.json()["error"]["message"] and "Retry-After" not in response
     (record,) = await records(endpoint="agents.responses")
     assert (record.status, record.error_code) == (429, "rate_limited")
 
@@ -799,5 +862,8 @@ async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
 
     # Between the two admissions, the first turn was charged in full: every step's prompt and its output budget.
     turn = min(await records(endpoint="agents.responses"), key=lambda record: record.pk)
-    assert await records(endpoint="agents.tools"), "the turn should have run its tool, so it had a second step"
+    first_turn = await StoredResponse.objects.order_by("created").afirst()
+    assert first_turn is not None and agent_calls({"output": first_turn.output_items}), (
+        "the turn should have run its tool, so it had a second step"
+    )
     assert first - second == turn.input_tokens + 48

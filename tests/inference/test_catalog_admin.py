@@ -1,11 +1,15 @@
-"""The catalog in the admin: an upstream's key is written but never shown."""
+"""The catalog in the admin: an upstream's key is written but never shown; what the agent instances on an entry
+need of it stays."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
+from agents.models import AgentInstance
 from inference.models import CatalogEntry
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
@@ -95,3 +99,55 @@ def test_a_cpu_model_saved_with_a_wrong_number_elsewhere_still_opens_in_the_admi
     page = staff_client.get(f"/admin/inference/catalogentry/{catalog_model.pk}/change/")
 
     assert page.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("instance", "change", "message"),
+    [
+        ({}, {"runner": "gateway"}, "The agent instances acme.agent run on this model: they need a runner here."),
+        ({"tools": ["knowledge_search"]}, {"tools": ""}, "acme.agent run server tools on this model: they need tool"),
+        ({"reasons": True}, {"reasoning": ""}, "acme.agent reason on this model: they need reasoning."),
+    ],
+    ids=["gateway only", "no tool calls", "no reasoning"],
+)
+def test_a_catalog_model_cannot_be_changed_so_that_an_agent_instance_on_it_can_no_longer_be_served(
+    staff_client: Client, instance: dict[str, Any], change: dict[str, str], message: str
+) -> None:
+    entry = CatalogEntry.objects.create(public_id="acme/agent-model", reasoning=True)
+    AgentInstance.objects.create(instance_id="acme.agent", model=entry, **instance)
+    AgentInstance.objects.create(instance_id="acme.plain-agent", model=CatalogEntry.objects.create(public_id="x/y"))
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+    unchanged = form_data(entry, reasoning="on")
+
+    page = staff_client.post(url, {key: value for key, value in {**unchanged, **change}.items() if value})
+
+    assert page.status_code == 200 and message in page.content.decode()
+    entry.refresh_from_db()
+    assert (entry.runner, entry.tools, entry.reasoning) == ("llama_cpp", True, True)
+    assert staff_client.post(url, unchanged).status_code == 302
+
+
+def test_a_catalog_model_without_agent_instances_that_need_them_drops_tool_calls_and_reasoning(
+    staff_client: Client,
+) -> None:
+    entry = CatalogEntry.objects.create(public_id="acme/agent-model", reasoning=True)
+    AgentInstance.objects.create(instance_id="acme.agent", model=entry)
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+
+    response = staff_client.post(url, {key: value for key, value in form_data(entry).items() if key != "tools"})
+
+    assert response.status_code == 302
+    entry.refresh_from_db()
+    assert (entry.tools, entry.reasoning) == (False, False)
+
+
+@pytest.mark.parametrize("field", ["context_length", "max_output_tokens"])
+def test_a_catalog_model_with_room_for_no_token_is_not_saved(staff_client: Client, field: str) -> None:
+    entry = CatalogEntry.objects.create(public_id="acme/model")
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+
+    page = staff_client.post(url, form_data(entry, **{field: "0"}))
+
+    assert page.status_code == 200 and "Ensure this value is greater than or equal to 1." in page.content.decode()
+    entry.refresh_from_db()
+    assert (entry.context_length, entry.max_output_tokens) == (8192, 2048)

@@ -112,6 +112,28 @@ async def test_an_unset_max_tokens_charges_the_models_maximum(api: API, catalog_
     assert "can never fit" in refused.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("limits", "told"),
+    [
+        ({"requests_per_minute": 0}, "A limit of 0 admits no request: this one can never be admitted"),
+        ({"requests_in_flight": 0}, "A limit of 0 admits no request: this one can never be admitted"),
+        ({"tokens_per_minute": 5}, "It can never fit: lower max_tokens or the input."),
+    ],
+    ids=["no requests per minute", "no requests in flight", "more tokens than a minute allows"],
+)
+async def test_a_request_no_wait_would_admit_says_so_and_asks_for_no_retry(
+    api: API, limits: dict[str, int], told: str
+) -> None:
+    await limit(**limits)
+
+    refused = await api.post(CHAT, ask(max_tokens=10))
+
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+    message = refused.json()["error"]["message"]
+    assert told in message and "Try again" not in message
+    assert "Retry-After" not in refused and refused["x-should-retry"] == "false"
+
+
 async def test_requests_in_flight_are_released_when_the_stream_ends(api: API) -> None:
     await limit(requests_in_flight=1)
     held = await api.post(CHAT, ask(stream=True, max_tokens=4))

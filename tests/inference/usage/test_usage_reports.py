@@ -315,6 +315,19 @@ def test_the_admin_report_says_what_is_wrong_with_its_filters(record: Record) ->
     assert download.status_code == 400
 
 
+def test_the_admin_report_refuses_the_last_day_of_the_calendar_as_a_bad_date(record: Record) -> None:
+    client = staff_client()
+    last_day = {"start": "9999-12-31", "end": "9999-12-31"}
+
+    page = client.get("/admin/usage/report/", last_day)
+    download = client.get("/admin/usage/report/", {**last_day, "format": "csv"})
+    first_days = client.get("/admin/usage/report/", {"start": "0001-01-01", "end": "0001-01-02"})
+
+    assert page.status_code == 200 and b"Choose a day before 9999-12-31" in page.content
+    assert download.status_code == 400 and "Choose a day before" in download.content.decode()
+    assert first_days.status_code == 200 and b'id="chart-requests"' in first_days.content
+
+
 # --- GET /v1/infer/usage --------------------------------------------------------------------------
 
 
