@@ -268,6 +268,7 @@ SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32)
 SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000)
 SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256)
 GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024)
+SCHEMA_MAX_ALTERNATIVES = _int("SCHEMA_MAX_ALTERNATIVES", 1024)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups
@@ -353,6 +354,18 @@ GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024
 # Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
 # past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
 HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
+# Longest `serve` waits for a request's headers and body from its first byte (past it: 408, and the connection
+# closes), and for a kept-alive connection's next request to begin (past it the connection closes).
+HTTP_REQUEST_READ_TIMEOUT_SECONDS = _int("HTTP_REQUEST_READ_TIMEOUT_SECONDS", 30)
+if HTTP_REQUEST_READ_TIMEOUT_SECONDS < 1:
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E040",
+            f"HTTP_REQUEST_READ_TIMEOUT_SECONDS={HTTP_REQUEST_READ_TIMEOUT_SECONDS} is below 1.",
+            "Use 1 or more: without a deadline, clients that send their requests slowly hold connections forever.",
+        )
+    )
+    HTTP_REQUEST_READ_TIMEOUT_SECONDS = 30
 
 LOGGING = {
     "version": 1,

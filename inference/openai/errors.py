@@ -185,7 +185,10 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "model_not_available": "the model is not available on this node",
     "context_length_exceeded": "the prompt and its answer do not fit the model's context",
     "invalid_constraint": "the output's constraint could not be enforced",
+    "constraint_too_costly": "the output's constraint took too long to enforce for one token; simplify its schema",
 }
+# Failures the request's own content caused once it ran: a 400, not a server fault.
+REQUEST_FAULT_CODES = ("constraint_too_costly",)
 
 
 def generation_failed(code: str, *, request_id: str) -> APIError:
@@ -196,6 +199,8 @@ def generation_failed(code: str, *, request_id: str) -> APIError:
     if code in UNAVAILABLE_CODES:
         headers = {"Retry-After": str(settings.OUTAGE_RETRY_AFTER_SECONDS)}
         return APIError(message, code=code, status=503, type=SERVER, headers=headers)
+    if code in REQUEST_FAULT_CODES:
+        return APIError(message, code=code, status=400, type=INVALID_REQUEST)
     return APIError(message, code=code, status=500, type=SERVER)
 
 

@@ -66,6 +66,12 @@ logger = logging.getLogger(__name__)
 
 # Tokens kept at the end of a budget to close a value that must be whole JSON (``Constraint.close_before_limit``).
 CLOSING_RESERVE = 32
+# Sampling under a grammar checks these many likeliest tokens first, then the rest of the vocabulary in slices of
+# GRAMMAR_SLICE, until a slice holds a token the grammar allows (``_Sampler._draw_allowed``).
+LIKELIEST = 512
+GRAMMAR_SLICE = 2048
+# A grammar that takes longer than this to check for one token ends its job: every sequence waits for it.
+GRAMMAR_CHECK_MAX_SECONDS = 1.0
 # How many prompt tokens one step reads at most, besides the generating sequences' tokens: a longer
 # prompt is read over several steps, so that the others' streams never stall for long.
 PREFILL_CHUNK = 256
@@ -195,6 +201,7 @@ class SchemaLimits:
     repetition: int = 1000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
     properties: int = 256  # properties of one object; four times as many in the whole schema
     grammar_bytes: int = 1 << 20
+    alternatives: int = 1024  # alternatives in the whole grammar
 
     @classmethod
     def from_settings(cls) -> SchemaLimits:
@@ -205,6 +212,7 @@ class SchemaLimits:
             repetition=django_settings.SCHEMA_MAX_REPETITION,
             properties=django_settings.SCHEMA_MAX_PROPERTIES,
             grammar_bytes=django_settings.GRAMMAR_MAX_BYTES,
+            alternatives=django_settings.SCHEMA_MAX_ALTERNATIVES,
         )
 
 
@@ -246,6 +254,13 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
     # A repetition writes one group per count, and a few more wrap it where it sits.
     if (nested := _group_depth(grammar)) > limits.repetition + limits.depth:
         raise SchemaTooLarge(f"its grammar nests {nested} groups, more than the {limits.repetition} allowed")
+    # Checking a token against the grammar costs as much as it has alternatives alive, at every step of every
+    # sequence of the context: an enum of 50,000 values held every stream for seconds a token.
+    if (alternatives := grammar.count("|")) > limits.alternatives:
+        raise SchemaTooLarge(
+            f"its grammar holds {alternatives} alternatives (enum values, anyOf branches, optional properties, "
+            f"a pattern's |), more than the {limits.alternatives} allowed"
+        )
     return grammar
 
 
@@ -586,14 +601,48 @@ class _Sampler:
         self._chain.close()
 
     def _draw(self, logits: np.ndarray, *, masked: bool) -> int:
-        if self._greedy and not masked and not self._penalized:
+        if masked:
+            return self._draw_allowed(logits)
+        if self._greedy and not self._penalized:
             return int(np.argmax(logits))
         candidates = self._candidates
         candidates.copy_logits(logits)
-        if masked:
-            self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
         self._lib.llama_sampler_apply(self._chain.sampler, ctypes.byref(candidates.candidates))
         return int(candidates.candidates_data.id[candidates.candidates.selected])
+
+    def _draw_allowed(self, logits: np.ndarray) -> int:
+        """A token drawn among those the grammar allows, checked in slices of the vocabulary from the highest logit
+        down: the first slice that holds any is drawn from. Checking a token costs as much as the grammar has live
+        alternatives, so a few hundred tokens cost a small part of the whole vocabulary. Greedy decoding draws what it
+        would from the whole vocabulary; sampling leaves out only the tail of the distribution, which holds next to
+        nothing. A grammar too costly to check ends the job (``GRAMMAR_CHECK_MAX_SECONDS``): every sequence of the
+        context waits for it at each step."""
+        started = time.monotonic()
+        for ids in _by_logit(logits):
+            if self._allow_among(ids, logits):
+                self._lib.llama_sampler_apply(self._chain.sampler, ctypes.byref(self._candidates.candidates))
+                return int(self._candidates.candidates_data.id[self._candidates.candidates.selected])
+            if (spent := time.monotonic() - started) > GRAMMAR_CHECK_MAX_SECONDS:
+                raise RunnerError(
+                    f"the output constraint is too costly to enforce: {spent * 1000:.0f} ms went on checking the "
+                    f"vocabulary against it for one token (at most {GRAMMAR_CHECK_MAX_SECONDS * 1000:.0f}); "
+                    "simplify its schema",
+                    code="constraint_too_costly",
+                )
+        raise RunnerError("the output constraint allows no token here", code="invalid_constraint")
+
+    def _allow_among(self, ids: np.ndarray, logits: np.ndarray) -> bool:
+        """Puts the tokens ``ids`` in the candidates, the grammar's mask applied; whether it allows any of them."""
+        candidates = self._candidates
+        data, count = candidates.candidates_data, len(ids)
+        data.id[:count] = ids
+        data.logit[:count] = logits[ids]
+        data.p[:count] = 0
+        candidates.candidates.size = count
+        candidates.candidates.sorted = False
+        candidates.candidates.selected = -1
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
+        return bool(np.isfinite(data.logit[:count]).any())
 
     def _allowed(self, token: int) -> bool:
         self._single_data[0].id = token  # type: ignore[assignment]  # ctypes converts the int
@@ -702,6 +751,19 @@ class ClosingVocabulary:
                 closers.append((token, bare))
         ends = np.array(sorted(vocabulary.ends), dtype=np.intc)
         return cls(ends=ends, closers=tuple(closers), lengths=lengths)
+
+
+def _by_logit(logits: np.ndarray) -> Iterator[np.ndarray]:
+    """The vocabulary in slices, from the highest logit down: the ``LIKELIEST`` tokens, then ``GRAMMAR_SLICE`` at a
+    time (sorted only when the first slice is not enough)."""
+    likeliest = np.argpartition(-logits, LIKELIEST - 1)[:LIKELIEST]
+    yield likeliest
+    rest = np.ones(len(logits), dtype=bool)
+    rest[likeliest] = False
+    ids = np.flatnonzero(rest)
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    for start in range(0, len(ids), GRAMMAR_SLICE):
+        yield ids[start : start + GRAMMAR_SLICE]
 
 
 def piece(model: Any, token: int, *, special: bool = False) -> bytes:
@@ -1182,6 +1244,10 @@ class LlamaCppRunner:
             logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, index), shape=(n_vocab,))
             try:
                 finished = sequence.advance(logits, now)
+            except RunnerError as exc:
+                sequence.fail(exc)
+                self._release(sequence, None)
+                continue
             except Exception as exc:  # noqa: BLE001  (one sequence's fault must not stop the others)
                 sequence.fail(RunnerError(f"generation failed: {type(exc).__name__}: {exc}"))
                 finished = True

@@ -303,6 +303,46 @@ def test_a_forced_call_is_closed_in_a_few_tokens_from_wherever_its_budget_ran_lo
     assert steps <= 12, text
 
 
+# --- what checking the vocabulary against a grammar costs -------------------------------------------------------
+
+
+def sampler_for(vocabulary: llama_cpp.Vocabulary, schema: dict[str, Any]) -> llama_cpp._Sampler:
+    grammar = grammar_for(Constraint("json_schema", schema)).encode()
+    compiled = lib.llama_sampler_init_grammar(vocabulary.model.vocab, grammar, b"root")
+    return llama_cpp._Sampler(vocabulary.model, llama_cpp.Sampling(max_tokens=8, temperature=0.7, seed=1), compiled)
+
+
+def quotes_least_likely(vocabulary: llama_cpp.Vocabulary) -> np.ndarray:
+    """Logits that put every token a JSON string can open with (a quote) below all the others."""
+    return np.array([-10.0 if p.lstrip().startswith(b'"') else 1.0 for p in vocabulary.pieces], dtype=np.float32)
+
+
+def test_sampling_under_a_grammar_finds_an_allowed_token_far_down_the_vocabulary(
+    vocabulary: llama_cpp.Vocabulary,
+) -> None:
+    sampler = sampler_for(vocabulary, {"type": "string", "enum": ["Eugene", "Salem"]})
+    try:
+        token = sampler.next(quotes_least_likely(vocabulary))
+    finally:
+        sampler.close()
+
+    assert vocabulary.pieces[token].lstrip().startswith(b'"')
+
+
+def test_a_grammar_too_costly_to_check_ends_its_job_instead_of_holding_every_stream(
+    vocabulary: llama_cpp.Vocabulary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(llama_cpp, "GRAMMAR_CHECK_MAX_SECONDS", 0.0)
+    sampler = sampler_for(vocabulary, {"type": "string", "enum": ["Eugene", "Salem"]})
+    try:
+        with pytest.raises(llama_cpp.RunnerError, match="too costly to enforce") as raised:
+            sampler.next(quotes_least_likely(vocabulary))
+    finally:
+        sampler.close()
+
+    assert raised.value.code == "constraint_too_costly"
+
+
 # --- bounds: what the converter writes out in full, and llama.cpp's parser recurses through -----------------
 
 
@@ -328,8 +368,21 @@ def nested(levels: int) -> dict[str, Any]:
         (nested(20), "nested deeper than 32 levels"),
         ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}, "300 properties"),
         ({"enum": ["x" * 1000] * 2000}, "more than the 1048576 allowed"),
+        ({"enum": [f"v{i}" for i in range(2000)]}, "holds 1999 alternatives"),
+        ({"type": "string", "pattern": "^(" + "|".join(f"abc{i}" for i in range(5000)) + ")$"}, "4999 alternatives"),
     ],
-    ids=["maxLength", "minItems", "maxItems-float", "pattern-count", "pattern-groups", "depth", "properties", "size"],
+    ids=[
+        "maxLength",
+        "minItems",
+        "maxItems-float",
+        "pattern-count",
+        "pattern-groups",
+        "depth",
+        "properties",
+        "size",
+        "enum-values",
+        "pattern-alternatives",
+    ],
 )
 def test_a_schema_past_the_bounds_is_refused_with_what_is_too_large(schema: dict[str, Any], says: str) -> None:
     assert says in (schema_problem(schema) or "")
