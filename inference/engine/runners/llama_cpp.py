@@ -520,6 +520,17 @@ def _converter_class() -> type[Any]:
                 self._rules[name] = self.visit(self._refs[ref], name)
             return name
 
+        def visit(self, schema: Any, name: str) -> str:
+            """The library's rules, with an integer's bounds enforced, and a 400's reason for what the grammar cannot
+            enforce (the library leaves such keywords out, and output that breaks them would pass as valid)."""
+            if isinstance(schema, dict):
+                if problem := _unenforceable(schema):
+                    raise ValueError(problem)
+                if schema.get("type") == "integer" and _BOUNDS & schema.keys() and not _COMPOSED & schema.keys():
+                    rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+                    return str(self._add_rule(rule_name, f"{integer_range(*_integer_bounds(schema))} space"))
+            return str(super().visit(schema, name))
+
         def _format_literal(self, literal: str) -> str:
             """A GBNF literal. The library escapes quotes but not backslashes, so the escaped quote of a JSON string
             (a property called ``a"b``) ended the literal early and the grammar did not compile."""
@@ -527,6 +538,101 @@ def _converter_class() -> type[Any]:
             return f'"{escaped}"'
 
     return Converter
+
+
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_COMPOSED = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const"})
+# Keywords that constrain a value and that the grammar converter leaves out.
+_UNENFORCEABLE = (
+    "multipleOf",
+    "contains",
+    "minContains",
+    "maxContains",
+    "minProperties",
+    "maxProperties",
+    "propertyNames",
+    "patternProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "if",
+)
+# Integer bounds enforced digit by digit; past this many digits a bound is refused (no model writes such a number).
+_MOST_DIGITS = 18
+
+
+def _unenforceable(schema: dict[str, Any]) -> str | None:
+    for keyword in _UNENFORCEABLE:
+        if keyword in schema:
+            return f"its {keyword!r} cannot be enforced by this model's grammar"
+    if schema.get("uniqueItems") is True:
+        return "its 'uniqueItems' cannot be enforced by this model's grammar"
+    if _BOUNDS & schema.keys() and schema.get("type") != "integer":
+        bound = sorted(_BOUNDS & schema.keys())[0]
+        return f"its {bound!r} can be enforced by this model's grammar on an integer only, not on a number"
+    return None
+
+
+def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """An integer schema's least and greatest values, inclusive (None: unbounded)."""
+    least = greatest = None
+    for keyword, value in schema.items():
+        if keyword not in _BOUNDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"its {keyword!r} must be a number")
+        if abs(value) >= 10**_MOST_DIGITS:
+            raise ValueError(f"its {keyword!r} of {value} is past what this model's grammar enforces")
+        if keyword in ("minimum", "exclusiveMinimum"):
+            bound = math.floor(value) + 1 if keyword == "exclusiveMinimum" else math.ceil(value)
+            least = bound if least is None else max(least, bound)
+        else:
+            bound = math.ceil(value) - 1 if keyword == "exclusiveMaximum" else math.floor(value)
+            greatest = bound if greatest is None else min(greatest, bound)
+    if least is not None and greatest is not None and least > greatest:
+        raise ValueError(f"its bounds allow no integer (from {least} to {greatest})")
+    return least, greatest
+
+
+def integer_range(least: int | None, greatest: int | None) -> str:
+    """A GBNF expression for the JSON integers from ``least`` to ``greatest`` (None: unbounded), written as JSON
+    writes them: no leading zero, no ``-0``."""
+    alternatives = []
+    if least is None or least < 0:  # the negatives: a minus, then their magnitudes
+        nearest = 1 if greatest is None or greatest >= 0 else -greatest
+        alternatives += [f'"-" {digits}' for digits in _magnitudes(nearest, None if least is None else -least)]
+    if greatest is None or greatest >= 0:
+        alternatives += _magnitudes(0 if least is None or least < 0 else least, greatest)
+    return "(" + " | ".join(alternatives) + ")"
+
+
+def _magnitudes(least: int, greatest: int | None) -> list[str]:
+    """Digit sequences for the whole numbers from ``least`` to ``greatest`` (None: unbounded), one or more per
+    length."""
+    out: list[str] = []
+    longest = len(str(greatest)) if greatest is not None else len(str(least))
+    for length in range(len(str(least)), longest + 1):
+        low = str(least) if length == len(str(least)) else "1" + "0" * (length - 1)
+        high = str(greatest) if greatest is not None and length == longest else "9" * length
+        out += _same_length(low, high)
+    if greatest is None:  # and every longer number
+        out.append(" ".join(["[1-9]", *["[0-9]"] * len(str(least)), "[0-9]*"]))
+    return out
+
+
+def _same_length(low: str, high: str) -> list[str]:
+    """Digit sequences for the numbers from ``low`` to ``high``, written with as many digits as each other."""
+    if low == high:
+        return [" ".join(f'"{d}"' for d in low)]
+    if len(low) == 1:
+        return [f"[{low}-{high}]"]
+    if low[0] == high[0]:
+        return [f'"{low[0]}" {rest}' for rest in _same_length(low[1:], high[1:])]
+    width = len(low) - 1
+    out = [f'"{low[0]}" {rest}' for rest in _same_length(low[1:], "9" * width)]
+    if int(high[0]) - int(low[0]) > 1:
+        out.append(" ".join([f"[{int(low[0]) + 1}-{int(high[0]) - 1}]", *["[0-9]"] * width]))
+    out += [f'"{high[0]}" {rest}' for rest in _same_length("0" * width, high[1:])]
+    return out
 
 
 # Any run of characters that needs no escape in a JSON string: what an unanchored side of a pattern allows.

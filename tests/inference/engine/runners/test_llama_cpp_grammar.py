@@ -160,6 +160,49 @@ def test_a_constant_string_with_a_backslash_is_written_as_json_escapes_it(vocab:
     assert accepts(vocab, schema, json.dumps("C:\\temp")) and accepts(vocab, schema, json.dumps('a"b'))
 
 
+# --- bounds on values: enforced where the grammar can, refused by name where it cannot --------------------------
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": -12, "maximum": 305},
+        {"minimum": 7},
+        {"maximum": -3},
+        {"exclusiveMinimum": 0, "exclusiveMaximum": 100},
+        {"minimum": 0.5, "maximum": 99.5},
+        {"minimum": 120, "maximum": 130},
+        {"minimum": 0, "maximum": 0},
+    ],
+    ids=["both", "least", "greatest-negative", "exclusive", "fractional", "narrow", "zero"],
+)
+def test_an_integers_bounds_are_enforced_digit_by_digit(vocab: Any, bounds: dict[str, float]) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+
+    for n in [*range(-150, 450), 999, 1000, 12345, -12345]:
+        assert accepts(vocab, schema, json.dumps({"n": n})) == valid({"n": n}), n
+    assert not accepts(vocab, schema, '{"n": -0}')
+    assert not accepts(vocab, schema, '{"n": 007}')
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "number", "minimum": 0}, "'minimum' can be enforced by this model's grammar on an integer only"),
+        ({"type": "integer", "multipleOf": 5}, "'multipleOf' cannot be enforced"),
+        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
+        ({"type": "array", "contains": {"const": 5}}, "'contains' cannot be enforced"),
+        ({"type": "object", "minProperties": 2}, "'minProperties' cannot be enforced"),
+        ({"type": "integer", "minimum": 1e30}, "past what this model's grammar enforces"),
+        ({"type": "integer", "minimum": 5, "maximum": 4}, "allow no integer"),
+    ],
+    ids=["number-bound", "multipleOf", "uniqueItems", "contains", "minProperties", "huge-bound", "empty-range"],
+)
+def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(schema: dict[str, Any], says: str) -> None:
+    assert says in (schema_problem({"type": "object", "properties": {"v": schema}}) or "")
+
+
 # --- tool calls: every enforced tool's parameters in one call schema ----------------------------------------
 
 ADDRESS = {
