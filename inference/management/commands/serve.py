@@ -5,11 +5,12 @@ from typing import Any
 
 import orjson
 from daphne import http_protocol
-from daphne.server import Server
+from daphne import server as daphne_server
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.web import http as twisted_http
 
+from inference.api.connection import APIHTTPFactory
 from inference.engine import dispatch
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
@@ -70,6 +71,8 @@ class Command(BaseCommand):
             if not no_warm_up:
                 dispatch.warm_up_embedded()
         http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
+        # Connections with a deadline for reading each request, and malformed ones refused in the API's error shape.
+        daphne_server.HTTPFactory = APIHTTPFactory  # type: ignore[misc]
         twisted_http._parseContentType = media_type  # type: ignore[assignment]  # same contract
         # Twisted's table lacks some statuses the API answers with (429): their status line would read
         # "Unknown Status".
@@ -79,7 +82,7 @@ class Command(BaseCommand):
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")
         interface = host.strip("[]")
         endpoint = f"tcp:port={port}:interface={interface.replace(':', chr(92) + ':')}"
-        Server(
+        daphne_server.Server(
             application=application,
             endpoints=[endpoint],
             signal_handlers=True,

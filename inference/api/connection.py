@@ -1,0 +1,148 @@
+"""One HTTP/1.1 connection as ``manage.py serve`` holds it: Twisted's ``HTTPChannel`` with a deadline for
+reading each request, and the API's error shape for the requests it refuses before any application code runs.
+
+Twisted's own timeout is an idle timeout, restarted by every byte received: a client that sends one header line
+every few seconds never meets it, and enough such clients hold every file descriptor of the process. And what
+Twisted cannot parse it answers with a bare ``400`` (or, for a line past its length limit, with nothing at all).
+"""
+
+from __future__ import annotations
+
+import time
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from daphne.http_protocol import HTTPFactory
+from django.conf import settings
+from twisted.internet.interfaces import ITCPTransport
+from twisted.web.http import HTTPChannel
+
+from inference.openai.errors import APIError
+
+from .middleware import new_request_id
+
+
+def request_timeout(seconds: float) -> APIError:
+    return APIError(
+        f"The request was not received in full within {seconds:g} s of its first byte.",
+        code="request_timeout",
+        status=HTTPStatus.REQUEST_TIMEOUT,
+    )
+
+
+def headers_too_large(channel: HTTPChannel) -> APIError:
+    return APIError(
+        f"The request's headers are too large: at most {channel.maxHeaders} headers, "
+        f"{channel.MAX_LENGTH} bytes a line and {channel.totalHeadersSize} bytes in all.",
+        code="headers_too_large",
+        status=HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+    )
+
+
+def uri_too_long(channel: HTTPChannel) -> APIError:
+    return APIError(
+        f"The request line is longer than {channel.MAX_LENGTH} bytes.",
+        code="uri_too_long",
+        status=HTTPStatus.REQUEST_URI_TOO_LONG,
+    )
+
+
+def malformed_head() -> APIError:
+    return APIError(
+        "The request is not valid HTTP/1.1: a malformed request line or header, a Content-Length that is not a "
+        "number, or a body framed twice (two Content-Lengths, or Content-Length with Transfer-Encoding).",
+        code="malformed_request",
+    )
+
+
+def malformed_chunked_body() -> APIError:
+    return APIError("The request's chunked body is malformed.", code="malformed_request")
+
+
+class APIChannel(HTTPChannel):
+    """An HTTP/1.1 connection whose ``timeOut`` is a deadline for receiving each request, headers and body.
+
+    A request's deadline starts with its first bytes and ends when its body is in: the response, however long it
+    streams, is not held to it (Twisted stops the timeout while a request is handled), and a kept-alive connection's
+    next request has a deadline of its own. A connection that sends nothing of a next request within ``timeOut`` is
+    closed without a word (RFC 9112 9.5); one still sending its request at the deadline gets a 408."""
+
+    # How long a connection being closed may take to go (the client reading what it was sent, or finishing what it
+    # was sending, see ``_refuse``) before it is cut: Twisted's 15 s is long for a client that is trickling.
+    abortTimeout = 5  # noqa: N815 (Twisted's name)
+    _between_requests = True  # nothing of the next request has arrived yet
+    _request_started = 0.0
+
+    def resetTimeout(self) -> None:  # noqa: N802 (Twisted's name)
+        # Twisted calls this for every chunk received, which makes ``timeOut`` an idle timeout; here only the first
+        # bytes of a request restart it.
+        if self._between_requests:
+            self._between_requests = False
+            self._request_started = time.perf_counter()
+            super().resetTimeout()
+
+    def requestDone(self, request: Any) -> None:  # noqa: N802 (Twisted's name)
+        self._between_requests = True
+        super().requestDone(request)
+
+    def timeoutConnection(self) -> None:  # noqa: N802 (Twisted's name)
+        if self._between_requests:
+            super().timeoutConnection()
+        else:
+            self._refuse(request_timeout(self.timeOut or 0))
+
+    def lineLengthExceeded(self, line: bytes) -> None:  # noqa: N802 (Twisted's name)
+        # Until a request's first line is in, it has no ``Request`` (and only it would be in ``requests`` now: the
+        # previous one is done, or Twisted would not be parsing lines).
+        self._refuse(headers_too_large(self) if self.requests else uri_too_long(self))
+
+    def _respondToBadRequestAndDisconnect(self) -> None:  # noqa: N802 (Twisted's name)
+        # Twisted's one way out (private in name, not in role) for whatever it cannot parse: the request line, a
+        # header, the body's framing, a chunk.
+        if self._receivedHeaderSize > self.totalHeadersSize or self._receivedHeaderCount > self.maxHeaders:
+            self._refuse(headers_too_large(self))
+        elif self.line_mode:
+            self._refuse(malformed_head())
+        else:
+            self._refuse(malformed_chunked_body())
+
+    def _refuse(self, error: APIError) -> None:
+        """Answer ``error`` and close, reading no more of the request.
+
+        The connection is closed for writing only, and what the client still sends is read and dropped until it
+        closes its side (at most ``abortTimeout`` seconds): closing outright with its bytes unread would reset the
+        connection, and a client still sending (a 1 MB header) would see the reset instead of the answer."""
+        self.setTimeout(None)
+        self.dataReceived = self.lineReceived = self.rawDataReceived = _drop  # type: ignore[method-assign]
+        body = orjson.dumps(error.body())
+        took = (time.perf_counter() - self._request_started) * 1000
+        head = (
+            f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+            f"X-Request-Id: {new_request_id()}\r\nServer-Timing: total;dur={took:.3f}\r\n\r\n"
+        )
+        transport: Any = self.transport  # a zope interface, whose methods mypy cannot call
+        transport.write(head.encode() + body)
+        self._networkProducer.unregisterProducer()
+        if ITCPTransport.providedBy(transport):
+            transport.loseWriteConnection()
+            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+        else:
+            transport.loseConnection()
+
+
+def _drop(data: bytes) -> None:
+    pass
+
+
+class APIHTTPFactory(HTTPFactory):
+    """Daphne's HTTP factory, its connections ``APIChannel``s with ``HTTP_REQUEST_READ_TIMEOUT_SECONDS`` to send
+    each request in. Twisted's factory wraps each connection in a proxy that can switch it to HTTP/2 once TLS has
+    negotiated it; ``serve`` listens on plain TCP, where that never happens."""
+
+    protocol = APIChannel
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(server)
+        self.timeOut = settings.HTTP_REQUEST_READ_TIMEOUT_SECONDS

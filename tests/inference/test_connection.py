@@ -1,0 +1,234 @@
+"""How `manage.py serve` holds a connection: a deadline for reading each request, and malformed requests refused in
+the API's error shape, over raw sockets against a served process (these happen below Django, in Twisted)."""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from http.client import HTTPResponse
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+
+DEADLINE = 2  # HTTP_REQUEST_READ_TIMEOUT_SECONDS of the served process
+LATE = 1.5  # what the deadline may be missed by on a busy machine
+CHAT = "/v1/infer/chat/completions"
+QUESTION = {"model": "upstream/gpt-x", "route": "gateway", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@dataclass
+class Served:
+    server: LiveServer
+
+    def connect(self) -> socket.socket:
+        port = int(self.server.url.rsplit(":", 1)[1])
+        return socket.create_connection(("127.0.0.1", port), timeout=DEADLINE + 5)
+
+    def head(self, method: str, path: str, *, body: bytes = b"", extra: str = "") -> bytes:
+        return (
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.server.key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+        ).encode()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # The gateway's fake upstream answers at once, or paces a stream as long as asked: no model time in these tests.
+    port = free_port()
+    upstream = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_upstream", "--port", str(port)], cwd=ROOT)
+    wait_for_http(f"http://127.0.0.1:{port}/last", process=upstream)
+    server = start_server(
+        tmp_path_factory.mktemp("connections"),
+        extra_env={
+            "HTTP_REQUEST_READ_TIMEOUT_SECONDS": str(DEADLINE),
+            "GATEWAY_BASE_URL": f"http://127.0.0.1:{port}/v1",
+            "GATEWAY_API_KEY": "upstream-key",
+        },
+        org="conn",
+    )
+    server.manage("add_gateway_model", "upstream/gpt-x")
+    server.manage("add_gateway_model", "trickle")
+    yield Served(server)
+    stop_server(server)
+    upstream.terminate()
+
+
+def answer(sock: socket.socket) -> HTTPResponse:
+    response = HTTPResponse(sock)
+    response.begin()
+    return response
+
+
+def trickle(sock: socket.socket, pieces: Iterable[bytes], *, every: float) -> float:
+    """Send ``pieces`` ``every`` seconds apart until the server answers; how long after the first it did."""
+    started = time.monotonic()
+    for piece in pieces:
+        sock.sendall(piece)
+        if select.select([sock], [], [], every)[0] or time.monotonic() - started > DEADLINE + LATE:
+            break
+    return time.monotonic() - started
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the server closes the connection within the deadline, without sending anything more."""
+    sock.settimeout(DEADLINE + LATE)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def assert_refused(response: HTTPResponse, status: int, code: str) -> dict[str, Any]:
+    assert response.status == status
+    assert response.getheader("Content-Type") == "application/json"
+    assert response.getheader("Connection") == "close"
+    assert re.fullmatch(r"req_[0-9a-z]{26}", response.getheader("x-request-id") or "")
+    assert (response.getheader("Server-Timing") or "").startswith("total;dur=")
+    body = json.loads(response.read())
+    assert set(body) == {"error"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == code
+    assert body["error"]["param"] is None and body["error"]["message"]
+    return body["error"]
+
+
+# The deadline for reading a request
+
+
+def test_a_client_trickling_its_headers_gets_a_408_at_the_deadline_and_is_closed(served: Served) -> None:
+    with served.connect() as sock:
+        sock.sendall(b"POST /v1/infer/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        took = trickle(sock, (b"X-Pad-%d: y\r\n" % n for n in range(100)), every=0.3)
+        assert DEADLINE - 0.3 < took < DEADLINE + LATE
+        error = assert_refused(answer(sock), 408, "request_timeout")
+        assert f"{DEADLINE} s" in error["message"]
+        assert closed(sock)
+
+
+def test_a_client_trickling_its_body_gets_a_408_at_the_deadline(served: Served) -> None:
+    body = json.dumps(QUESTION).encode()
+    with served.connect() as sock:
+        sock.sendall(served.head("POST", CHAT, body=body))
+        took = trickle(sock, (body[n : n + 1] for n in range(len(body))), every=0.3)
+        assert DEADLINE - 0.3 < took < DEADLINE + LATE
+        assert_refused(answer(sock), 408, "request_timeout")
+        assert closed(sock)
+
+
+def test_a_slow_but_steady_request_within_the_deadline_is_answered(served: Served) -> None:
+    body = json.dumps(QUESTION).encode()
+    request = served.head("POST", CHAT, body=body) + body
+    with served.connect() as sock:
+        trickle(sock, (request[n : n + 40] for n in range(0, len(request), 40)), every=(DEADLINE * 0.6) / 10)
+        response = answer(sock)
+        assert response.status == 200, response.read()
+        assert json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+def test_a_large_body_sent_at_a_steady_rate_within_the_deadline_is_read_whole(served: Served) -> None:
+    question = {**QUESTION, "messages": [{"role": "user", "content": "word " * 1_200_000}]}
+    body = json.dumps(question).encode()  # 6 MB
+    with served.connect() as sock:
+        sock.sendall(served.head("POST", CHAT, body=body))
+        trickle(sock, (body[n : n + 1_000_000] for n in range(0, len(body), 1_000_000)), every=DEADLINE * 0.6 / 6)
+        response = answer(sock)
+        assert response.status == 200, response.read()
+
+
+def test_an_idle_kept_alive_connection_is_closed_quietly_after_the_deadline(served: Served) -> None:
+    with served.connect() as sock:
+        sock.sendall(served.head("GET", "/v1/infer/models"))
+        assert answer(sock).read()
+        idle = time.monotonic()
+        assert closed(sock)
+        assert DEADLINE - 0.3 < time.monotonic() - idle < DEADLINE + LATE
+
+
+def test_the_next_request_on_a_kept_alive_connection_gets_a_deadline_of_its_own(served: Served) -> None:
+    request = served.head("GET", "/v1/infer/models")
+    with served.connect() as sock:
+        sock.sendall(request)
+        assert answer(sock).status == 200
+        time.sleep(DEADLINE * 0.6)
+        # Idle and slow together take longer than the deadline; the request alone does not.
+        trickle(sock, (request[n : n + 20] for n in range(0, len(request), 20)), every=DEADLINE * 0.6 / 8)
+        assert answer(sock).status == 200
+
+
+def test_a_stream_that_runs_past_the_deadline_is_not_cut(served: Served) -> None:
+    question = {**QUESTION, "model": "trickle", "stream": True, "metadata": {"chunks": "8", "interval": "0.5"}}
+    started = time.monotonic()
+    with httpx.stream(
+        "POST",
+        served.server.url + CHAT,
+        json=question,
+        headers={"Authorization": f"Bearer {served.server.key}"},
+        timeout=DEADLINE + 10,
+    ) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - started > DEADLINE + 1
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"])
+    assert text == "The Willamette River flows north through Oregon."
+
+
+# Malformed requests, refused before any application code
+
+
+def many_headers(count: int, *, size: int) -> str:
+    return "".join(f"X-Pad-{n}: {'a' * size}\r\n" for n in range(count))
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "status", "code"),
+    [
+        pytest.param(CHAT, "X-Big: " + "a" * 60_000 + "\r\n", 431, "headers_too_large", id="a 60 KB header"),
+        pytest.param(CHAT, "X-Big: " + "a" * 1_000_000 + "\r\n", 431, "headers_too_large", id="a 1 MB header"),
+        # Still being sent when refused: the refusal must not reset the connection under the client's feet.
+        pytest.param(CHAT, "X-Big: " + "a" * 16_000_000 + "\r\n", 431, "headers_too_large", id="a 16 MB header"),
+        pytest.param(CHAT, many_headers(20, size=1000), 431, "headers_too_large", id="20 KB of headers in all"),
+        pytest.param(CHAT, "X: y\r\n" * 5000, 431, "headers_too_large", id="5000 headers"),
+        pytest.param(CHAT + "?q=" + "a" * 20_000, "", 414, "uri_too_long", id="a 20 KB URL"),
+        pytest.param(CHAT, "Content-Length: 5\r\n", 400, "malformed_request", id="two Content-Lengths"),
+        pytest.param(CHAT, "Transfer-Encoding: chunked\r\n", 400, "malformed_request", id="Transfer-Encoding too"),
+        pytest.param(CHAT, "Content-Length: -1\r\n", 400, "malformed_request", id="a negative length"),
+        pytest.param(CHAT, "Bad Name: y\r\n", 400, "malformed_request", id="a space in a header name"),
+    ],
+)
+def test_a_malformed_request_head_gets_an_error_in_the_apis_shape(
+    served: Served, path: str, extra: str, status: int, code: str
+) -> None:
+    body = json.dumps(QUESTION).encode()
+    with served.connect() as sock:
+        sock.sendall(served.head("POST", path, body=body, extra=extra) + body)
+        assert_refused(answer(sock), status, code)
+        assert closed(sock)
+
+
+def test_a_malformed_chunked_body_gets_an_error_in_the_apis_shape(served: Served) -> None:
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    with served.connect() as sock:
+        sock.sendall(head + b"zz\r\n{}\r\n0\r\n\r\n")
+        error = assert_refused(answer(sock), 400, "malformed_request")
+        assert "chunked" in error["message"]
+        assert closed(sock)
+
+
+def test_the_server_answers_after_refusing(served: Served) -> None:
+    with served.connect() as sock:
+        sock.sendall(served.head("GET", "/v1/infer/models"))
+        assert answer(sock).status == 200
