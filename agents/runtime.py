@@ -79,8 +79,10 @@ class Agent:
 
 
 def output_limit(params: AgentResponseRequest, agent: Agent) -> int:
-    """The response's output tokens, all steps together: the request's, else the instance's, else the model's."""
-    return params.max_output_tokens or agent.max_output_tokens or agent.entry.max_output_tokens
+    """The response's output tokens, all steps together: the request's (within the model's, or refused before), else
+    the instance's within the model's, else the model's."""
+    most = agent.entry.max_output_tokens
+    return params.max_output_tokens or min(agent.max_output_tokens or most, most)
 
 
 def temperature(params: AgentResponseRequest, agent: Agent) -> float | None:

@@ -21,7 +21,15 @@ from inference.openai import responses as wire
 from inference.openai.errors import NOT_FOUND, APIError, invalid_request, model_missing
 from inference.openai.shared import declared_fields
 from inference.serving import responses
-from inference.serving.caller import Caller, Result, admit_request, least_charge, meter_for, precheck_request
+from inference.serving.caller import (
+    Caller,
+    Result,
+    admit_request,
+    check_output_limit,
+    least_charge,
+    meter_for,
+    precheck_request,
+)
 from inference.serving.metered import metered
 
 from . import runtime
@@ -269,6 +277,7 @@ def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
             param="tool_choice",
             code="invalid_value",
         )
+    check_output_limit(agent.entry, params.max_output_tokens)
     # The agent's capabilities are its model's, with reasoning only when the instance reasons too.
     entry = agent.entry
     capabilities.check(

@@ -751,6 +751,21 @@ async def test_a_request_that_does_not_stream_is_refused_with_400(tenant: Tenant
         }
 
 
+async def test_an_output_limit_past_the_models_is_refused_and_an_instances_own_is_held_to_it(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    most = (await CatalogEntry.objects.aget(pk=plain_agent.model_id)).max_output_tokens
+    body = {"model": plain_agent.instance_id, "input": "Hi", "stream": True}
+
+    refused = await tenant.post("/v1/responses", {**body, "max_output_tokens": most + 1})
+
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("max_output_tokens", "invalid_value")
+    await AgentInstance.objects.filter(pk=plain_agent.pk).aupdate(max_output_tokens=most + 500)
+    answered = await tenant.stream(model=plain_agent.instance_id, input="Hi")
+    assert answered[1]["max_output_tokens"] == most
+
+
 async def test_a_client_tool_the_model_cannot_be_held_to_is_refused_by_its_place_in_the_request(
     tenant: Tenant, make_instance: Callable[..., AgentInstance]
 ) -> None:
