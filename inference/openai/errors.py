@@ -241,13 +241,6 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             param=names.output_limit,
             code="invalid_value",
         )
-    if isinstance(exc, OutputLimitTooLarge):
-        return invalid_request(
-            f"{names.output_limit} is too large: {exc.asked}. This model supports at most {exc.most} completion "
-            f"tokens, whereas you provided {exc.asked}.",
-            param=names.output_limit,
-            code="invalid_value",
-        )
     if isinstance(exc, TooManyTopLogprobs):
         return invalid_request(
             f"The model {exc.model_id!r} returns at most {exc.most} top_logprobs.",
