@@ -11,6 +11,13 @@ lost on the way ends the stream with an error instead of leaving a hole in its t
 alive with heartbeats, so a worker that dies is noticed within ``WORKER_SILENCE_TIMEOUT_SECONDS``; and it stops the
 job as soon as nobody listens on the reply channel any more: the client hung up (this process closed the channel),
 or this process is gone.
+
+A Redis restart closes every connection to it, and one pooled on an event loop that is not running (a worker
+thread's, between jobs) or not reading (this process's subscriber, with no reply channel open) is found closed only
+by the next command sent on it. Both sides are made to carry on by themselves once Redis is back: a send or a
+subscribe that fails on such a connection is made again at once on a new one (``_on_a_live_connection``), and a
+worker waits a moment for the listener of a new job (``LISTENER_WAIT_SECONDS``), since a subscription sent on a
+closed connection takes effect only once the Channels layer's receive loop reconnects and subscribes again.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
+import redis.exceptions
 from celery import current_app
 from channels.layers import get_channel_layer
 from django.conf import settings
@@ -40,7 +48,27 @@ GENERATE_TASK = "inference.generate"
 HEARTBEAT_SECONDS = 1.0
 OUTAGE_CHECK_SECONDS = 1.0
 LISTENER_POLL_SECONDS = 0.2
+# How long a worker waits for a new job's reply channel to be listened on before it drops the job: long enough for an
+# API process's Channels layer to notice a connection a Redis restart closed and subscribe again (its receive loop
+# looks every 0.1 s), short enough that a job whose client left while it was queued holds a thread only briefly.
+LISTENER_WAIT_SECONDS = 1.0
+LISTENER_WAIT_POLL_SECONDS = 0.02
 MESSAGE_TYPE = "job.events"
+
+T = TypeVar("T")
+
+
+async def _on_a_live_connection(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, made once more at once when it failed on a pooled connection that Redis had closed.
+
+    redis-py drops a connection a command failed on, so the second try goes out on a new one; with Redis really away,
+    that one is refused at once too, and its error is the caller's. Only a connection error is tried again: a
+    timeout says Redis is there but not answering, and waiting for it twice helps nobody.
+    """
+    try:
+        return await call()
+    except redis.exceptions.ConnectionError:
+        return await call()
 
 
 class Job(Protocol):
@@ -76,7 +104,7 @@ class ChannelJob:
     async def events(self) -> AsyncIterator[list[JobEvent]]:
         try:
             # Subscribed before the job is sent, so the worker's first message has a listener.
-            self._reply = reply = await self._layer.new_channel(prefix="job.")
+            self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
             await asyncio.to_thread(
                 current_app.send_task,
                 GENERATE_TASK,
@@ -121,10 +149,10 @@ class ChannelJob:
                 return
             if message is None:  # this side closed the channel: the job was cancelled
                 return
-            if message.get("seq") != expected:
-                logger.warning(
-                    "job %s: message %s arrived where %d was due", self._job.job_id, message.get("seq"), expected
-                )
+            if isinstance(seq := message.get("seq"), int) and seq < expected:
+                continue  # sent again after a connection error, though the first one had arrived after all
+            if seq != expected:
+                logger.warning("job %s: message %s arrived where %d was due", self._job.job_id, seq, expected)
                 yield [JobFailed("service_unavailable", "the model's events were lost on the way")]
                 return
             expected += 1
@@ -193,35 +221,52 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
     layer = get_channel_layer()
     client = async_client()
     cancelled = threading.Event()
+    # The runner's batches and the heartbeats leave one at a time, numbered as they leave, so that one tried again
+    # is not overtaken by the next.
+    sending = asyncio.Lock()
     sent = 0
     last_sent = time.monotonic()
 
+    async def listened() -> bool:
+        try:
+            [(_, listeners)] = await client.pubsub_numsub(reply)
+        except REDIS_ERRORS:
+            return False  # as in send: nobody can read the events any more
+        return bool(listeners)
+
     async def send(wire: list[list[Any]]) -> None:
         nonlocal sent, last_sent
-        message = {"type": MESSAGE_TYPE, "seq": sent, "events": wire}
-        sent += 1
-        last_sent = time.monotonic()
-        try:
-            await layer.send(reply, message)
-        except REDIS_ERRORS as exc:
-            # The events have nowhere to go, and the API side has ended the stream already (it watches Redis too).
-            if not cancelled.is_set():
-                logger.warning("job %s stopped: Redis is unavailable: %s: %s", job.job_id, type(exc).__name__, exc)
-            cancelled.set()
+        async with sending:
+            # A message that cannot be sent even on a new connection keeps its number: should a later one get
+            # through, the API side ends the stream there rather than show the text with a hole in it.
+            message = {"type": MESSAGE_TYPE, "seq": sent, "events": wire}
+            sent += 1
+            last_sent = time.monotonic()
+            try:
+                await _on_a_live_connection(lambda: layer.send(reply, message))
+            except REDIS_ERRORS as exc:
+                # The events have nowhere to go, and the API side has ended the stream already (it watches Redis too).
+                if not cancelled.is_set():
+                    logger.warning("job %s stopped: Redis is unavailable: %s: %s", job.job_id, type(exc).__name__, exc)
+                cancelled.set()
 
     async def watch() -> None:
-        while not cancelled.is_set():
-            try:
-                [(_, listeners)] = await client.pubsub_numsub(reply)
-            except REDIS_ERRORS:
-                listeners = 0  # as in send: nobody can read the events any more
-            if not listeners:
+        while True:
+            await asyncio.sleep(LISTENER_POLL_SECONDS)
+            if cancelled.is_set():
+                return
+            if not await listened():
                 logger.info("job %s stopped: nobody listens on its reply channel", job.job_id)
                 cancelled.set()
             elif time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
                 await send([])
-            await asyncio.sleep(LISTENER_POLL_SECONDS)
 
+    deadline = time.monotonic() + LISTENER_WAIT_SECONDS
+    while not await listened():
+        if time.monotonic() >= deadline:
+            logger.info("job %s stopped: nobody listens on its reply channel", job.job_id)
+            return
+        await asyncio.sleep(LISTENER_WAIT_POLL_SECONDS)
     await send([])  # started
     watcher = asyncio.create_task(watch())
     try:

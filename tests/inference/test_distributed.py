@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ from channels.layers import get_channel_layer
 from django.test import override_settings
 
 from inference.engine.dispatch import MESSAGE_TYPE, ChannelJob
-from inference.engine.execution import JobFailed
-from inference.engine.runners.base import GenerationJob, Sampling
+from inference.engine.execution import Accepted, JobFailed
+from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http, wait_until
+from tests.services import Redis
 
 pytestmark = pytest.mark.distributed
 
@@ -114,6 +116,7 @@ def start_worker(env: dict[str, str], log: Path) -> Worker:
 
 @dataclass
 class Cluster:
+    redis: Redis
     server: LiveServer
     worker: Worker
     env: dict[str, str]
@@ -127,16 +130,16 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     var_dir = tmp_path_factory.mktemp("distributed")
-    redis, url = start_redis(var_dir)
-    extra = {"REDIS_URL": url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "15"}
+    redis = Redis(var_dir).start()  # on a port it can be started again on
+    extra = {"REDIS_URL": redis.url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "15"}
     server = start_server(var_dir, extra_env=extra, org="dist")
     env = {**server.env}
     worker = start_worker(env, var_dir / "worker.log")
-    cluster = Cluster(server=server, worker=worker, env=env, var_dir=var_dir)
+    cluster = Cluster(redis=redis, server=server, worker=worker, env=env, var_dir=var_dir)
     yield cluster
     cluster.worker.stop()
     stop_server(server)
-    redis.terminate()
+    redis.stop()
 
 
 def post(cluster: Cluster, body: dict, **kwargs) -> httpx.Response:
@@ -271,7 +274,7 @@ def reply_channels(cluster: Cluster) -> list[str]:
 # An answer held to a long array: the model cannot end it early on its own.
 ENDLESS = {
     **QUESTION,
-    "max_tokens": 3000,
+    "max_tokens": 2048,  # the model's most
     "response_format": {
         "type": "json_schema",
         "json_schema": {"name": "numbers", "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}},
@@ -359,6 +362,16 @@ async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: 
         assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
 
 
+async def test_a_message_that_arrives_twice_is_read_once(cluster: Cluster) -> None:
+    async with worker_played_by_the_test(cluster) as (events, publish):
+        # A worker sends a message again when sending it failed on a closed connection; the first may have arrived.
+        await publish(0, [["a"]])
+        await publish(1, [["t", "x", 1, []]])
+        await publish(1, [["t", "x", 1, []]])
+        await publish(2, [["f", "length", 3, 1, 0]])
+        assert [await anext(events) for _ in range(3)] == [[Accepted()], [TextChunk("x")], [Finished("length", 3, 1)]]
+
+
 async def test_the_first_batch_is_the_runners_answer_not_the_workers_start_or_heartbeat(cluster: Cluster) -> None:
     async with worker_played_by_the_test(cluster) as (events, publish):
         # Started, a heartbeat, then the runner's refusal: what decides between a 503 and a stream.
@@ -366,3 +379,32 @@ async def test_the_first_batch_is_the_runners_answer_not_the_workers_start_or_he
         await publish(1, [])
         await publish(2, [["e", "overloaded", "the queue is full"]])
         assert await anext(events) == [JobFailed("overloaded", "the queue is full")]
+
+
+def test_after_a_redis_restart_the_next_jobs_on_the_same_worker_all_succeed(cluster: Cluster) -> None:
+    # The worker's one thread keeps its event loop, and the Redis connections made on it, from job to job, and the
+    # API process keeps its subscriber to reply channels, idle between requests: the restart closes them all, which
+    # goes unnoticed until the next jobs use them.
+    short = {**QUESTION, "max_tokens": 4}
+    answer = post(cluster, short)
+    assert answer.status_code == 200, answer.text
+    assert wait_until(lambda: reply_channels(cluster) == [])
+    time.sleep(0.2)  # the API process has read that its last reply channel is closed: its subscriber idles
+    log = cluster.worker.log.read_text()
+    cluster.redis.stop()
+    time.sleep(0.5)
+    cluster.redis.start()
+    # The jobs go out once the worker takes jobs again, so that they meet the API process's idle subscriber first.
+    assert wait_until(
+        lambda: cluster.worker.log.read_text().count("Connected to redis") > log.count("Connected to redis")
+    )
+
+    with ThreadPoolExecutor(2) as clients:  # two requests at once: both subscribe on the closed connection
+        after = list(clients.map(lambda _: post(cluster, short), range(2)))
+    after += [post(cluster, short) for _ in range(2)]
+
+    assert [response.status_code for response in after] == [200] * 4, [response.text for response in after]
+    # Every event arrived, in order: the same answer as before the restart (temperature 0).
+    expected = answer.json()["choices"][0]["message"]
+    assert [response.json()["choices"][0]["message"] for response in after] == [expected] * 4
+    assert "Redis is unavailable" not in cluster.worker.log.read_text()[len(log) :]
