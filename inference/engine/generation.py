@@ -282,6 +282,7 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
         runner_settings=dict(entry.runner_settings),
         prompt=prompt.text,
         prompt_tokens=prompt.tokens,
+        literal=prompt.literal,
         sampling=Sampling(
             max_tokens=max_tokens,
             temperature=_or_default(request.temperature, entry, "temperature", 1.0),
