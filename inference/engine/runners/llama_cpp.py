@@ -526,9 +526,14 @@ def _converter_class() -> type[Any]:
             if isinstance(schema, dict):
                 if problem := _unenforceable(schema):
                     raise ValueError(problem)
-                if schema.get("type") == "integer" and _BOUNDS & schema.keys() and not _COMPOSED & schema.keys():
+                kind = schema.get("type")
+                if kind in ("integer", "number") and _BOUNDS & schema.keys() and not _COMPOSED & schema.keys():
                     rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-                    return str(self._add_rule(rule_name, f"{integer_range(*_integer_bounds(schema))} space"))
+                    if kind == "integer":
+                        rule = integer_range(*_integer_bounds(schema))
+                    else:
+                        rule = number_range(*_number_bounds(schema))
+                    return str(self._add_rule(rule_name, f"{rule} space"))
             return str(super().visit(schema, name))
 
         def _format_literal(self, literal: str) -> str:
@@ -566,9 +571,9 @@ def _unenforceable(schema: dict[str, Any]) -> str | None:
             return f"its {keyword!r} cannot be enforced by this model's grammar"
     if schema.get("uniqueItems") is True:
         return "its 'uniqueItems' cannot be enforced by this model's grammar"
-    if _BOUNDS & schema.keys() and schema.get("type") != "integer":
+    if _BOUNDS & schema.keys() and schema.get("type") not in ("integer", "number"):
         bound = sorted(_BOUNDS & schema.keys())[0]
-        return f"its {bound!r} can be enforced by this model's grammar on an integer only, not on a number"
+        return f"its {bound!r} can be enforced by this model's grammar where the type is one integer or number"
     return None
 
 
@@ -591,6 +596,78 @@ def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     if least is not None and greatest is not None and least > greatest:
         raise ValueError(f"its bounds allow no integer (from {least} to {greatest})")
     return least, greatest
+
+
+@dataclass(frozen=True)
+class _Bound:
+    value: int
+    inclusive: bool
+
+
+def _number_bounds(schema: dict[str, Any]) -> tuple[_Bound | None, _Bound | None]:
+    """A number schema's bounds, each a whole number (the grammar writes a fraction's digits freely only between
+    whole numbers)."""
+    low: _Bound | None = None
+    high: _Bound | None = None
+    for keyword, value in schema.items():
+        if keyword not in _BOUNDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"its {keyword!r} must be a number")
+        if value != int(value):
+            raise ValueError(
+                f"its {keyword!r} of {value} can be enforced by this model's grammar only as a whole number"
+            )
+        if abs(value) >= 10**_MOST_DIGITS:
+            raise ValueError(f"its {keyword!r} of {value} is past what this model's grammar enforces")
+        bound = _Bound(int(value), not keyword.startswith("exclusive"))
+        if keyword in ("minimum", "exclusiveMinimum"):
+            if low is None or (bound.value, not bound.inclusive) > (low.value, not low.inclusive):
+                low = bound
+        elif high is None or (bound.value, bound.inclusive) < (high.value, high.inclusive):
+            high = bound
+    if (
+        low
+        and high
+        and (low.value > high.value or (low.value == high.value and not (low.inclusive and high.inclusive)))
+    ):
+        raise ValueError("its bounds allow no number")
+    return low, high
+
+
+def number_range(low: _Bound | None, high: _Bound | None) -> str:
+    """A GBNF expression for the JSON numbers within ``low`` and ``high`` (None: unbounded), written with a fraction
+    or none, never an exponent."""
+    alternatives = []
+    if low is None or low.value < 0:  # the negatives: a minus, then their magnitudes (never a zero one)
+        nearest = _Bound(-high.value, high.inclusive) if high is not None and high.value < 0 else _Bound(0, False)
+        farthest = None if low is None else _Bound(-low.value, low.inclusive)
+        alternatives += [f'"-" {digits}' for digits in _nonnegative_numbers(nearest, farthest)]
+    if high is None or high.value > 0 or (high.value == 0 and high.inclusive):
+        nearest = low if low is not None and low.value >= 0 else _Bound(0, True)
+        alternatives += _nonnegative_numbers(nearest, high)
+    return "(" + " | ".join(alternatives) + ")"
+
+
+def _nonnegative_numbers(low: _Bound, high: _Bound | None) -> list[str]:
+    """Alternatives for the numbers from ``low`` up to ``high`` (None: unbounded), zero or more: a whole part in
+    range with any fraction below ``high``, ``low`` itself with a fraction that is not zero when ``low`` is
+    exclusive, and ``high`` itself with a zero fraction when it is inclusive."""
+    fraction, zeros, not_zero = '("." [0-9]+)?', '("." "0"+)?', '"." [0-9]* [1-9] [0-9]*'
+    out = []
+    first = low.value if low.inclusive else low.value + 1
+    if not low.inclusive and (high is None or high.value > low.value):
+        out.append(f"{_spelled(low.value)} {not_zero}")
+    last = None if high is None else high.value - 1
+    if last is None or last >= first:
+        out += [f"({digits}) {fraction}" for digits in _magnitudes(first, last)]
+    if high is not None and high.inclusive and high.value >= first:
+        out.append(f"{_spelled(high.value)} {zeros}")
+    return out
+
+
+def _spelled(number: int) -> str:
+    return " ".join(f'"{digit}"' for digit in str(number))
 
 
 def integer_range(least: int | None, greatest: int | None) -> str:

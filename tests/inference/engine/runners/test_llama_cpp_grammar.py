@@ -187,9 +187,44 @@ def test_an_integers_bounds_are_enforced_digit_by_digit(vocab: Any, bounds: dict
 
 
 @pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": 0},
+        {"minimum": 0, "maximum": 1},
+        {"exclusiveMinimum": 0},
+        {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        {"maximum": -2},
+        {"minimum": -3, "maximum": 2},
+        {"minimum": -5, "exclusiveMaximum": -1},
+        {"exclusiveMinimum": -1, "maximum": 10},
+    ],
+    ids=["non-negative", "unit", "positive", "open-unit", "negative", "across-zero", "negative-open", "open-low"],
+)
+def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
+    vocab: Any, bounds: dict[str, float]
+) -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "number", **bounds}}, "required": ["x"]}
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    numbers = [
+        f"{sign}{whole}{fraction}"
+        for sign in ("", "-")
+        for whole in range(12)
+        for fraction in ("", ".0", ".5", ".05", ".00", ".999")
+        if not (sign and whole == 0 and fraction.strip(".0") == "")  # minus zero: never written
+    ]
+
+    for number in numbers:
+        assert accepts(vocab, schema, f'{{"x": {number}}}') == valid({"x": json.loads(number)}), number
+
+
+@pytest.mark.parametrize(
     ("schema", "says"),
     [
-        ({"type": "number", "minimum": 0}, "'minimum' can be enforced by this model's grammar on an integer only"),
+        (
+            {"type": "number", "minimum": 0.5},
+            "'minimum' of 0.5 can be enforced by this model's grammar only as a whole",
+        ),
+        ({"type": ["number", "null"], "minimum": 0}, "where the type is one integer or number"),
         ({"type": "integer", "multipleOf": 5}, "'multipleOf' cannot be enforced"),
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
         ({"type": "array", "contains": {"const": 5}}, "'contains' cannot be enforced"),
@@ -197,7 +232,16 @@ def test_an_integers_bounds_are_enforced_digit_by_digit(vocab: Any, bounds: dict
         ({"type": "integer", "minimum": 1e30}, "past what this model's grammar enforces"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "allow no integer"),
     ],
-    ids=["number-bound", "multipleOf", "uniqueItems", "contains", "minProperties", "huge-bound", "empty-range"],
+    ids=[
+        "fractional-number-bound",
+        "bound-of-two-types",
+        "multipleOf",
+        "uniqueItems",
+        "contains",
+        "minProperties",
+        "huge-bound",
+        "empty-range",
+    ],
 )
 def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(schema: dict[str, Any], says: str) -> None:
     assert says in (schema_problem({"type": "object", "properties": {"v": schema}}) or "")
