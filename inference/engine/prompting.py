@@ -43,7 +43,7 @@ class _Literals:
         if self._marker is None:
             return value
         if isinstance(value, str):
-            return self._marker.sub(self._placeholder, value) if self._marker.search(value) else value
+            return self._marker.sub(self._placeholder, value)
         if isinstance(value, list):
             return [self.hide(item) for item in value]
         if isinstance(value, dict):

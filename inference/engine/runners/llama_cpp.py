@@ -1494,35 +1494,35 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     def count_tokens(text: str, literal: tuple[tuple[int, int], ...]) -> int:
         return len(tokenize(vocab, text, literal))
 
-    specials = _special_tokens(vocab)
+    longest, specials = _vocabulary_facts(vocab)
     return PromptRenderer(
         render=render,
         count_tokens=count_tokens,
-        least_tokens=_token_floor(vocab, specials),
+        least_tokens=_token_floor(longest, specials),
         native_tools=native_tools,
         schema_problem=functools.partial(schema_problem, vocab=vocab),
         special_tokens=specials,
     )
 
 
-def _special_tokens(vocab: Any) -> tuple[str, ...]:
-    """The text of the tokens llama.cpp reads as special where a prompt spells them, longest first (as it
-    splits them out)."""
+def _vocabulary_facts(vocab: Any) -> tuple[int, tuple[str, ...]]:
+    """In one pass over the vocabulary: the longest token's bytes, and the text of the tokens llama.cpp reads as
+    special where a prompt spells them, longest first (as it splits them out)."""
     from llama_cpp import llama_cpp as lib
 
     special_kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
-    specials = set()
+    longest, specials = 1, set()
     for token in range(vocab.n_vocab()):
+        longest = max(longest, len(piece(vocab, token)))
         if vocab.token_get_attr(token) & special_kinds and (text := piece(vocab, token, special=True)):
             specials.add(text.decode("utf-8", errors="replace"))
-    return tuple(sorted(specials, key=len, reverse=True))
+    return longest, tuple(sorted(specials, key=len, reverse=True))
 
 
-def _token_floor(vocab: Any, specials: tuple[str, ...]) -> Callable[[str], int]:
-    """A lower bound on a text's token count: every token holds at most the longest token's bytes, and each
-    special token written in the text (the chat template's markers, or a request's own, read as text) takes at
-    least a token of its own."""
-    longest = max(1, *(len(piece(vocab, token)) for token in range(vocab.n_vocab())))
+def _token_floor(longest: int, specials: tuple[str, ...]) -> Callable[[str], int]:
+    """A lower bound on a text's token count: every token holds at most ``longest`` bytes, and each special token
+    written in the text (the chat template's markers, or a request's own, read as text) takes at least a token of
+    its own."""
     marker = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def floor(text: str) -> int:
