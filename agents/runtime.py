@@ -423,7 +423,7 @@ class AgentTurn:
         try:
             parsed = json.loads(arguments)
         except ValueError:
-            outcome = ToolOutcome(output=None, error="The arguments are not valid JSON.", sources=(), elapsed_ms=0)
+            outcome = ToolOutcome(output=None, error="The arguments are not valid JSON.", sources=())
         else:
             outcome = await run_tool(tool, context=self.context, arguments=parsed)
         self._server_calls += 1

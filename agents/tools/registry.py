@@ -9,7 +9,6 @@ logged and reported without its details.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +54,11 @@ class ServerTool:
 
 @dataclass(frozen=True, slots=True)
 class ToolOutcome:
-    """A finished run: its output, or its error; the sources it found; how long it took."""
+    """A finished run: its output, or its error; the sources it found."""
 
     output: str | None
     error: str | None
     sources: tuple[Source, ...]
-    elapsed_ms: int
 
 
 REGISTRY: dict[str, ServerTool] = {}
@@ -88,7 +86,6 @@ _run_on_pool = db_task(_run)
 
 
 async def run_tool(tool: ServerTool, *, context: ToolContext, arguments: Any) -> ToolOutcome:
-    started = time.monotonic()
     error: str | None
     try:
         result = await _run_on_pool(tool, context, arguments)
@@ -99,7 +96,6 @@ async def run_tool(tool: ServerTool, *, context: ToolContext, arguments: Any) ->
         error, result = f"{tool.name} failed unexpectedly.", None
     else:
         error = None
-    elapsed = int((time.monotonic() - started) * 1000)
     if result is None:
-        return ToolOutcome(output=None, error=error, sources=(), elapsed_ms=elapsed)
-    return ToolOutcome(output=result.output, error=None, sources=result.sources, elapsed_ms=elapsed)
+        return ToolOutcome(output=None, error=error, sources=())
+    return ToolOutcome(output=result.output, error=None, sources=result.sources)
