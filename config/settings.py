@@ -35,15 +35,22 @@ def _bool(name: str, default: bool) -> bool:
     return default
 
 
-def _int(name: str, default: int) -> int:
+def _int(name: str, default: int, *, least: int | None = None, code: str = "", hint: str = "") -> int:
+    """The integer setting ``name``; one below ``least`` is reported as ``code`` (with ``hint``) and ``default``
+    is used instead."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         CONFIG_PROBLEMS.append(("config.E002", f"{name}={raw!r} is not an integer.", f"Set {name} to a whole number."))
         return default
+    if least is not None and value < least:
+        below = "negative" if least == 0 else f"below {least}"
+        CONFIG_PROBLEMS.append((code, f"{name}={value} is {below}.", hint or f"Use {least} or more."))
+        return default
+    return value
 
 
 def _list(name: str, default: list[str]) -> list[str]:
@@ -76,12 +83,7 @@ API_KEY_HASH_SECRET = os.environ.get("API_KEY_HASH_SECRET", SECRET_KEY)
 # Longest an API process trusts a key it has authenticated without reading it again (0: read it on every
 # request). Changes reach every process at once through a version in Redis; this bounds how long a
 # revocation can go unseen when that fails.
-API_KEY_CACHE_SECONDS = _int("API_KEY_CACHE_SECONDS", 30)
-if API_KEY_CACHE_SECONDS < 0:
-    CONFIG_PROBLEMS.append(
-        ("config.E005", f"API_KEY_CACHE_SECONDS={API_KEY_CACHE_SECONDS} is negative.", "Use 0 or more seconds.")
-    )
-    API_KEY_CACHE_SECONDS = 30
+API_KEY_CACHE_SECONDS = _int("API_KEY_CACHE_SECONDS", 30, least=0, code="config.E005", hint="Use 0 or more seconds.")
 
 # --- mode: distributed when REDIS_URL is set, embedded otherwise --------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
@@ -273,16 +275,13 @@ SCHEMA_MAX_ALTERNATIVES = _int("SCHEMA_MAX_ALTERNATIVES", 1024)
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups
 # (0 keeps them forever); reports read the rollups for past days.
-USAGE_RETENTION_DAYS = _int("USAGE_RETENTION_DAYS", 30)
-if USAGE_RETENTION_DAYS < 0:
-    CONFIG_PROBLEMS.append(
-        (
-            "config.E020",
-            f"USAGE_RETENTION_DAYS={USAGE_RETENTION_DAYS} is negative.",
-            "Use a number of days, or 0 to keep raw usage records forever.",
-        )
-    )
-    USAGE_RETENTION_DAYS = 30
+USAGE_RETENTION_DAYS = _int(
+    "USAGE_RETENTION_DAYS",
+    30,
+    least=0,
+    code="config.E020",
+    hint="Use a number of days, or 0 to keep raw usage records forever.",
+)
 # Usage records waiting for the database while it is away (retried every second); past this the oldest are dropped,
 # logged and counted in b3os_usage_records_dropped_total.
 USAGE_MAX_PENDING_RECORDS = _int("USAGE_MAX_PENDING_RECORDS", 50_000)
@@ -303,21 +302,15 @@ HEALTH_CACHE_SECONDS = _int("HEALTH_CACHE_SECONDS", 5)
 # --- agent runtime ------------------------------------------------------------------------------
 # Stored conversations (store: true) are deleted this many days after their last turn (0 keeps them):
 # `manage.py prune_agent_responses` or Celery beat deletes them; older turns cannot be continued meanwhile.
-AGENT_RESPONSE_RETENTION_DAYS = _int("AGENT_RESPONSE_RETENTION_DAYS", 30)
-if AGENT_RESPONSE_RETENTION_DAYS < 0:
-    CONFIG_PROBLEMS.append(
-        (
-            "config.E030",
-            f"AGENT_RESPONSE_RETENTION_DAYS={AGENT_RESPONSE_RETENTION_DAYS} is negative.",
-            "Use a number of days, or 0 to keep stored conversations until they are deleted.",
-        )
-    )
-    AGENT_RESPONSE_RETENTION_DAYS = 30
+AGENT_RESPONSE_RETENTION_DAYS = _int(
+    "AGENT_RESPONSE_RETENTION_DAYS",
+    30,
+    least=0,
+    code="config.E030",
+    hint="Use a number of days, or 0 to keep stored conversations until they are deleted.",
+)
 # Model steps an agent may take in one response (each server tool round trip is one); the last has no tools.
-AGENT_MAX_STEPS = _int("AGENT_MAX_STEPS", 4)
-if AGENT_MAX_STEPS < 1:
-    CONFIG_PROBLEMS.append(("config.E031", f"AGENT_MAX_STEPS={AGENT_MAX_STEPS} is below 1.", "Use 1 or more."))
-    AGENT_MAX_STEPS = 4
+AGENT_MAX_STEPS = _int("AGENT_MAX_STEPS", 4, least=1, code="config.E031")
 
 # What one stored conversation (all its branches) may hold: its turns, and the bytes of their items. Past
 # either, a turn that would be stored is refused with 400 conversation_too_large.
@@ -333,12 +326,7 @@ AGENT_CONVERSATION_MAX_TURNS = max(AGENT_CONVERSATION_MAX_TURNS, 1)
 AGENT_CONVERSATION_MAX_BYTES = max(AGENT_CONVERSATION_MAX_BYTES, 1)
 # Longest one guardrail check may match for (all its rules over all the texts it reads); past it, the
 # guardrail refuses, as if it had matched.
-AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100)
-if AGENT_GUARDRAIL_TIMEOUT_MS < 1:
-    CONFIG_PROBLEMS.append(
-        ("config.E032", f"AGENT_GUARDRAIL_TIMEOUT_MS={AGENT_GUARDRAIL_TIMEOUT_MS} is below 1.", "Use 1 or more.")
-    )
-    AGENT_GUARDRAIL_TIMEOUT_MS = 100
+AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100, least=1, code="config.E032")
 
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
@@ -356,16 +344,13 @@ GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024
 HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
 # Longest `serve` waits for a request's headers and body from its first byte (past it: 408, and the connection
 # closes), and for a kept-alive connection's next request to begin (past it the connection closes).
-HTTP_REQUEST_READ_TIMEOUT_SECONDS = _int("HTTP_REQUEST_READ_TIMEOUT_SECONDS", 30)
-if HTTP_REQUEST_READ_TIMEOUT_SECONDS < 1:
-    CONFIG_PROBLEMS.append(
-        (
-            "config.E040",
-            f"HTTP_REQUEST_READ_TIMEOUT_SECONDS={HTTP_REQUEST_READ_TIMEOUT_SECONDS} is below 1.",
-            "Use 1 or more: without a deadline, clients that send their requests slowly hold connections forever.",
-        )
-    )
-    HTTP_REQUEST_READ_TIMEOUT_SECONDS = 30
+HTTP_REQUEST_READ_TIMEOUT_SECONDS = _int(
+    "HTTP_REQUEST_READ_TIMEOUT_SECONDS",
+    30,
+    least=1,
+    code="config.E040",
+    hint="Use 1 or more: without a deadline, clients that send their requests slowly hold connections forever.",
+)
 
 LOGGING = {
     "version": 1,
