@@ -1,14 +1,18 @@
 """One HTTP/1.1 connection as ``manage.py serve`` holds it: Twisted's ``HTTPChannel`` with a deadline for
-reading each request, and the API's error shape for the requests it refuses before any application code runs.
+reading each request, a bound on its body as it arrives, and the API's error shape for the requests it refuses
+before any application code runs.
 
 Twisted's own timeout is an idle timeout, restarted by every byte received: a client that sends one header line
 every few seconds never meets it, and enough such clients hold every file descriptor of the process. And what
 Twisted cannot parse it answers with a bare ``400`` (or, for a line past its length limit, with nothing at all).
+And Twisted reads a whole body before the application sees its request (Daphne then hands it over in one piece):
+a body is bounded while it arrives, or a client declaring or sending gigabytes would have them all held first.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -18,7 +22,7 @@ from django.conf import settings
 from twisted.internet.interfaces import ITCPTransport
 from twisted.web.http import HTTPChannel
 
-from inference.openai.errors import APIError
+from inference.openai.errors import APIError, body_too_large
 
 from .middleware import new_request_id
 
@@ -73,6 +77,7 @@ class APIChannel(HTTPChannel):
     abortTimeout = 5  # noqa: N815 (Twisted's name)
     _between_requests = True  # nothing of the next request has arrived yet
     _request_started = 0.0
+    _refused = False
 
     def resetTimeout(self) -> None:  # noqa: N802 (Twisted's name)
         # Twisted calls this for every chunk received, which makes ``timeOut`` an idle timeout; here only the first
@@ -91,6 +96,22 @@ class APIChannel(HTTPChannel):
             super().timeoutConnection()
         else:
             self._refuse(request_timeout(self.timeOut or 0))
+
+    def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's name)
+        # The body's bound, before any of it is read (and before a ``100 Continue`` invites it): a declared length
+        # at once, a chunked body as its chunks arrive. ``length`` is None for a chunked body.
+        limit = settings.MAX_REQUEST_BODY_BYTES
+        if self.length is not None and self.length > limit:
+            self._refuse(body_too_large())
+            return
+        if self.length is None and self._transferDecoder is not None:
+            self._transferDecoder.dataCallback = _bounded(self._transferDecoder.dataCallback, limit, self)
+        super().allHeadersReceived()
+
+    def allContentReceived(self) -> None:  # noqa: N802 (Twisted's name)
+        # A chunked body's end can come in the same read as the chunk that took it past its bound.
+        if not self._refused:
+            super().allContentReceived()
 
     def lineLengthExceeded(self, line: bytes) -> None:  # noqa: N802 (Twisted's name)
         # Until a request's first line is in, it has no ``Request`` (and only it would be in ``requests`` now: the
@@ -113,6 +134,9 @@ class APIChannel(HTTPChannel):
         The connection is closed for writing only, and what the client still sends is read and dropped until it
         closes its side (at most ``abortTimeout`` seconds): closing outright with its bytes unread would reset the
         connection, and a client still sending (a 1 MB header) would see the reset instead of the answer."""
+        if self._refused:
+            return
+        self._refused = True
         self.setTimeout(None)
         self.dataReceived = self.lineReceived = self.rawDataReceived = _drop  # type: ignore[method-assign]
         body = orjson.dumps(error.body())
@@ -134,6 +158,22 @@ class APIChannel(HTTPChannel):
 
 def _drop(data: bytes) -> None:
     pass
+
+
+def _bounded(deliver: Callable[[bytes], None], limit: int, channel: APIChannel) -> Callable[[bytes], None]:
+    """``deliver`` for a body's pieces until they come to more than ``limit`` bytes in all; then the request is
+    refused and the rest dropped."""
+    received = 0
+
+    def piece(data: bytes) -> None:
+        nonlocal received
+        received += len(data)
+        if received > limit:
+            channel._refuse(body_too_large())
+        elif not channel._refused:
+            deliver(data)
+
+    return piece
 
 
 class APIHTTPFactory(HTTPFactory):

@@ -228,6 +228,41 @@ def test_a_malformed_chunked_body_gets_an_error_in_the_apis_shape(served: Served
         assert closed(sock)
 
 
+# A body's bound, kept while it arrives
+
+
+def test_a_declared_length_past_the_bound_is_a_413_before_any_of_the_body_is_sent(served: Served) -> None:
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Content-Length: 2000000000")
+    with served.connect() as sock:
+        # Nothing of the body follows: the answer cannot be waiting for it (and no 100 Continue invites it).
+        sock.sendall(head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n"))
+        error = assert_refused(answer(sock), 413, "request_too_large")
+        assert "8388608 bytes" in error["message"]
+        assert closed(sock)
+
+
+def test_a_chunked_body_is_refused_with_a_413_once_it_passes_the_bound_not_after_it_ends(served: Served) -> None:
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
+    with served.connect() as sock:
+        sock.sendall(head)
+        for _ in range(9):  # 9 MiB, past the 8 MiB bound, and never the last chunk
+            sock.sendall(chunk)
+        assert_refused(answer(sock), 413, "request_too_large")
+        assert closed(sock)
+
+
+def test_a_chunked_body_within_the_bound_is_answered(served: Served) -> None:
+    body = json.dumps(QUESTION).encode()
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[n : n + 7]), body[n : n + 7]) for n in range(0, len(body), 7))
+    with served.connect() as sock:
+        sock.sendall(head + chunks + b"0\r\n\r\n")
+        response = answer(sock)
+        assert response.status == 200, response.read()
+        assert json.loads(response.read())["choices"][0]["message"]["content"]
+
+
 def test_the_server_answers_after_refusing(served: Served) -> None:
     with served.connect() as sock:
         sock.sendall(served.head("GET", "/v1/infer/models"))
