@@ -270,8 +270,8 @@ def schema_problem(schema: dict[str, Any], *, vocab: Any = None) -> str | None:
     limits = SchemaLimits.from_settings()
     try:
         text = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:  # nested past what orjson writes
-        return size_problem(schema, limits) or "it cannot be written as JSON"
+    except orjson.JSONEncodeError as exc:  # nested too deep, an integer past 64 bits, a lone surrogate
+        return size_problem(schema, limits) or f"it cannot be written as JSON ({str(exc).lower()})"
     key = hashlib.blake2b(repr((limits, vocab is not None)).encode() + text, digest_size=16).digest()
     with _problems_lock:
         if key in _problems:

@@ -231,6 +231,7 @@ def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
         ({"type": "object", "minProperties": 2}, "'minProperties' cannot be enforced"),
         ({"type": "integer", "minimum": 1e30}, "past what this model's grammar enforces"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "allow no integer"),
+        ({"type": "integer", "minimum": -(10**30)}, "integer exceeds 64-bit range"),
     ],
     ids=[
         "fractional-number-bound",
@@ -241,6 +242,7 @@ def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
         "minProperties",
         "huge-bound",
         "empty-range",
+        "integer-past-64-bits",
     ],
 )
 def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(schema: dict[str, Any], says: str) -> None:
