@@ -14,7 +14,7 @@ The engine is built when the worker process starts (``inference.tasks``), not by
 
 API surface used, as read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/llmapi/llm.py``,
 ``tensorrt_llm/sampling_params.py``, ``tensorrt_llm/executor/result.py``,
-``tensorrt_llm/executor/base_worker.py``, ``tensorrt_llm/llmapi/tokenizer.py``,
+``tensorrt_llm/executor/base_worker.py``, ``tensorrt_llm/executor/executor.py``, ``tensorrt_llm/llmapi/tokenizer.py``,
 ``tensorrt_llm/_torch/pyexecutor/py_executor.py`` and ``grammar_matcher.py``,
 ``tensorrt_llm/serve/openai_server.py``, ``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve
 builds ``SamplingParams`` for chat) and ``docs/source/features/guided-decoding.md`` (structural tags).
@@ -67,6 +67,9 @@ CANCEL_GRACE_SECONDS: Final = 2.0
 # {"structures": [...], "triggers": [...]} form itself, which xgrammar 0.1.25 and later refuse
 # ("Structural tag must have a format field").
 MIN_VERSION: Final = (1, 2)
+
+# The guided decoder the runner's guides are written and checked for.
+GUIDED_DECODING_BACKEND: Final = "xgrammar"
 
 # OpenAI's own maximum for top_logprobs, and so the default for an entry that sets none.
 MAX_TOP_LOGPROBS: Final = 20
@@ -235,6 +238,11 @@ class _Engine:
         except Exception as exc:  # noqa: BLE001  (a tokenizer failure is this request's)
             request.events.put(_Failed(exc, "generation_failed"))
             return
+        if not prompt_ids:
+            # The executor reads the first id before anything else (executor.py, generate_async:
+            # ``assert isinstance(prompt_token_ids[0], int)``): an IndexError that would pass for a broken engine.
+            request.events.put(_Failed(ValueError("the prompt has no tokens"), "generation_failed"))
+            return
         if self.max_seq_len is not None and len(prompt_ids) + params.max_tokens > self.max_seq_len:
             request.events.put(
                 _Failed(
@@ -262,7 +270,7 @@ class _Engine:
             request._abort_in_loop()
         try:
             async for step in output:
-                request.events.put(self._snapshot(step, top_logprobs))
+                request.events.put(self._snapshot(step, top_logprobs, job.sampling.stop))
         except self.api.RequestError as exc:
             request.events.put(_Failed(exc, _refusal_code(exc)))
         except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
@@ -270,14 +278,14 @@ class _Engine:
         else:
             request.events.put(_END)
 
-    def _snapshot(self, step: Any, top_logprobs: int | None) -> _Step:
+    def _snapshot(self, step: Any, top_logprobs: int | None, stops: tuple[str, ...]) -> _Step:
         completion = step.outputs[0]
         new_ids = list(completion.token_ids_diff)
         logprobs: tuple[TokenLogprob, ...] = ()
         if top_logprobs is not None:
             logprobs = _token_logprobs(self.llm.tokenizer, new_ids, list(completion.logprobs_diff), top_logprobs)
         return _Step(
-            text=self._settled_text(step, completion),
+            text=_before_first_stop(self._settled_text(step, completion), stops),
             new_tokens=len(new_ids),
             total_tokens=len(completion.token_ids),
             logprobs=logprobs,
@@ -391,7 +399,17 @@ def _llm_kwargs(settings: Mapping[str, Any], api: _API) -> dict[str, Any]:
         )
     kwargs = {k: v for k, v in settings.items() if k not in _NOT_LLM_ARGS}
     # Without a backend, guided decoding (structured output, strict tools) has nothing to enforce it.
-    kwargs.setdefault("guided_decoding_backend", "xgrammar")
+    # It must be xgrammar: the runner checks every guide with xgrammar before queueing it, and
+    # llguidance takes no structural tags at all (grammar_matcher.py, LLGuidanceMatcherFactory.create:
+    # "Unsupported guide type"), a failure the executor spreads to every request of the batch.
+    backend = kwargs.setdefault("guided_decoding_backend", GUIDED_DECODING_BACKEND)
+    if backend != GUIDED_DECODING_BACKEND:
+        raise RunnerError(
+            f"tensorrt_llm setting guided_decoding_backend must be {GUIDED_DECODING_BACKEND!r} (or left out), "
+            f"not {backend!r}: the runner's guides (structural tags for tool calls) and its checks of them are "
+            "xgrammar's",
+            code="runner_unavailable",
+        )
     fraction = settings.get("kv_cache_free_gpu_memory_fraction")
     kv_cache = kwargs.pop("kv_cache_config", None)
     if fraction is not None or isinstance(kv_cache, dict):
@@ -570,6 +588,18 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         return api.SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="generation_failed") from exc
+
+
+def _before_first_stop(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` up to the first stop string in it, as OpenAI ends output at the first stop sequence.
+
+    The library tries the stop strings in the order they were given and cuts the text at the first
+    one it finds in it (``executor/result.py``, ``DetokenizedGenerationResultBase._handle_response``),
+    not at the earliest: when one step brings two (a token such as ".\n\n" with stops "\n\n" and "."),
+    the text it leaves can still hold the other.
+    """
+    found = [at for stop in stops if stop and (at := text.find(stop)) >= 0]
+    return text[: min(found)] if found else text
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -17,17 +17,23 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
 - ``tensorrt_llm/llmapi/tokenizer.py`` (89fd9b74): ``TransformersTokenizer`` wrapping a Hugging Face
   tokenizer (``encode``, ``decode``, ``decode_incrementally``, ``apply_chat_template``,
   ``eos_token_id``).
-- ``tensorrt_llm/sampling_params.py`` (000a01de): ``SamplingParams`` (``max_tokens`` defaults to 32,
-  ``logprobs=True`` becomes 1) and ``GuidedDecodingParams`` (``json``, ``regex``, ``grammar``,
+- ``tensorrt_llm/sampling_params.py`` (000a01de, a98a9061): ``SamplingParams`` (``max_tokens`` defaults
+  to 32, ``logprobs=True`` becomes 1, ``_validate`` refuses top_p outside [0, 1], a negative top_k or
+  temperature with ``ValueError`` at construction; ``_get_stop_reasons_and_words`` lists stop token ids,
+  then stop strings, in the order given) and ``GuidedDecodingParams`` (``json``, ``regex``, ``grammar``,
   ``json_object``, ``structural_tag``).
 - ``tensorrt_llm/executor/result.py`` (a678b91a): ``CompletionOutput`` (``text``, ``token_ids``,
   ``logprobs``, ``finish_reason`` in stop/length/timeout/cancelled, ``stop_reason``, the ``*_diff``
   properties), ``Logprob``, ``GenerationResult`` (async iteration only when created inside a running
-  event loop, ``abort()``, ``finished``, ``prompt_token_ids``, ``cached_tokens``; stop strings found by the
+  event loop, ``abort()``, ``finished``, ``prompt_token_ids``, ``cached_tokens`` (updated from every
+  response); stop strings found by the
   runtime's token ids (``STOP_WORDS``: the ids are cut, the streamed text is not) or in the
-  detokenized text, which is cut there and the request aborted).
+  detokenized text, which is cut at the first stop string of the list found in it, not the earliest,
+  and the request aborted).
 - ``tensorrt_llm/executor/utils.py`` (015884d6) and ``executor/executor.py`` (ed53795b):
-  ``RequestError(RuntimeError)``, raised from the iteration for a per-request failure.
+  ``RequestError(RuntimeError)``, raised from the iteration for a per-request failure;
+  ``GenerationExecutor.generate_async`` asserts on ``prompt_token_ids[0]`` (an empty prompt is an
+  ``IndexError``).
 
 - ``tensorrt_llm/_torch/pyexecutor/grammar_matcher.py`` (0fccc5b9) and
   ``docs/source/features/guided-decoding.md`` (14e6b10f): how each guide reaches xgrammar; the
@@ -35,7 +41,8 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
   "triggers": [...], "tags": [{"begin", "content": {"type": "json_schema", "json_schema"}, "end"}]}}``,
   handed to ``compile_structural_tag`` as it is (xgrammar 0.1.25 and later, which refuse the older
   ``{"structures": [...], "triggers": [...]}`` form). The stand-in compiles guides with the real
-  xgrammar.
+  xgrammar. ``LLGuidanceMatcherFactory.create`` has no structural tag case ("Unsupported guide
+  type"), so with ``guided_decoding_backend="llguidance"`` such a guide fails the batch.
 - ``tensorrt_llm/_torch/pyexecutor/py_executor.py`` (two versions read):
   ``_handle_errors`` fails every active request with one error message, which is what an exception
   in the batch's guided decoder leads to; ``_handle_canceled_requests`` drops cancelled requests

@@ -21,6 +21,9 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   next step with ``CANCELLED`` (``py_executor.py``, ``executor_request_queue.py``).
 - Stop strings are matched on token ids by the engine, which then ends the request with
   ``STOP_WORDS`` (the C++ runtime's stop words; the result cuts them, ``executor/result.py``).
+- With ``KvCacheConfig.enable_block_reuse`` (the default), a finished request's blocks stay in the
+  cache: a later prompt that begins with the same tokens reuses its whole blocks, never its last
+  token, and every response says how many prompt tokens that was (``cached_tokens``).
 - ``STEP_SECONDS`` is the time a step takes; tests raise it to keep a request in flight.
 """
 
@@ -41,6 +44,8 @@ from .executor.result import CANCELLED, END_ID, LENGTH, STOP_WORDS, Logprob
 from .sampling_params import GuidedDecodingParams, SamplingParams
 
 STEP_SECONDS = 0.001
+# KV cache blocks are reused whole; 32 tokens is TensorRT-LLM's default block size.
+TOKENS_PER_BLOCK = 32
 # The toy model's config.json: what TensorRT-LLM falls back to when LLM() is given no max_seq_len.
 MAX_POSITION_EMBEDDINGS = 4096
 
@@ -179,8 +184,12 @@ def _first_tag_instance(structural_tag: dict[str, Any]) -> str:
     return first["begin"] + json.dumps(minimal_instance(first["content"]["json_schema"])) + first["end"]
 
 
-def compile_guide(guide: GuidedDecodingParams) -> None:
+def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> None:
     """Compile a guide as ``XGrammarMatcherFactory.create`` does (``_torch/pyexecutor/grammar_matcher.py``).
+
+    With the ``llguidance`` backend, ``LLGuidanceMatcherFactory.create`` has no case for a structural
+    tag and raises ``ValueError("Unsupported guide type: ...")``; its other guides are compiled here
+    with xgrammar all the same (llguidance is not installed for the tests).
 
     The real factory calls ``compile_json_schema`` / ``compile_builtin_json_grammar`` /
     ``compile_structural_tag`` on the guide string; those convert it to a grammar (what is done
@@ -188,6 +197,8 @@ def compile_guide(guide: GuidedDecodingParams) -> None:
     Since xgrammar 0.1.25 the structural tag string is handed over as it is, so only the
     ``{"type": "structural_tag", "format": ...}`` form compiles.
     """
+    if backend == "llguidance" and guide.structural_tag is not None:
+        raise ValueError("Unsupported guide type: GuideType.STRUCTURAL_TAG.")
     if guide.json is not None:
         xgrammar.Grammar.from_json_schema(guide.json if isinstance(guide.json, str) else json.dumps(guide.json))
     elif guide.structural_tag is not None:
@@ -206,6 +217,8 @@ class EngineResponse:
     is_final: bool
     logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
+    # Prompt tokens whose KV cache blocks were reused (``LlmResult.cached_tokens``), sent with every response.
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -221,8 +234,16 @@ class _Slot:
     aborted: bool = False
     produced: int = 0
     alternatives: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
 
     def step(self) -> EngineResponse:
+        response = self._step()
+        if response.error is None:
+            response.cached_tokens = self.cached_tokens
+        return response
+
+    def _step(self) -> EngineResponse:
         if self.error is not None:
             return EngineResponse(self.request_id, [], None, True, error=self.error)
         if self.aborted:
@@ -248,10 +269,20 @@ class _Slot:
 
 
 class ToyExecutor:
-    def __init__(self, tokenizer: ToyTokenizer, *, max_batch_size: int, guided_decoding_backend: str | None) -> None:
+    def __init__(
+        self,
+        tokenizer: ToyTokenizer,
+        *,
+        max_batch_size: int,
+        guided_decoding_backend: str | None,
+        enable_block_reuse: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
         self._guided_decoding_backend = guided_decoding_backend
+        self._enable_block_reuse = enable_block_reuse
+        # The token sequences of finished requests whose KV cache blocks stay around for reuse.
+        self._reusable: deque[list[int]] = deque(maxlen=64)
         self._cond = threading.Condition()
         self._waiting: deque[_Slot] = deque()
         self._active: dict[int, _Slot] = {}
@@ -281,6 +312,7 @@ class ToyExecutor:
                 guide=params.guided_decoding,
                 stop_words=params._get_stop_words(),
                 error=error,
+                prompt=list(prompt_token_ids),
             )
             slot.alternatives = [self._tokenizer._id(" " + word) for word in _ALTERNATIVES]
             self._waiting.append(slot)
@@ -335,12 +367,28 @@ class ToyExecutor:
         while self._waiting and len(self._active) < self._max_batch_size:
             slot = self._waiting.popleft()
             self._active[slot.request_id] = slot
+            slot.cached_tokens = self._reused_tokens(slot.prompt)
             if slot.guide is not None and slot.error is None and error is None:
                 try:
-                    compile_guide(slot.guide)
+                    compile_guide(slot.guide, self._guided_decoding_backend or "xgrammar")
                 except Exception as exc:  # noqa: BLE001  (xgrammar raises whatever the guide trips over)
                     error = str(exc)
         return error
+
+    def _reused_tokens(self, prompt: list[int]) -> int:
+        """How many of a prompt's tokens the KV cache already holds: the whole blocks of its longest prefix
+        shared with a finished request, less at least the last prompt token, which must be computed."""
+        if not self._enable_block_reuse:
+            return 0
+        shared = 0
+        for tokens in self._reusable:
+            same = 0
+            for a, b in zip(prompt, tokens, strict=False):
+                if a != b:
+                    break
+                same += 1
+            shared = max(shared, same)
+        return min(shared, len(prompt) - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
 
     def _handle_errors(self, error_msg: str) -> list[tuple[_Slot, EngineResponse]]:
         """PyExecutor._handle_errors: every active request is failed with the same message."""
@@ -366,6 +414,8 @@ class ToyExecutor:
                     for slot, response in results:
                         if response.is_final:
                             self._active.pop(slot.request_id, None)
+                            if response.error is None and self._enable_block_reuse:
+                                self._reusable.append(slot.prompt + slot.plan[: slot.produced])
             for slot, response in results:
                 slot.deliver(response)
             time.sleep(STEP_SECONDS)

@@ -1,8 +1,9 @@
 """Mirrors ``tensorrt_llm/sampling_params.py``: the fields the runner sets, with the real defaults.
 
-The LLM API checks little itself (``_validate``); the ranges are checked when the request is turned
-into the C++ runtime's ``SamplingConfig`` (``cpp/tensorrt_llm/executor/samplingConfig.cpp``), on the
-executor's side, so a value out of range fails the request rather than the constructor.
+The LLM API checks a few ranges itself when the object is built (``_validate``: 0 <= top_p <= 1,
+top_k >= 0, temperature >= 0, a ``ValueError``); the rest, and top_p 0, are checked when the request
+is turned into the C++ runtime's ``SamplingConfig`` (``cpp/tensorrt_llm/executor/samplingConfig.cpp``)
+on the executor's side, so such a value fails the request rather than the constructor.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # The LLM API's own range checks, at construction; top_p 0 passes here and is refused by the
+        # runtime's SamplingConfig instead (``_sampling_config_error``).
+        if self.top_p is not None and (self.top_p < 0 or self.top_p > 1):
+            raise ValueError(f"require 0 <= top_p <= 1, got top_p={self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"require top_k >= 0, got top_k={self.top_k}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"require temperature >= 0, got temperature={self.temperature}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:

@@ -178,6 +178,7 @@ class GenerationResult:
             # The real executor's background error handler turns a per-request error string into this.
             raise RequestError(response.error)
         self._done = response.is_final
+        self.cached_tokens = response.cached_tokens
         self.decoding_iter += 1
         output = self._outputs[0]
         output._last_token_ids_len = len(output.token_ids or [])

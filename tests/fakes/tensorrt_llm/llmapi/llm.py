@@ -67,6 +67,7 @@ class LLM:
             self._tokenizer.tokenizer,
             max_batch_size=self.args.max_batch_size,
             guided_decoding_backend=self.args.guided_decoding_backend,
+            enable_block_reuse=self.args.kv_cache_config.enable_block_reuse,
         )
 
     @property
@@ -97,6 +98,8 @@ class LLM:
         else:
             raise TypeError(f"The inputs must be type str or list of int, but got {type(inputs)}")
         self._check_arguments(len(prompt_token_ids), 0, sampling_params, is_gen_only=False)
+        # GenerationExecutor.generate_async (executor/executor.py) reads the first id before anything else.
+        assert isinstance(prompt_token_ids[0], int)
 
         output = RequestOutput.__new__(RequestOutput)
         GenerationResult.__init__(

@@ -24,6 +24,10 @@ _KV_CACHE_FIELDS: dict[str, Any] = {
 
 
 class KvCacheConfig:
+    # Every _KV_CACHE_FIELDS name is set as an attribute; these are the ones the stand-in reads.
+    enable_block_reuse: bool
+    free_gpu_memory_fraction: float | None
+
     def __init__(self, **kwargs: Any) -> None:
         for key in kwargs:
             if key not in _KV_CACHE_FIELDS:

@@ -175,6 +175,29 @@ def test_it_streams_the_generated_text_and_reports_exact_usage(engine: Seen) -> 
     assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
 
 
+def test_it_reports_the_prompt_tokens_the_engine_found_in_its_kv_cache(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    prompt = words(70)
+
+    _, first = collect(runner.stream(make_job(prompt), never))
+    _, again = collect(runner.stream(make_job(prompt), never))
+
+    assert first.cached_tokens == 0
+    # Reuse is by whole KV cache blocks (32 tokens), and the prompt's last token is always computed.
+    assert (again.prompt_tokens, again.cached_tokens) == (70, 64)
+    assert again.cached_tokens == engine.calls[1].output.cached_tokens
+
+
+def test_it_reports_no_cached_tokens_when_block_reuse_is_off(engine: Seen) -> None:
+    settings = {**SETTINGS, "kv_cache_config": {"enable_block_reuse": False}}
+    runner = runner_module.load(settings)
+
+    collect(runner.stream(make_job(words(70), settings=settings), never))
+    _, again = collect(runner.stream(make_job(words(70), settings=settings), never))
+
+    assert again.cached_tokens == 0
+
+
 def test_a_special_token_the_request_wrote_reaches_the_engine_as_text(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
     prompt = "<s>user: hi </s> there\n</s>"
@@ -255,6 +278,18 @@ def test_it_sends_held_back_text_once_it_cannot_become_a_stop_sequence(engine: S
 
     assert "".join(c.text for c in chunks) == "alpha beta gamma epsilon"
     assert sum(c.tokens for c in chunks) == finished.completion_tokens == 4
+    assert finished.reason == "stop"
+
+
+def test_the_output_ends_at_the_earliest_stop_sequence_when_one_token_brings_two(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    # " two.three" is one token: the library tries "three" first and cuts there, leaving the "." stop in.
+    job = make_job("one two.three four", stop=("three", "."))
+    chunks, finished = collect(runner.stream(job, never))
+
+    assert engine.calls[0].output.outputs[0].text == "one two."
+    assert "".join(c.text for c in chunks) == "one two"
     assert finished.reason == "stop"
 
 
@@ -506,6 +541,7 @@ def test_a_guide_the_engine_cannot_compile_is_refused_before_it_can_fail_the_who
     runner = runner_module.load(SETTINGS)
     running = runner.stream(make_job(words(60), max_tokens=100), never)
     first = next(running)
+    assert isinstance(first, TextChunk)
 
     job = make_job("x", constraint=Constraint(kind="json_schema", schema=UNENFORCEABLE_SCHEMA))
     with pytest.raises(RunnerError) as raised:
@@ -600,6 +636,25 @@ def test_it_builds_one_llm_per_process_from_the_settings(trtllm: types.ModuleTyp
     assert args.guided_decoding_backend == "xgrammar"
 
 
+@pytest.mark.parametrize("backend", ["llguidance", None])
+def test_it_refuses_settings_that_choose_a_guided_decoder_other_than_xgrammar(
+    engine: Seen, backend: str | None
+) -> None:
+    # llguidance takes no structural tags, and without a backend nothing enforces a guide.
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load({**SETTINGS, "guided_decoding_backend": backend})
+
+    assert raised.value.code == "runner_unavailable"
+    assert "guided_decoding_backend" in str(raised.value)
+    assert engine.llms == []
+
+
+def test_it_accepts_xgrammar_named_as_the_guided_decoder(engine: Seen) -> None:
+    runner_module.load({**SETTINGS, "guided_decoding_backend": "xgrammar"})
+
+    assert engine.llms[0].args.guided_decoding_backend == "xgrammar"
+
+
 def test_unknown_llm_settings_surface_as_a_runner_error(engine: Seen) -> None:
     with pytest.raises(RunnerError) as raised:
         runner_module.load({"model": "/models/toy-chat", "not_an_llm_argument": 1})
@@ -682,6 +737,30 @@ def test_a_failure_during_generation_surfaces_as_a_runner_error(
     chunks, _ = collect(runner.stream(make_job("still here"), never))
     assert "".join(c.text for c in chunks) == "still here"
     assert len(engine.llms) == 1
+
+
+def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job(""), never))
+
+    assert raised.value.code == "generation_failed"
+    assert engine.calls == []
+    chunks, _ = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    assert len(engine.llms) == 1
+
+
+def test_sampling_parameters_the_library_refuses_surface_as_a_runner_error(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("x", temperature=-0.5), never))
+
+    assert raised.value.code == "generation_failed"
+    assert "temperature" in str(raised.value)
+    assert engine.calls == []
 
 
 def test_top_p_zero_asks_for_the_single_most_likely_token(engine: Seen) -> None:
