@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -7,14 +8,17 @@ from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 
-from inference.openai.errors import invalid_request
+from inference.openai.errors import APIError, invalid_request
 
 
 class JSONBodyParser(BaseParser):
     """Strict JSON bodies (orjson: no lone surrogates, no NaN); an empty body parses as an empty object,
     so that validation names the missing fields. Bodies nested deeper than ``MAX_JSON_DEPTH`` are refused:
     validating JSON schemas, converting them to grammars and writing responses all walk a body's nesting
-    recursively, and no OpenAI request needs more than a few dozen levels."""
+    recursively, and no OpenAI request needs more than a few dozen levels. So are bodies of more than
+    ``MAX_JSON_CONTAINERS`` objects and arrays: each becomes a validated model and a rendered message, some
+    1.5 KB of memory and 25 µs of CPU, so that 8 MiB of ``{}`` would cost half a gigabyte and seconds before
+    anything could refuse it (a long agent session holds a few thousand)."""
 
     media_type = "application/json"
 
@@ -22,15 +26,34 @@ class JSONBodyParser(BaseParser):
         raw = stream.read() if stream is not None else b""
         if not raw.strip():
             return {}
+        depth, containers = settings.MAX_JSON_DEPTH, settings.MAX_JSON_CONTAINERS
+        brackets = raw.count(b"{") + raw.count(b"[")
+        # Counted before parsing, which would build them all: brackets in strings are not objects or arrays.
+        if brackets > containers and _containers(raw) > containers:
+            raise too_many_containers(containers)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ParseError(str(exc)) from None
-        limit = settings.MAX_JSON_DEPTH
         # A body with fewer brackets than the limit cannot nest past it: most are never walked.
-        if raw.count(b"{") + raw.count(b"[") > limit and nested_deeper(data, limit):
-            raise invalid_request(f"The request body nests deeper than {limit} levels.", code="invalid_json")
+        if brackets > depth and nested_deeper(data, depth):
+            raise invalid_request(f"The request body nests deeper than {depth} levels.", code="invalid_json")
         return data
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _containers(raw: bytes) -> int:
+    """The objects and arrays of a JSON text: its brackets outside strings."""
+    bare = _STRING.sub(b"", raw)
+    return bare.count(b"{") + bare.count(b"[")
+
+
+def too_many_containers(limit: int) -> APIError:
+    return APIError(
+        f"The request body holds more than {limit} objects and arrays.", code="request_too_large", status=413
+    )
 
 
 def nested_deeper(value: Any, limit: int) -> bool:

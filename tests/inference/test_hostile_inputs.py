@@ -133,6 +133,24 @@ async def test_any_deeply_nested_body_is_refused_on_every_endpoint(api: API) -> 
         assert_refused(response, None, "nests deeper than 64 levels")
 
 
+async def test_a_body_of_more_objects_than_the_bound_is_a_413_before_it_is_validated_or_rendered(
+    api: API, watched_renderer: dict[str, list[str]]
+) -> None:
+    # 50,001 messages, 1.4 MB: within the byte limit, past the 50,000 objects and arrays a body may hold.
+    response = await api.post(CHAT, chat(messages=QUESTION * 50_001))
+
+    assert_refused(response, None, "more than 50000 objects and arrays", status=413)
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert watched_renderer["render"] == []
+
+
+async def test_a_body_of_as_many_objects_as_the_bound_is_read(api: API) -> None:
+    # 49,998 messages, the list and the body itself: 50,000. Read, and refused only for what it holds.
+    response = await api.post(CHAT, chat(messages=QUESTION * 49_998))
+
+    assert_refused(response, "messages", "maximum context length")
+
+
 # --- expensive work: off the event loop, and after a cheap refusal ------------------------------------------
 
 
