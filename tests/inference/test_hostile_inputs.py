@@ -204,13 +204,13 @@ async def test_rendering_and_schema_checks_run_off_the_event_loop(
 async def test_a_prompt_of_many_short_messages_that_cannot_fit_is_refused_without_counting_it(
     api: API, watched_renderer: dict[str, list[str]]
 ) -> None:
-    # 100,000 one-letter messages: a 3 MB prompt whose exact count would keep a core busy for minutes.
-    response = await api.post(CHAT, chat(messages=[{"role": "user", "content": "a"}] * 100_000))
+    # 40,000 one-letter messages: a 1.2 MB prompt whose exact count would keep a core busy for a minute.
+    response = await api.post(CHAT, chat(messages=[{"role": "user", "content": "a"}] * 40_000))
 
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
-    assert "your messages resulted in at least 200" in error["message"]  # two markers a message, and more
+    assert "your messages resulted in at least 80" in error["message"]  # two markers a message, and more
     assert watched_renderer["count"] == []
 
 
