@@ -7,10 +7,11 @@ service runs itself, instances, and feedback.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, model_validator
 
 from inference.openai import responses as wire
 from inference.openai.errors import invalid_request, unsupported_parameter
@@ -19,6 +20,48 @@ from inference.openai.shared import LooseModel, WireModel
 AGENT_CALL = "agent_runtime:function_call"
 
 AgentCallStatus = Literal["in_progress", "completed", "failed"]
+
+
+# --- what the runtime looks up and keeps -----------------------------------------------------------------
+
+RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9]{1,59}\Z")
+
+
+def _response_id(value: str) -> str:
+    """Only what could be one of the runtime's ids is looked up: anything else names no response, and some
+    characters (U+0000) PostgreSQL cannot even compare."""
+    if RESPONSE_ID.match(value) is None:
+        raise ValueError("expected an ID that begins with 'resp_', followed by letters and digits")
+    return value
+
+
+ResponseId = Annotated[str, AfterValidator(_response_id)]
+
+
+def unstorable_at(value: Any, where: str) -> str | None:
+    """Where ``value`` holds text the runtime cannot keep: U+0000, which PostgreSQL's text and jsonb refuse."""
+    if isinstance(value, str):
+        return where if "\x00" in value else None
+    if isinstance(value, dict):
+        parts: Any = value.items()
+    elif isinstance(value, list):
+        parts = enumerate(value)
+    else:
+        return None
+    return next((found for key, part in parts if (found := unstorable_at(part, f"{where}.{key}")) is not None), None)
+
+
+def unstorable(where: str) -> str:
+    return f"{where} holds the character U+0000, which the service cannot store"
+
+
+def _storable(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("the character U+0000 cannot be stored")
+    return value
+
+
+StorableText = Annotated[str, AfterValidator(_storable)]
 
 
 class AgentResponseRequest(wire.ResponseCreateRequest):
@@ -33,6 +76,8 @@ class AgentResponseRequest(wire.ResponseCreateRequest):
         "background": "background mode is not supported: responses stream",
         "route": "the agent runtime runs its instances itself: route is for /v1/infer",
     }
+
+    previous_response_id: ResponseId | None = None
 
     # An instance's server tools can meet ``required`` (see ``AgentTurn._step_tools``); the service checks it has some.
     REQUIRED_NEEDS_TOOLS: ClassVar[bool] = False
@@ -120,13 +165,19 @@ def instance_list(instances: list[dict[str, Any]]) -> dict[str, Any]:
 class FeedbackMeta(LooseModel):
     """``message_id`` is the rated response's id; anything else the client adds is kept with the rating."""
 
-    message_id: Annotated[str, Field(min_length=1, max_length=64)]
+    message_id: ResponseId
+
+    @model_validator(mode="after")
+    def _kept_whole(self) -> FeedbackMeta:
+        if (where := unstorable_at(self.model_extra, "meta")) is not None:
+            raise ValueError(unstorable(where))
+        return self
 
 
 class FeedbackRequest(WireModel):
     meta: FeedbackMeta
     rating: Literal["positive", "negative"]
-    comment: Annotated[str, Field(max_length=4000)] | None = None
+    comment: Annotated[StorableText, Field(max_length=4000)] | None = None
 
 
 def feedback_object(*, message_id: str, rating: str, comment: str, created_at: int) -> dict[str, Any]:

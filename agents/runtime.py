@@ -136,13 +136,43 @@ GUARDED_ROLES = frozenset({"user", "system", "developer"})
 
 
 def client_texts(items: list[dict[str, Any]], *, instructions: str | None) -> list[str]:
-    """What the client wrote for the model in this request, for the input guardrails: its instructions and the
-    text of every user, system and developer message in its input (not only the last), wherever it stands."""
+    """What the client wrote for the model, for the input guardrails: the request's instructions and the text of
+    every user, system and developer message the model is to read (not only the last), wherever it stands."""
     texts = [instructions or ""]
     for item in items:
         if item.get("type", "message") == "message" and item.get("role") in GUARDED_ROLES:
             texts.append(_text(item.get("content")))
     return [text for text in texts if text.strip()]
+
+
+def refused_exchanges(items: list[dict[str, Any]]) -> frozenset[int]:
+    """The places of every exchange the runtime refused in a conversation: each refusal and the client's messages
+    it answered (those since the last item before them that was not the client's). Neither the model nor the input
+    guardrails read them again: a refused text does not come back with the next turn, stored or sent again with
+    ``store: false``, and the conversation goes on without it. Outputs of the client's tools stay: their calls must
+    keep their answers."""
+    left_out: set[int] = set()
+    asked: list[int] = []
+    for index, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") in GUARDED_ROLES:
+            asked.append(index)
+        elif _is_refusal(item):
+            left_out.update(asked, (index,))
+            asked = []
+        elif kind != "function_call_output":
+            asked = []
+    return frozenset(left_out)
+
+
+def _is_refusal(item: dict[str, Any]) -> bool:
+    content = item.get("content")
+    return (
+        item.get("type", "message") == "message"
+        and item.get("role") == "assistant"
+        and isinstance(content, list)
+        and any(isinstance(part, dict) and part.get("type") == "refusal" for part in content)
+    )
 
 
 def new_user_text(items: list[dict[str, Any]]) -> str:
@@ -203,13 +233,18 @@ class AgentTurn:
     _server_calls: int = 0
     _transcript: Transcript = field(default_factory=Transcript)
     _output_seen: int = 0  # how many of the encoder's output items the transcript holds
+    _read: list[dict[str, Any]] = field(default_factory=list)  # the conversation as the model reads it
 
     def __post_init__(self) -> None:
         self.encoder.annotate = self._citations
-        for item in self.history:
-            self._transcript.add("previous_response_id", item)
+        left_out = refused_exchanges([*self.history, *self.input_items])
+        for index, item in enumerate(self.history):
+            if index not in left_out:
+                self._transcript.add("previous_response_id", item)
         for index, item in enumerate(self.input_items):
-            self._transcript.add(f"input.{index}", item)
+            if len(self.history) + index not in left_out:
+                self._transcript.add(f"input.{index}", item)
+        self._read = [item for index, item in enumerate([*self.history, *self.input_items]) if index not in left_out]
 
     # --- the request as generations
 
@@ -227,6 +262,11 @@ class AgentTurn:
     def budget(self) -> int:
         return output_limit(self.params, self.agent) - sum(step.completion_tokens for step in self.steps)
 
+    @property
+    def tool_calls_spent(self) -> bool:
+        """``max_tool_calls`` bounds every server tool run of the response, the search an instance runs first too."""
+        return self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls
+
     def _step_tools(self, step: int) -> tuple[tuple[FunctionTool, ...], ToolChoice]:
         """The tools offered on ``step`` and how the model must use them.
 
@@ -239,7 +279,7 @@ class AgentTurn:
         asked = self.params.tool_choice
         client = self.client_tools
         last = step == settings.AGENT_MAX_STEPS - 1
-        spent = self.params.max_tool_calls is not None and self._server_calls >= self.params.max_tool_calls
+        spent = self.tool_calls_spent
         server = (
             () if last or spent else tuple(tool.function_tool() for tool in self.agent.tools if self._offered(tool))
         )
@@ -327,13 +367,15 @@ class AgentTurn:
 
     async def _turn(self) -> AsyncGenerator[list[dict[str, Any]], None]:
         user_text = new_user_text(self.input_items)
-        checked = client_texts(self.input_items, instructions=self.params.instructions)
+        # The stored turns too, as when a client sends them all with store: false: a guardrail may have been added
+        # since a turn ran. Exchanges refused before are not read again (``refused_exchanges``).
+        checked = client_texts(self._read, instructions=self.params.instructions)
         if (rule := await self.agent.guardrails.check_input(checked)) is not None:
             yield self.encoder.refuse(rule.refusal)
             yield await self._finish("stop")
             return
         search = self.agent.tool(KNOWLEDGE_SEARCH.name)
-        if self.agent.first_step == FirstStep.SEARCH and search is not None and user_text:
+        if self.agent.first_step == FirstStep.SEARCH and search is not None and user_text and not self.tool_calls_spent:
             arguments = json.dumps({"query": user_text}, ensure_ascii=False)
             async for events in self._run_server_call(search, arguments, new_call_id()):
                 yield events

@@ -35,7 +35,7 @@ from inference.serving.metered import metered
 from . import runtime
 from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse
-from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest
+from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest, unstorable, unstorable_at
 from .runtime import Agent, AgentTurn
 from .tools.registry import REGISTRY, ToolContext
 
@@ -263,6 +263,14 @@ def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
     return items
 
 
+def _check_storable(params: AgentResponseRequest, items: list[dict[str, Any]]) -> None:
+    """Refuses, before the turn runs, input a stored turn cannot hold (as stored, it would fail only at the end)."""
+    where = unstorable_at(params.input if isinstance(params.input, str) else items, "input")
+    if where is not None:
+        message = f"{unstorable(where)}: remove it, or send store: false."
+        raise invalid_request(message, param=where, code="invalid_value")
+
+
 def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
     for index, tool in enumerate(params.function_tools):
         if agent.tool(tool.name) is not None:
@@ -316,6 +324,8 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
     _check_against_instance(params, agent)
     items = input_items(params)
+    if params.keeps:
+        _check_storable(params, items)
     previous: StoredResponse | None = None
     history: list[dict[str, Any]] = []
     if params.previous_response_id is not None:

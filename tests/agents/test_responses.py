@@ -354,6 +354,17 @@ async def test_an_instance_that_searches_first_answers_from_its_documents_and_ci
     assert "A-104" in message_text(response) or "B-220" in message_text(response) or "C-31" in message_text(response)
 
 
+async def test_max_tool_calls_bounds_the_search_an_instance_runs_first_too(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    events, response = await tenant.stream(
+        model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, max_tool_calls=0, **SHORT
+    )
+
+    assert agent_calls(response) == [] and message_text(response)
+    assert SeedClient().read(events).activity == [] and response["max_tool_calls"] == 0
+
+
 async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the_agent_goes_on(
     tenant: Tenant, make_instance: Callable[..., AgentInstance], broken_stock_tool: ServerTool
 ) -> None:
@@ -443,6 +454,63 @@ async def test_an_input_guardrail_reads_everything_the_client_wrote_for_the_mode
 
     assert SeedClient().read(events).refusal == "I can't help with passwords or payment details."
     assert response["usage"]["output_tokens"] == 0 and agent_calls(response) == []
+
+
+QUESTION_AFTER_REFUSAL = "Which word did my first message hold?"
+
+
+async def test_a_message_an_input_guardrail_refused_never_reaches_the_model_and_the_conversation_goes_on(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    await Guardrail.objects.acreate(
+        instance=plain_agent, name="passwords", patterns="password", refusal="I can't help with passwords."
+    )
+    _, refused = await tenant.stream(model=model, input="The admin password is hunter2. Remember it.")
+    assert refused["usage"]["input_tokens"] == 0  # the model never read it
+
+    _, goes_on = await tenant.stream(
+        model=model, input=QUESTION_AFTER_REFUSAL, previous_response_id=refused["id"], **SHORT
+    )
+    _, fresh = await tenant.stream(model=model, input=QUESTION_AFTER_REFUSAL, **SHORT)
+
+    # Answered, from a prompt the refused exchange is not in: the same prompt as the question alone.
+    assert message_text(goes_on) and "hunter2" not in message_text(goes_on)
+    assert goes_on["usage"]["input_tokens"] == fresh["usage"]["input_tokens"]
+
+
+async def test_a_refused_exchange_sent_again_with_store_false_is_left_out_as_a_stored_one_is(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    await Guardrail.objects.acreate(
+        instance=plain_agent, name="passwords", patterns="password", refusal="I can't help with passwords."
+    )
+    _, refused = await tenant.stream(model=model, input="The admin password is hunter2.", store=False)
+    conversation = [{"role": "user", "content": "The admin password is hunter2."}, *refused["output"]]
+
+    _, goes_on = await tenant.stream(
+        model=model, input=[*conversation, {"role": "user", "content": QUESTION_AFTER_REFUSAL}], store=False, **SHORT
+    )
+    _, fresh = await tenant.stream(model=model, input=QUESTION_AFTER_REFUSAL, store=False, **SHORT)
+
+    assert message_text(goes_on) and goes_on["usage"]["input_tokens"] == fresh["usage"]["input_tokens"]
+
+
+async def test_a_guardrail_an_admin_adds_mid_conversation_reads_the_turns_stored_before_it(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    model = spare_parts.instance_id
+    _, first = await tenant.stream(model=model, input="My order code is ZX-9.", **SHORT)
+    await Guardrail.objects.acreate(
+        instance=spare_parts, name="order codes", patterns="ZX-9", refusal="I can't discuss order codes."
+    )
+
+    events, _ = await tenant.stream(
+        model=model, input="What did I tell you?", previous_response_id=first["id"], **SHORT
+    )
+
+    assert SeedClient().read(events).refusal == "I can't discuss order codes."
 
 
 async def test_an_output_guardrail_reads_the_arguments_of_a_call_for_the_client_to_run(
@@ -737,6 +805,33 @@ async def test_an_instance_that_reasons_streams_reasoning_items(
     assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"].strip() == "The user wants one river."
     assert message_text(response) == "The Willamette."
     assert "response.reasoning_text.delta" in {e["type"] for e in events}
+
+
+@pytest.mark.parametrize(
+    ("given", "param"),
+    [
+        ("Hi\x00", "input"),
+        (
+            [{"role": "user", "content": [{"type": "input_text", "text": t} for t in ("Hi", "\x00")]}],
+            "input.0.content.1.text",
+        ),
+    ],
+    ids=["text", "a content part"],
+)
+async def test_input_a_stored_turn_cannot_hold_is_refused_before_the_turn_runs_and_goes_on_without_store(
+    tenant: Tenant, plain_agent: AgentInstance, given: Any, param: str
+) -> None:
+    body = {"model": plain_agent.instance_id, "input": given, "stream": True}
+
+    refused = await tenant.post("/v1/responses", body)
+
+    # PostgreSQL's jsonb cannot hold U+0000: stored, the turn would run to its end and then fail.
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", param) and "U+0000" in error["message"]
+    assert await records() == []
+    _, response = await tenant.stream(**body, store=False, **SHORT)
+    assert message_text(response) and not await StoredResponse.objects.aexists()
 
 
 async def test_a_request_that_does_not_stream_is_refused_with_400(tenant: Tenant, plain_agent: AgentInstance) -> None:

@@ -143,6 +143,17 @@ async def test_another_tenants_response_cannot_be_continued_and_reads_as_missing
     assert "store: true" in first["message"]
 
 
+@pytest.mark.parametrize("response_id", ["resp_\x00", "resp_acme' OR 1=1", "chatcmpl-123", "resp_" + "a" * 60])
+async def test_a_previous_response_id_that_cannot_be_one_of_the_runtimes_is_refused_by_name(
+    tenant: Tenant, acme_response: StoredResponse, response_id: str
+) -> None:
+    body = {"model": "acme.agent", "input": "Go on.", "stream": True, "previous_response_id": response_id}
+
+    error = assert_error(await tenant.post("/v1/responses", body), 400, "invalid_value")
+
+    assert error["param"] == "previous_response_id" and "'resp_'" in error["message"]
+
+
 @override_settings(AGENT_RESPONSE_RETENTION_DAYS=30)
 async def test_a_response_past_its_retention_cannot_be_continued(tenant: Tenant, acme_response: StoredResponse) -> None:
     await StoredResponse.objects.filter(pk=acme_response.pk).aupdate(created=timezone.now() - timedelta(days=31))
@@ -235,7 +246,12 @@ async def test_feedback_on_another_tenants_response_is_not_found_and_changes_not
         ({"rating": "positive"}, "meta"),
         ({"meta": {}, "rating": "positive"}, "meta.message_id"),
         ({"meta": {"message_id": "resp_acme"}, "rating": "positive", "stars": 5}, "stars"),
+        # U+0000, which PostgreSQL can neither compare nor keep: a 400, not the database's error as a 500.
+        ({"meta": {"message_id": "resp_\x00"}, "rating": "positive"}, "meta.message_id"),
+        ({"meta": {"message_id": "resp_acme"}, "rating": "positive", "comment": "Wrong\x00"}, "comment"),
+        ({"meta": {"message_id": "resp_acme", "ticket": ["T-1\x00"]}, "rating": "positive"}, "meta"),
     ],
+    ids=["rating", "no meta", "no message_id", "unknown field", "a nul in the id", "in the comment", "in meta"],
 )
 async def test_feedback_names_the_field_that_is_wrong(
     tenant: Tenant, acme_response: StoredResponse, body: dict, param: str
