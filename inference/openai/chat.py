@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
@@ -21,10 +21,13 @@ from .shared import (
     LogprobItems,
     LooseModel,
     ModelId,
+    ReasoningEffort,
     StreamOptions,
     WireModel,
     check_metadata,
     logprob_objects,
+    text_or_list,
+    tool_choice_kind,
 )
 
 
@@ -87,17 +90,27 @@ class FilePart(LooseModel):
 
 UserPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
 AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+# Content as text or as parts, tagged so that a bad part is named at its own index (``messages.0.content.1.type``).
+TextContent = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag("list")], Discriminator(text_or_list)
+]
+UserContent = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[UserPart], Tag("list")], Discriminator(text_or_list)
+]
+AssistantContent = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[AssistantPart], Tag("list")], Discriminator(text_or_list)
+]
 
 
 class SystemMessage(WireModel):
     role: Literal["system", "developer"]
-    content: str | list[TextPart]
+    content: TextContent
     name: str | None = None
 
 
 class UserMessage(WireModel):
     role: Literal["user"]
-    content: str | list[UserPart]
+    content: UserContent
     name: str | None = None
 
 
@@ -114,7 +127,7 @@ class ToolCall(LooseModel):
 
 class AssistantMessage(WireModel):
     role: Literal["assistant"]
-    content: str | list[AssistantPart] | None = None
+    content: AssistantContent | None = None
     refusal: str | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -133,7 +146,7 @@ class AssistantMessage(WireModel):
 
 class ToolMessage(WireModel):
     role: Literal["tool"]
-    content: str | list[TextPart]
+    content: TextContent
     tool_call_id: str
 
 
@@ -185,6 +198,21 @@ class AllowedToolsChoice(WireModel):
     allowed_tools: AllowedTools
 
 
+class OtherToolChoice(LooseModel):
+    """A kind of tool choice this node does not take (``custom``); refused by its type."""
+
+    type: str
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode")]
+    | Annotated[NamedToolChoice, Tag("function")]
+    | Annotated[AllowedToolsChoice, Tag("allowed_tools")]
+    | Annotated[OtherToolChoice, Tag("other")],
+    Discriminator(tool_choice_kind),
+]
+
+
 class ResponseFormatText(WireModel):
     type: Literal["text"]
 
@@ -216,6 +244,7 @@ CHAT_UNSUPPORTED = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported on this node",
     "verbosity": "verbosity is not supported on this model",
+    "moderation": "moderation is not supported on this node",
 }
 
 
@@ -230,24 +259,28 @@ class ChatCompletionRequest(WireModel):
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     n: int | None = None
     stop: StopParam = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # OpenAI's range: a signed 64-bit integer
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     user: str | None = None
-    safety_identifier: str | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     modalities: list[str] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     route: Literal["node", "gateway"] | None = None
+    # Caching hints, best-effort at OpenAI too: accepted, with no effect here (the runner reuses a prompt's
+    # prefix by itself).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # Known but unsupported: accepted by the schema so they can be refused by name below.
     audio: Any = None
     functions: Any = None
@@ -256,6 +289,7 @@ class ChatCompletionRequest(WireModel):
     prediction: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    moderation: Any = None
 
     @field_validator("metadata")
     @classmethod
@@ -269,6 +303,17 @@ class ChatCompletionRequest(WireModel):
                 raise unsupported_parameter(name, message)
         if self.n not in (None, 1):
             raise unsupported_parameter("n", "n must be 1 on this model")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            # Which limit was meant cannot be told: OpenAI refuses the pair rather than pick one.
+            raise invalid_request(
+                "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported.",
+                param="max_tokens",
+                code="invalid_parameter_combination",
+            )
+        if isinstance(self.tool_choice, OtherToolChoice):
+            raise unsupported_parameter(
+                "tool_choice", f"tool_choice of type {self.tool_choice.type[:40]!r} is not supported"
+            )
         if self.stream_options is not None and not self.stream:
             raise invalid_request(
                 "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"

@@ -21,21 +21,14 @@ from .shared import (
     JSONSchema,
     LooseModel,
     ModelId,
+    ReasoningEffort,
     StreamOptions,
     WireModel,
     check_metadata,
+    tagged,
+    text_or_list,
+    tool_choice_kind,
 )
-
-
-def _text_or_list(value: Any) -> str:
-    """Tags a ``str | list[...]`` field so that a bad list item is reported at its own index."""
-    return "text" if isinstance(value, str) else "list"
-
-
-def _tagged(value: Any, known: frozenset[str], *, default: str | None = None) -> str:
-    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-    return kind if isinstance(kind, str) and kind in known else "other"
-
 
 # --- request: content parts ---------------------------------------------------------------------
 
@@ -74,7 +67,7 @@ ContentPart = Annotated[
     InputText | OutputText | Refusal | InputImage | InputFile | InputAudio, Field(discriminator="type")
 ]
 Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("list")], Discriminator(_text_or_list)
+    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("list")], Discriminator(text_or_list)
 ]
 
 
@@ -131,7 +124,7 @@ _ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "re
 
 def _item_kind(value: Any) -> str:
     role = isinstance(value, dict) and "role" in value
-    return _tagged(value, _ITEM_TYPES, default="message" if role else None)
+    return tagged(value, _ITEM_TYPES, default="message" if role else None)
 
 
 InputItem = Annotated[
@@ -150,7 +143,7 @@ def input_item(data: dict[str, Any]) -> InputItem:
     return _INPUT_ITEM.validate_python(data)
 
 
-Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("list")], Discriminator(_text_or_list)]
+Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("list")], Discriminator(text_or_list)]
 
 
 # --- request: tools, formats, reasoning -----------------------------------------------------------
@@ -173,7 +166,7 @@ class OtherTool(LooseModel):
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda value: _tagged(value, frozenset({"function"}))),
+    Discriminator(lambda value: tagged(value, frozenset({"function"}))),
 ]
 
 # Tools that OpenAI runs on its own servers: this node has nothing to run them with.
@@ -219,7 +212,7 @@ class ToolChoiceFunction(WireModel):
 
 AllowedTool = Annotated[
     Annotated[ToolChoiceFunction, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda value: _tagged(value, frozenset({"function"}))),
+    Discriminator(lambda value: tagged(value, frozenset({"function"}))),
 ]
 
 
@@ -236,9 +229,7 @@ ToolChoice = Annotated[
     | Annotated[ToolChoiceFunction, Tag("function")]
     | Annotated[ToolChoiceAllowed, Tag("allowed_tools")]
     | Annotated[OtherTool, Tag("other")],
-    Discriminator(
-        lambda value: "mode" if isinstance(value, str) else _tagged(value, frozenset({"function", "allowed_tools"}))
-    ),
+    Discriminator(tool_choice_kind),
 ]
 
 
@@ -266,7 +257,6 @@ class TextConfig(WireModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 ReasoningSummary = Literal["auto", "concise", "detailed"]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from jsonschema.exceptions import SchemaError
@@ -149,6 +149,28 @@ ModelId = Annotated[
     AfterValidator(_model_id),
     WithJsonSchema({"type": "string", "pattern": MODEL_ID.replace("\\Z", "$"), "maxLength": 200}),
 ]
+
+
+def tagged(value: Any, known: frozenset[str], *, default: str | None = None) -> str:
+    """A union member's tag: the ``type`` of ``value`` when it is one of ``known``, else ``"other"`` (a member that
+    names the type it was sent with, to refuse it by name)."""
+    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
+    return kind if isinstance(kind, str) and kind in known else "other"
+
+
+def text_or_list(value: Any) -> str:
+    """Tags a ``str | list[...]`` field (content as text or as parts) so that a bad part is reported at its own
+    index, not as a string that the list is not."""
+    return "text" if isinstance(value, str) else "list"
+
+
+def tool_choice_kind(value: Any) -> str:
+    """Tags a ``tool_choice``: a mode (``"auto"``…), a named function, allowed tools, or another kind, refused by
+    its type."""
+    return "mode" if isinstance(value, str) else tagged(value, frozenset({"function", "allowed_tools"}))
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:

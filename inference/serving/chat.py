@@ -125,7 +125,7 @@ def _tool_choice(request: wire.ChatCompletionRequest) -> ToolChoice:
         return ForcedFunction(choice.function.name)
     if isinstance(choice, wire.AllowedToolsChoice):
         return choice.allowed_tools.mode
-    return choice or "auto"
+    return choice if isinstance(choice, str) else "auto"  # another kind was refused with the request
 
 
 def _callable_tools(request: wire.ChatCompletionRequest) -> tuple[FunctionTool, ...]:
@@ -203,12 +203,17 @@ async def complete(
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
     logprobs: LogprobItems = []
+    pending: LogprobItems = []  # logprobs arrive before the piece of output they belong to
     async for event in generation.run():
         if isinstance(event, TextPiece):
             text.append(event.text)
+            logprobs.extend(pending)
+            pending = []
         elif isinstance(event, ReasoningPiece):
             reasoning.append(event.text)
+            pending = []  # the reasoning's, not the content's
         elif isinstance(event, ToolCallPiece):
+            pending = []  # the call's, not the content's
             calls.append(
                 {
                     "id": event.call_id,
@@ -217,7 +222,7 @@ async def complete(
                 }
             )
         elif isinstance(event, Logprobs):
-            logprobs.extend(_logprob_items(event))
+            pending.extend(_logprob_items(event))
         elif isinstance(event, Failed):
             raise generation_error(event, request_id=request_id)
         elif isinstance(event, Done):
@@ -278,7 +283,8 @@ async def stream_chunks(
             logprobs = None
             if want_logprobs and pending_logprobs and isinstance(event, TextPiece):
                 logprobs = wire.logprobs_object(pending_logprobs)
-                pending_logprobs = []
+            if isinstance(event, TextPiece | ReasoningPiece | ToolCallPiece):
+                pending_logprobs = []  # a reasoning's or a call's logprobs are not the content's
             if isinstance(event, TextPiece):
                 yield chunk({"content": event.text}, logprobs=logprobs)
             elif isinstance(event, ReasoningPiece):

@@ -393,6 +393,7 @@ class ResponseEncoder:
         if isinstance(event, ReasoningPiece):
             return self.numbered(self._text("reasoning", event.text))
         if isinstance(event, ToolCallPiece):
+            self._pending_logprobs = []  # the call's: an output_text's logprobs are those of its own text
             return self.numbered([*self._close("completed"), *self._function_call(event)])
         raise TypeError(f"not a piece of output: {event!r}")
 
@@ -501,6 +502,7 @@ class ResponseEncoder:
         assert item is not None
         item.text.append(text)
         if kind == "reasoning":
+            self._pending_logprobs = []  # the reasoning's: an output_text's logprobs are those of its own text
             events.append(wire.reasoning_text_delta_event(item.ref, text))
         else:
             # Logprobs arrive before the text they belong to, which the decoder may have held back.

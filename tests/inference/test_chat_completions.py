@@ -11,6 +11,7 @@ import pytest
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage import records as usage
 from tests.conftest import API, MODEL_ID, OpenAISpec, read_stream, sse_data
+from tests.inference.test_responses import THOUGHTFUL, TOY_ID, toy_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -110,6 +111,18 @@ async def test_the_output_limit_ends_with_finish_reason_length(api: API, openai_
     data = await complete(api, openai_spec, **{"max_tokens": None, limit: 3})
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == 3
+
+
+async def test_max_tokens_with_max_completion_tokens_is_refused_as_openai_refuses_the_pair(api: API) -> None:
+    response = await api.post(CHAT, body(max_tokens=3, max_completion_tokens=5))
+
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported.",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "invalid_parameter_combination",
+    }
 
 
 async def test_a_stop_sequence_ends_the_answer_before_it(api: API, openai_spec: OpenAISpec) -> None:
@@ -281,6 +294,52 @@ async def test_a_forced_tool_call_always_parses_and_matches_its_schema(
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_forced_calls_tokens_give_no_content_logprobs(
+    api: API, openai_spec: OpenAISpec, streamed: bool
+) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
+    asked: dict[str, Any] = {"messages": messages, "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 60}
+    asked |= {"logprobs": True, "top_logprobs": 1}
+    if streamed:
+        chunks = await stream(api, openai_spec, **asked)
+        content_logprobs = [
+            lp for c in chunks for ch in c["choices"] if ch["logprobs"] for lp in ch["logprobs"]["content"]
+        ]
+    else:
+        (choice,) = (await complete(api, openai_spec, **asked))["choices"]
+        assert choice["message"]["content"] is None
+        content_logprobs = choice["logprobs"]["content"]
+
+    assert content_logprobs == []  # the call's tokens are not the content's: the content is null
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_the_contents_logprobs_are_not_those_of_the_reasoning_before_it(
+    api: API,
+    openai_spec: OpenAISpec,
+    toy_model: CatalogEntry,  # noqa: F811  (the fixture, imported)
+    streamed: bool,
+) -> None:
+    asked: dict[str, Any] = {
+        "model": TOY_ID,
+        "messages": [{"role": "user", "content": THOUGHTFUL}],
+        "reasoning_effort": "medium",
+    }
+    asked |= {"logprobs": True, "top_logprobs": 1}
+    if streamed:
+        chunks = await stream(api, openai_spec, **asked)
+        choices = [choice for chunk in chunks for choice in chunk["choices"]]
+        content = "".join(choice["delta"].get("content") or "" for choice in choices)
+        logprobs = [lp for choice in choices if choice["logprobs"] for lp in choice["logprobs"]["content"]]
+    else:
+        (choice,) = (await complete(api, openai_spec, **asked))["choices"]
+        content, logprobs = choice["message"]["content"], choice["logprobs"]["content"]
+
+    # The answer's first token carries the space after </think>, which the answer's text leaves out.
+    assert "".join(logprob["token"] for logprob in logprobs).lstrip() == content == "The Willamette."
 
 
 async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: OpenAISpec) -> None:
@@ -518,6 +577,7 @@ async def test_more_than_128_tools_are_refused(api: API) -> None:
         ("web_search_options", {}),
         ("store", True),
         ("modalities", ["text", "audio"]),
+        ("moderation", {"model": "omni-moderation-latest"}),
     ],
 )
 async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, param: str, value: Any) -> None:
@@ -529,6 +589,93 @@ async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, pa
         "param": param,
         "code": "unsupported_parameter",
     }
+
+
+async def test_openais_prompt_caching_hints_are_accepted_and_change_nothing(api: API, openai_spec: OpenAISpec) -> None:
+    plain = await complete(api, openai_spec, max_tokens=4)
+    hinted = await complete(
+        api, openai_spec, max_tokens=4, prompt_cache_retention="24h", prompt_cache_options={"ttl": "30m"}
+    )
+
+    assert hinted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "code"),
+    [
+        ({"role": "user", "content": [{"type": "video", "video": "x"}]}, "messages.0.content.0", "invalid_value"),
+        ({"role": "user", "content": [{"text": "hi"}]}, "messages.0.content.0", "invalid_value"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text"}]},
+            "messages.0.content.1.text",
+            "missing_required_parameter",
+        ),
+        (
+            {"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "messages.0.content.0.type",
+            "invalid_value",
+        ),
+        (
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "refusal"}]},
+            "messages.0.content.0.type",
+            "invalid_value",
+        ),
+    ],
+)
+async def test_a_bad_content_part_is_named_at_its_own_index(
+    api: API, message: dict[str, Any], param: str, code: str
+) -> None:
+    response = await api.post(CHAT, body(messages=[message]))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+    assert "valid string" not in error["message"]  # the parts are not refused as a string they never were
+
+
+async def test_a_named_tool_choice_without_its_function_names_the_function_as_missing(api: API) -> None:
+    response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice={"type": "function"}))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tool_choice.function", "missing_required_parameter")
+
+
+async def test_a_custom_tool_choice_is_refused_as_unsupported(api: API) -> None:
+    choice = {"type": "custom", "custom": {"name": "grep"}}
+    response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice=choice))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tool_choice", "unsupported_parameter")
+
+
+async def test_a_reasoning_effort_openai_does_not_know_is_an_invalid_value_even_for_a_reasoning_model(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(reasoning=True)
+    response = await api.post(CHAT, body(reasoning_effort="extreme"))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("reasoning_effort", "invalid_value")
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+async def test_a_seed_outside_openais_64_bit_range_is_an_invalid_value(api: API, seed: int) -> None:
+    response = await api.post(CHAT, body(seed=seed))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("seed", "invalid_value")
+
+
+async def test_a_safety_identifier_past_openais_64_characters_is_an_invalid_value(api: API) -> None:
+    response = await api.post(CHAT, body(safety_identifier="u" * 65))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("safety_identifier", "invalid_value")
 
 
 async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
@@ -555,7 +702,7 @@ async def test_a_prompt_longer_than_the_context_is_named_as_the_messages_with_ma
 ) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64, max_output_tokens=24)
     response = await api.post(
-        CHAT, body(messages=[{"role": "user", "content": "river " * 100}], max_completion_tokens=8)
+        CHAT, body(messages=[{"role": "user", "content": "river " * 100}], max_tokens=None, max_completion_tokens=8)
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -566,7 +713,7 @@ async def test_asking_for_more_completion_tokens_than_the_context_allows_names_m
     api: API, catalog_model: CatalogEntry
 ) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
-    response = await api.post(CHAT, body(max_completion_tokens=120))
+    response = await api.post(CHAT, body(max_tokens=None, max_completion_tokens=120))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert response.json()["error"]["param"] == "max_completion_tokens"

@@ -778,6 +778,29 @@ async def test_reasoning_comes_back_as_a_reasoning_item_with_its_own_events(
     assert again.status_code == 200, again.content
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_the_answers_logprobs_are_those_of_its_own_text_not_of_the_reasoning_before_it(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry, streamed: bool
+) -> None:
+    body = {
+        "model": TOY_ID,
+        "input": THOUGHTFUL,
+        "reasoning": {"effort": "medium"},
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 1,
+    }
+    if streamed:
+        _, result = await stream(api, body, openai_spec)
+    else:
+        result = (await api.post(RESPONSES, body)).json()
+        openai_spec.validate("Response", result)
+
+    (part,) = result["output"][-1]["content"]
+    tokens = "".join(logprob["token"] for logprob in part["logprobs"])
+    # The answer's first token carries the space after </think>, which the answer's text leaves out.
+    assert tokens.lstrip() == part["text"] == "The Willamette."
+
+
 async def test_reasoning_effort_none_turns_reasoning_off(api: API, toy_model: CatalogEntry) -> None:
     result = (await api.post(RESPONSES, {"model": TOY_ID, "input": THOUGHTFUL, "reasoning": {"effort": "none"}})).json()
 
