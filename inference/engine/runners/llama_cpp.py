@@ -772,7 +772,9 @@ class _Sampler:
             if sampling.top_p < 1.0:
                 self._chain.add_top_p(sampling.top_p, 1)
             self._chain.add_temp(sampling.temperature)
-            self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else sampling.seed & 0xFFFFFFFF)
+            # llama.cpp's seed is 32 bits, and 0xFFFFFFFF in them asks it for a random one: OpenAI's 64-bit seeds are
+            # folded into the others, so that every seed repeats itself.
+            self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else sampling.seed % 0xFFFFFFFF)
         self._candidates = _internals.LlamaTokenDataArray(n_vocab=model.n_vocab())
         self._single_data = (lib.llama_token_data * 1)()
         self._single = lib.llama_token_data_array(data=self._single_data, size=1, selected=-1, sorted=False)

@@ -564,7 +564,8 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "seed": sampling.seed,
+        # The executor's seed is an unsigned 64-bit integer (SamplingConfig's RandomSeedType); OpenAI's is signed.
+        "seed": None if sampling.seed is None else sampling.seed % 2**64,
         "stop": list(sampling.stop) or None,
         "frequency_penalty": sampling.frequency_penalty,
         "presence_penalty": sampling.presence_penalty,

@@ -115,6 +115,8 @@ class SamplingParams:
             (self.temperature is None or self.temperature >= 0, "temperature.value() >= 0.f"),
             (self.min_tokens is None or self.min_tokens >= 0, "minTokens.value() >= 0"),
             (self.repetition_penalty is None or self.repetition_penalty > 0, "repetitionpenalty.value() > 0.f"),
+            # RandomSeedType is std::uint64_t: the binding takes no other integer.
+            (self.seed is None or 0 <= self.seed < 2**64, "seed is an unsigned 64-bit integer"),
         ]
         for ok, condition in checks:
             if not ok:

@@ -112,6 +112,14 @@ def test_greedy_decoding_with_a_seed_repeats_itself(subject: Subject) -> None:
     assert text(first) == text(second)
 
 
+@pytest.mark.parametrize("seed", [0, -1, 2**32 - 1, 2**63 - 1, -(2**63)])
+def test_sampling_with_any_seed_openai_allows_repeats_itself(subject: Subject, seed: int) -> None:
+    job = subject.job(max_tokens=12, temperature=1.0, seed=seed)
+    first, _ = run(subject, job)
+    second, _ = run(subject, job)
+    assert text(first) and text(first) == text(second)
+
+
 def test_it_stops_before_a_stop_sequence(subject: Subject) -> None:
     free = text(run(subject, subject.job(max_tokens=16))[0])
     stop = free.split()[3]
