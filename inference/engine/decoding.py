@@ -357,10 +357,10 @@ class StreamDecoder:
         return piece
 
     def _forced_calls(self, text: str) -> list[Piece]:
+        # Output that must be a call and is not one ended before it named its function, among several: it is
+        # nothing the client could use, least of all an answer.
         call = self._parse_call(text) or self._cut_call(text)
-        if call is not None:
-            return [call]
-        return [TextPiece(text)] if text else []
+        return [call] if call is not None else []
 
     def _cut_call(self, text: str) -> ToolCallPiece | None:
         """A forced call that ended before its JSON did (the grammar lets nothing else end early): the call of the

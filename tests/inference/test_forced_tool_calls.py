@@ -182,6 +182,31 @@ async def test_a_forced_call_its_budget_cannot_hold_comes_back_as_a_call_cut_sho
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_forced_call_cut_before_it_names_one_of_several_functions_is_no_call_and_no_text(
+    api: API, openai_spec: OpenAISpec, stream: bool
+) -> None:
+    body = chat_body(0, stream=stream, choice="required", max_tokens=2)
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    body["tools"].append(other)
+
+    response = await api.post("/v1/infer/chat/completions", body)
+
+    assert response.status_code == 200, response.content
+    if stream:
+        chunks = [json.loads(item) for item in sse_data(await read_stream(response))[:-1]]
+        for chunk in chunks:
+            openai_spec.validate("CreateChatCompletionStreamResponse", chunk)
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+        assert not any(delta.get("content") or delta.get("tool_calls") for delta in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        openai_spec.validate("CreateChatCompletionResponse", response.json())
+        choice = response.json()["choices"][0]
+        assert not choice["message"]["content"] and "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_forced_responses_call_its_budget_cannot_hold_is_an_incomplete_function_call_item(
     api: API, openai_spec: OpenAISpec, stream: bool
 ) -> None:

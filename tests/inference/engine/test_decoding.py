@@ -69,8 +69,8 @@ def test_a_required_call_the_budget_cut_short_is_a_call_of_the_function_it_names
 
     pieces = decoder.feed(output) + decoder.finish()
 
-    if name is None:  # which of the two it was is not known: the text is all there is
-        assert pieces == [TextPiece(output)] and not decoder.cut_call
+    if name is None:  # which of the two it was is not known: no call, and no answer either (it is not one)
+        assert pieces == [] and not decoder.cut_call
     else:
         [call] = pieces
         assert isinstance(call, ToolCallPiece) and not call.complete and decoder.cut_call
