@@ -91,10 +91,39 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
         return invalid_request(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
         )
+    if (sized := _size_error(kind, first, param)) is not None:
+        return sized
     message = re.sub(r" or instance of \w+", "", first["msg"])  # the class names behind a union are not the API's
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
+
+
+def _size_error(kind: str, error: Any, param: str) -> APIError | None:
+    """OpenAI's own words and codes for an array or a string of the wrong size."""
+    ctx, given = error.get("ctx") or {}, error.get("input")
+    if kind == "too_long" and isinstance(given, list):
+        return invalid_request(
+            f"Invalid '{param}': array too long. Expected an array with maximum length {ctx['max_length']}, "
+            f"but got an array with length {len(given)} instead.",
+            param=param,
+            code="array_above_max_length",
+        )
+    if kind == "too_short" and isinstance(given, list) and not given:
+        return invalid_request(
+            f"Invalid '{param}': empty array. Expected an array with minimum length {ctx['min_length']}, "
+            "but got an empty array instead.",
+            param=param,
+            code="empty_array",
+        )
+    if kind == "string_too_long" and isinstance(given, str):
+        return invalid_request(
+            f"Invalid '{param}': string too long. Expected a string with maximum length {ctx['max_length']}, "
+            f"but got a string with length {len(given)} instead.",
+            param=param,
+            code="string_above_max_length",
+        )
+    return None
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -670,12 +670,43 @@ async def test_a_seed_outside_openais_64_bit_range_is_an_invalid_value(api: API,
     assert (error["param"], error["code"]) == ("seed", "invalid_value")
 
 
-async def test_a_safety_identifier_past_openais_64_characters_is_an_invalid_value(api: API) -> None:
-    response = await api.post(CHAT, body(safety_identifier="u" * 65))
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code", "message"),
+    [
+        (
+            {"safety_identifier": "u" * 65},
+            "safety_identifier",
+            "string_above_max_length",
+            "Invalid 'safety_identifier': string too long. Expected a string with maximum length 64, but got a string "
+            "with length 65 instead.",
+        ),
+        (
+            {"tools": [TOOL] * 129},
+            "tools",
+            "array_above_max_length",
+            "Invalid 'tools': array too long. Expected an array with maximum length 128, but got an array with length "
+            "129 instead.",
+        ),
+        (
+            {"messages": []},
+            "messages",
+            "empty_array",
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        ),
+    ],
+    ids=["a safety identifier past 64 characters", "129 tools", "no messages"],
+)
+async def test_a_string_or_array_of_the_wrong_size_is_refused_in_openais_words(
+    api: API, fields: dict[str, Any], param: str, code: str, message: str
+) -> None:
+    response = await api.post(CHAT, body(**fields))
 
     assert response.status_code == 400
     error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("safety_identifier", "invalid_value")
+    assert (error["param"], error["code"], error["message"]) == (param, code, message)
 
 
 async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
