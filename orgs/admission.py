@@ -34,6 +34,8 @@ logger = logging.getLogger("orgs.admission")
 WINDOW = 60.0
 SLOT_TTL = 15.0
 SLOT_REFRESH = 5.0
+# Redis keeps a limit's keys this long past their last use: each entry's own score says when it counts no more.
+KEY_GRACE = 5
 LIMITS_CACHE_SECONDS = 2.0
 
 # Wall-clock seconds, shared by every API process through Redis; tests move it.
@@ -93,9 +95,17 @@ class Grant:
         difference refunded, so an estimate made at admission does not stand in for the real count.
 
         A refund is dated at admission, so it leaves the window with the charge it corrects: dated later, it
-        would outlive that charge and leave the window below what was used."""
+        would outlive that charge and leave the window below what was used.
+
+        It comes once the response is served (the upstream's count is in its last event): with Redis away, the
+        window keeps admission's estimate, as it does for a slot it cannot release, rather than the served
+        response failing at its end."""
         if self._charge is not None and tokens != self.charged:
-            await self._charge(tokens - self.charged, at=self.admitted_at if tokens < self.charged else None)
+            try:
+                await self._charge(tokens - self.charged, at=self.admitted_at if tokens < self.charged else None)
+            except REDIS_ERRORS as exc:
+                logger.warning("tokens were left as admission charged them: %s: %s", type(exc).__name__, exc)
+                return
             self.charged = tokens
 
     def on_release(self, callback: Any) -> None:
@@ -244,9 +254,9 @@ def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limi
 # --- the Redis store ---------------------------------------------------------------------------
 
 # KEYS: requests zset, tokens zset, slots zset, tokens-in-window sum.
-# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry, tokens only. Limits of -1 mean
-# unlimited; with dry "1" it only tells whether it would admit, and charges nothing; with tokens only "1" it
-# charges the tokens if they fit, and counts no request and holds no slot.
+# ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry, tokens only, keys' expiry (seconds).
+# Limits of -1 mean unlimited; with dry "1" it only tells whether it would admit, and charges nothing; with tokens
+# only "1" it charges the tokens if they fit, and counts no request and holds no slot.
 # Token entries are members "nonce:tokens" scored by time; their running sum is kept beside them, so
 # admission touches only the entries that leave the window, not all of them.
 # A refund is an entry of negative tokens.
@@ -313,7 +323,7 @@ if wanted > 0 then
   redis.call('ZADD', KEYS[2], now, nonce .. ':' .. wanted)
   total = redis.call('INCRBY', KEYS[4], wanted)
 end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], math.ceil(window + ttl) + 5) end
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], tonumber(ARGV[12])) end
 return state(1, '', 0)
 """
 
@@ -325,6 +335,11 @@ redis.call('INCRBY', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 """
+
+
+def _key_seconds() -> int:
+    """How long a limit's keys outlive their last use: past the window and a slot's life, nothing in them counts."""
+    return math.ceil(WINDOW + SLOT_TTL) + KEY_GRACE
 
 
 class RedisStore:
@@ -368,6 +383,7 @@ class RedisStore:
                 secrets.token_hex(8),
                 "1" if dry else "0",
                 "1" if tokens_only else "0",
+                _key_seconds(),
             ],
         )
         used_requests, used_tokens = int(result[3]), int(result[4])
@@ -386,7 +402,7 @@ class RedisStore:
         client, _ = self._client()
         keys = self._keys(key)
         await self._scripts[id(client)][1](
-            keys=[keys[1], keys[3]], args=[now, tokens, secrets.token_hex(8), math.ceil(WINDOW + SLOT_TTL) + 5]
+            keys=[keys[1], keys[3]], args=[now, tokens, secrets.token_hex(8), _key_seconds()]
         )
 
     async def release(self, key: str, slot: str) -> None:
@@ -403,6 +419,9 @@ class RedisStore:
             for key, slots in held.items():
                 for slot in slots:
                     pipe.zadd(self._keys(key)[2], {slot: now + SLOT_TTL}, xx=True)
+                # The slots' key lives on with them: expiring as set at the last admission, it would take a stream
+                # that outlasts it out of the count, and admit past the limit in flight.
+                pipe.expire(self._keys(key)[2], _key_seconds())
             await pipe.execute()
 
 

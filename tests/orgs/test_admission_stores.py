@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -90,3 +92,51 @@ async def test_settling_below_the_estimate_refunds_at_the_admissions_time(monkey
     grant.release()
 
     assert sorted(store._windows["1:0"].tokens) == [(NOW, -90), (NOW, 100)]  # both dated at admission
+
+
+@pytest.mark.parametrize("store", ["redis"], indirect=True)
+async def test_a_request_held_in_flight_past_its_keys_expiry_still_counts_against_the_limit(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stream runs for minutes after the admission that set its keys' expiry: shrunk here to 3 s of Redis's time.
+    monkeypatch.setattr(admission, "WINDOW", 1.0)
+    monkeypatch.setattr(admission, "SLOT_TTL", 1.0)
+    monkeypatch.setattr(admission, "KEY_GRACE", 1)
+    one_in_flight = admission.Limits(requests_in_flight=1)
+    started = time.monotonic()
+    assert (await store.try_admit("1:0", one_in_flight, 0, "stream", NOW)).admitted
+
+    while (elapsed := time.monotonic() - started) < 4.5:
+        await store.refresh({"1:0": {"stream"}}, NOW + elapsed)  # as its API process does while it runs
+        await asyncio.sleep(0.5)
+    another = await store.try_admit("1:0", one_in_flight, 0, "another", NOW + elapsed)
+
+    assert (another.admitted, another.limit) == (False, "requests_in_flight")
+
+
+async def test_a_correction_that_cannot_reach_redis_keeps_admissions_charge_and_fails_nothing(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, settings.REDIS_URL = start_redis(tmp_path)
+    redis_clients._async_clients.clear()
+    store = admission.RedisStore()
+    monkeypatch.setattr(admission, "_store", lambda: store)
+
+    async def limits_for(organization_id: int, model_pk: int | None) -> admission.Limits:
+        return LIMITS
+
+    monkeypatch.setattr(admission, "limits_for", limits_for)
+    try:
+        grant = await admission.admit(organization_id=1, model_pk=None, tokens=100)
+        server.terminate()
+        server.wait(timeout=10)
+
+        # A gateway stream's last event carried the upstream's count, and the client has every byte already.
+        await grant.settle(10)
+        grant.release()
+    finally:
+        await redis_clients.async_client().aclose()
+        redis_clients._async_clients.clear()
+        server.terminate()
+
+    assert grant.charged == 100

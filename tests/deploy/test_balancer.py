@@ -1,0 +1,110 @@
+"""HAProxy as deploy/haproxy.cfg sets it up, answering by itself when no API process can: in the API's error shape."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.topology import DEPLOY, ROOT
+from tests.services import free_port
+
+pytestmark = pytest.mark.distributed
+
+Balancer = Callable[[int, int], str]
+
+
+@pytest.fixture
+def balancer(tmp_path: Path) -> Iterator[Balancer]:
+    """Starts deploy/'s load balancer in front of two API ports; its URL."""
+    if shutil.which("haproxy") is None:
+        pytest.fail("haproxy is not installed: `make test` installs it")
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(api_1_port: int, api_2_port: int) -> str:
+        bind = ("127.0.0.1", free_port())
+        environment = {
+            "PATH": os.environ["PATH"],
+            "API_HOST": "127.0.0.1",
+            "API_1_PORT": str(api_1_port),
+            "API_2_PORT": str(api_2_port),
+            "LB_BIND": f"{bind[0]}:{bind[1]}",
+            "LB_STATS_BIND": f"127.0.0.1:{free_port()}",
+        }
+        processes.append(
+            subprocess.Popen(
+                ["haproxy", "-db", "-f", str(DEPLOY / "haproxy.cfg")],
+                cwd=ROOT,
+                env=environment,
+                stdout=open(tmp_path / "haproxy.log", "ab"),
+                stderr=subprocess.STDOUT,
+            )
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(bind, timeout=1).close()
+                return f"http://{bind[0]}:{bind[1]}"
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("haproxy did not start")
+
+    yield start
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def hanging_up_api() -> int:
+    """A port whose process reads each request and closes the connection without an answer, as an API process that
+    dies mid-request does."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            connection, _ = listener.accept()
+            with connection:
+                connection.settimeout(1)
+                try:
+                    connection.recv(65536)
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def assert_api_error(response: httpx.Response, code: str) -> None:
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+
+
+def test_with_no_api_process_up_the_balancer_answers_503_in_the_apis_error_shape_with_retry_after(
+    balancer: Balancer,
+) -> None:
+    url = balancer(free_port(), free_port())
+
+    response = httpx.post(url + "/v1/infer/chat/completions", json={}, timeout=30)
+
+    assert response.status_code == 503
+    assert_api_error(response, "service_unavailable")
+    assert response.headers["retry-after"] == "2"
+
+
+def test_an_api_process_that_dies_before_answering_is_a_502_in_the_apis_error_shape(balancer: Balancer) -> None:
+    url = balancer(hanging_up_api(), hanging_up_api())
+
+    response = httpx.post(url + "/v1/infer/chat/completions", json={}, timeout=30)
+
+    assert response.status_code == 502
+    assert_api_error(response, "service_unavailable")
