@@ -2,14 +2,16 @@
 
 Chat completions, Responses, the gateway and agent turns all stream through ``metered``. A stream ends in
 one of three ways: it runs to its end (done, or with a failure it reported in the stream itself), or the
-client goes away mid-stream; the caller's ``outcome`` tells which, as a ``StreamOutcome``.
+client goes away mid-stream; the caller's ``outcome`` tells which, as a ``StreamOutcome``. A source that raises
+instead of reporting is the service's fault, recorded as such (500), never as the client's hang-up.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from inference.engine.generation import Done, Failed, Generation
@@ -19,6 +21,8 @@ from orgs.admission import Grant
 Chunk = TypeVar("Chunk", str, bytes)
 
 CLIENT_DISCONNECTED = 499
+
+logger = logging.getLogger("inference.serving")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +87,19 @@ async def metered(
     The source is closed at once when the client goes away, so the model's job is cancelled then, not
     whenever the garbage collector gets to it.
     """
-    ran_to_end = False
+    ran_to_end = failed = False
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
         ran_to_end = True
+    except Exception:  # the client's hang-up is GeneratorExit or CancelledError, never this
+        failed = True
+        logger.exception("request %s: its stream failed while it was served", meter.request_id)
+        raise
     finally:
         grant.release()
-        outcome(ran_to_end).record(meter)
+        ended = outcome(ran_to_end)
+        if failed:
+            ended = replace(ended, status=500, error_code="internal_error")
+        ended.record(meter)
