@@ -9,6 +9,7 @@ instead of reporting is the service's fault, recorded as such (500), never as th
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -75,7 +76,7 @@ def generation_outcome(generation: Generation, end: Done | Failed | None) -> Str
     )
 
 
-async def metered(
+def metered(
     chunks: AsyncGenerator[Chunk, None],
     *,
     grant: Grant,
@@ -85,8 +86,28 @@ async def metered(
     """Relays ``chunks``; when they end, however, releases ``grant`` and records ``outcome(ran_to_end)``.
 
     The source is closed at once when the client goes away, so the model's job is cancelled then, not
-    whenever the garbage collector gets to it.
+    whenever the garbage collector gets to it. A client that goes away just as its response is about to be sent
+    leaves a stream that never starts, and so never runs its ``finally``: that one is settled when it is collected
+    (its slot left to expire, the request recorded as the client's hang-up).
     """
+    stream = _metered(chunks, grant=grant, meter=meter, outcome=outcome)
+    weakref.finalize(stream, _never_sent, grant, meter, outcome).atexit = False
+    return stream
+
+
+def _never_sent(grant: Grant, meter: Meter, outcome: Callable[[bool], StreamOutcome]) -> None:
+    if not meter.recorded:
+        grant.abandon()
+        outcome(False).record(meter)
+
+
+async def _metered(
+    chunks: AsyncGenerator[Chunk, None],
+    *,
+    grant: Grant,
+    meter: Meter,
+    outcome: Callable[[bool], StreamOutcome],
+) -> AsyncIterator[Chunk]:
     ran_to_end = failed = False
     try:
         async with aclosing(chunks):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncGenerator
 
 import pytest
@@ -69,3 +70,25 @@ async def test_a_client_that_goes_away_is_recorded_as_gone(organization: Organiz
     usage.flush()
     record = await UsageRecord.objects.aget(request_id="req_metered")
     assert (record.status, record.error_code) == (499, "client_disconnected")
+
+
+async def test_a_stream_that_is_never_started_frees_its_slot_and_is_recorded_once_collected(
+    organization: Organization,
+) -> None:
+    # Its client went away just as the response was to be sent: nothing ever iterates it.
+    await Limit.objects.acreate(organization=organization, requests_in_flight=1)
+    admission.clear_limits_cache()
+    stream = metered(
+        a_source_that_fails_after_its_first_chunk(),
+        grant=await admitted(organization),
+        meter=meter(organization),
+        outcome=served,
+    )
+
+    del stream
+    gc.collect()
+
+    usage.flush()
+    record = await UsageRecord.objects.aget(request_id="req_metered")
+    assert (record.status, record.error_code) == (499, "client_disconnected")
+    await admitted(organization)  # LimitExceeded, were its one slot still held
