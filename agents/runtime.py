@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
@@ -41,7 +42,7 @@ from inference.engine.decoding import (
     ToolChoice,
     new_call_id,
 )
-from inference.engine.generation import Done, Failed, Generation, GenerationRequest, prepare
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
@@ -408,6 +409,9 @@ class AgentTurn:
 
     async def _step(self, generation: Generation, outcome: _StepOutcome) -> AsyncGenerator[list[dict[str, Any]], None]:
         done: Done | None = None
+        # With output guardrails, a word is sent once it has ended: until then a guardrail's whole word at the end
+        # of the text so far ("pass") may be the start of another ("passport").
+        words = _WholeWords() if self.agent.guardrails.on_output else None
         try:
             async with aclosing(generation.run()) as pieces:
                 async for piece in pieces:
@@ -416,30 +420,43 @@ class AgentTurn:
                     if isinstance(piece, Done):
                         done = piece
                         break
-                    # Checked before it is sent: blocked words never reach the client, in the answer, the
-                    # reasoning, or the arguments of a call (the client's to run, or shown as the server's).
-                    if isinstance(piece, ToolCallPiece):
-                        shown = piece.arguments
-                    elif isinstance(piece, TextPiece):
-                        shown = self.encoder.open_text + piece.text
-                    elif isinstance(piece, ReasoningPiece):
-                        shown = self.encoder.open_reasoning + piece.text
-                    else:
-                        shown = ""
-                    if (rule := await self.agent.guardrails.check_output(shown)) is not None:
-                        outcome.refused = True
-                        yield self.encoder.refuse(rule.refusal)
+                    for ready in words.through(piece) if words is not None else (piece,):
+                        if events := await self._send(ready, outcome):
+                            yield events
+                        if outcome.refused:
+                            break
+                    if outcome.refused:
                         break
-                    if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
-                        if piece.complete:  # a call the budget cut short is not run: the response ends incomplete
-                            outcome.server_calls.append(piece)
-                        continue
-                    outcome.external_call |= isinstance(piece, ToolCallPiece)
-                    yield self.encoder.feed(piece)
+                if done is not None and words is not None and not outcome.refused:
+                    for ready in words.rest():
+                        if events := await self._send(ready, outcome):
+                            yield events
         finally:
             self._count(generation, done)
         if done is not None:
             outcome.finish_reason = "length" if done.finish_reason == "length" else "stop"
+
+    async def _send(self, piece: Piece, outcome: _StepOutcome) -> list[dict[str, Any]]:
+        """The events of ``piece``, checked before it is sent: blocked words never reach the client, in the answer,
+        the reasoning, or the arguments of a call (the client's to run, or shown as the server's); a refusal's
+        events instead, when they do."""
+        if isinstance(piece, Logprobs):
+            return self.encoder.feed(piece)
+        if isinstance(piece, ToolCallPiece):
+            shown = piece.arguments
+        elif isinstance(piece, TextPiece):
+            shown = self.encoder.open_text + piece.text
+        else:
+            shown = self.encoder.open_reasoning + piece.text
+        if (rule := await self.agent.guardrails.check_output(shown)) is not None:
+            outcome.refused = True
+            return self.encoder.refuse(rule.refusal)
+        if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
+            if piece.complete:  # a call the budget cut short is not run: the response ends incomplete
+                outcome.server_calls.append(piece)
+            return []
+        outcome.external_call |= isinstance(piece, ToolCallPiece)
+        return self.encoder.feed(piece)
 
     def _count(self, generation: Generation, done: Done | None) -> None:
         if self.first_token_at is None and generation.first_token_at is not None:
@@ -552,6 +569,43 @@ class AgentTurn:
 
 # Stores of cancelled turns still running: the event loop keeps only weak references to tasks.
 _detached: set[asyncio.Task[None]] = set()
+
+
+Piece = TextPiece | ReasoningPiece | ToolCallPiece | Logprobs
+# A word still being written, at the end of the text so far; one longer than this holds no guardrail's term.
+_LAST_WORD = re.compile(r"\w{1,64}\Z")
+
+
+@dataclass
+class _WholeWords:
+    """Holds back the last word of the answer or the reasoning while it may go on."""
+
+    held: TextPiece | ReasoningPiece | None = None
+
+    def through(self, piece: Piece) -> list[Piece]:
+        """What may be sent now that ``piece`` has come: the text up to its last word, or the call, after what was
+        held back (a call, or the other kind of text, ends the word before it)."""
+        if isinstance(piece, Logprobs):
+            return [piece]  # they go with the next text sent
+        if isinstance(piece, ToolCallPiece):
+            return [*self.rest(), piece]
+        out: list[Piece] = []
+        if self.held is not None and type(self.held) is type(piece):
+            piece = type(piece)(self.held.text + piece.text)
+            self.held = None
+        else:
+            out += self.rest()
+        last = _LAST_WORD.search(piece.text)
+        cut = last.start() if last is not None else len(piece.text)
+        if cut:
+            out.append(type(piece)(piece.text[:cut]))
+        if cut < len(piece.text):
+            self.held = type(piece)(piece.text[cut:])
+        return out
+
+    def rest(self) -> list[Piece]:
+        held, self.held = self.held, None
+        return [held] if held is not None else []
 
 
 @dataclass

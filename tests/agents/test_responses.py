@@ -24,6 +24,7 @@ from django.test import override_settings
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
 from agents.services import stored_size
 from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
+from inference.engine import catalog, execution
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage.metrics import REGISTRY as METRICS
 from inference.usage.records import flush
@@ -513,6 +514,38 @@ async def test_a_guardrail_an_admin_adds_mid_conversation_reads_the_turns_stored
     assert SeedClient().read(events).refusal == "I can't discuss order codes."
 
 
+def a_term_that_starts_a_longer_word(text: str, entry: CatalogEntry) -> str:
+    """The first token of a word of ``text`` that the model writes in two tokens or more, where that token is a word
+    of its own and stands nowhere in ``text`` as a whole word: a term a guardrail must not find in it."""
+    vocabulary = execution.get_runner(entry.runner, entry.runner_settings).vocabulary
+    for word in re.findall(r"[A-Za-z]{5,}", text):
+        ids = vocabulary.tokenize(" " + word)
+        head = vocabulary.pieces[ids[0]].decode().strip()
+        if len(ids) > 1 and len(head) > 2 and head.isalpha() and not re.search(rf"(?i)(?<!\w){head}(?!\w)", text):
+            return head
+    raise AssertionError(f"no word of {text!r} starts with a word of its own")
+
+
+async def test_an_output_guardrails_term_at_the_start_of_a_longer_word_being_written_refuses_nothing(
+    tenant: Tenant, plain_agent: AgentInstance, catalog_model: CatalogEntry
+) -> None:
+    # Every token its own piece of the stream: the term is the whole text of the last one, for one piece.
+    settings = {**catalog_model.runner_settings, "stream_interval_ms": 0, "parallel": 1, "n_ctx": 2048}
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(runner_settings=settings)
+    catalog.clear_cache()
+    turn = {"model": plain_agent.instance_id, "input": "Describe an international passport.", "max_output_tokens": 48}
+    _, unguarded = await tenant.stream(**turn)
+    term = a_term_that_starts_a_longer_word(message_text(unguarded), await CatalogEntry.objects.aget())
+    await Guardrail.objects.acreate(
+        instance=plain_agent, name="term", applies_to=Stage.OUTPUT, kind=MatchKind.TERMS, patterns=term, refusal="No."
+    )
+
+    events, guarded = await tenant.stream(**turn)
+
+    assert SeedClient().read(events).refusal is None
+    assert message_text(guarded) == message_text(unguarded)
+
+
 async def test_an_output_guardrail_reads_the_arguments_of_a_call_for_the_client_to_run(
     tenant: Tenant, plain_agent: AgentInstance
 ) -> None:
@@ -592,13 +625,13 @@ async def test_an_instances_defaults_apply_to_requests_that_set_none(
 async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal(
     tenant: Tenant, plain_agent: AgentInstance
 ) -> None:
-    # Blocks any answer of four words or more: the first words have been streamed by then.
+    # Blocks any answer of six words or more: the first words have been streamed by then.
     await Guardrail.objects.acreate(
         instance=plain_agent,
-        name="three words at most",
+        name="five words at most",
         applies_to=Stage.OUTPUT,
         kind=MatchKind.REGEX,
-        patterns=r"(\w+\W+){3}\w+",
+        patterns=r"(\w+\W+){5}\w+",
         refusal="That answer was withheld.",
     )
 
