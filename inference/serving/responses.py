@@ -37,7 +37,7 @@ from inference.engine.generation import (
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import APIError, invalid_request, unsupported_parameter
+from inference.openai.errors import REQUEST_FAULT_CODES, APIError, invalid_request, unsupported_parameter
 from inference.openai.shared import (
     LogprobItems,
     delta_logprob_objects,
@@ -333,11 +333,13 @@ class _OpenItem:
 
 # A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
 # carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
-# trying again (a prompt past the context, a stored conversation that is full) is ``invalid_prompt``.
+# trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce)
+# is ``invalid_prompt``.
 _RESPONSE_ERROR_CODES = {
     "rate_limited": "rate_limit_exceeded",
     "context_length_exceeded": "invalid_prompt",
     "conversation_too_large": "invalid_prompt",
+    **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),
 }
 
 

@@ -934,3 +934,25 @@ async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
     flush()
     record = await UsageRecord.objects.aget(model=TOY_ID)
     assert record.endpoint == "responses" and record.error_code
+
+
+@pytest.mark.parametrize(
+    ("code", "failed_as"),
+    [
+        ("constraint_too_costly", "invalid_prompt"),
+        ("context_length_exceeded", "invalid_prompt"),
+        ("worker_lost", "server_error"),
+    ],
+)
+def test_a_failure_the_request_itself_caused_fails_the_response_as_invalid_prompt_not_server_error(
+    openai_spec: OpenAISpec, code: str, failed_as: str
+) -> None:
+    # server_error tells a client to send the same request again; invalid_prompt that it would fail the same way.
+    encoder = responses.ResponseEncoder(
+        echo=responses.echo(parse(ResponseCreateRequest, {"model": MODEL_ID, "input": "Hi"}))
+    )
+
+    *_, error, failed = encoder.fail("Generation failed.", error_code=code)
+
+    openai_spec.validate("ResponseFailedEvent", failed)
+    assert error["code"] == code and failed["response"]["error"]["code"] == failed_as
