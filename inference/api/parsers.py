@@ -8,7 +8,7 @@ from django.conf import settings
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
 
-from inference.openai.errors import APIError, invalid_request
+from inference.openai.errors import body_too_complex, invalid_request
 
 
 class JSONBodyParser(BaseParser):
@@ -30,7 +30,7 @@ class JSONBodyParser(BaseParser):
         brackets = raw.count(b"{") + raw.count(b"[")
         # Counted before parsing, which would build them all: brackets in strings are not objects or arrays.
         if brackets > containers and _containers(raw) > containers:
-            raise too_many_containers(containers)
+            raise body_too_complex(containers)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -41,19 +41,15 @@ class JSONBodyParser(BaseParser):
         return data
 
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string; its closing quote optional, so that a body whose last string never ends is matched once, not
+# tried again from each quote in it (which would take time with the square of its length).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?')
 
 
 def _containers(raw: bytes) -> int:
     """The objects and arrays of a JSON text: its brackets outside strings."""
     bare = _STRING.sub(b"", raw)
     return bare.count(b"{") + bare.count(b"[")
-
-
-def too_many_containers(limit: int) -> APIError:
-    return APIError(
-        f"The request body holds more than {limit} objects and arrays.", code="request_too_large", status=413
-    )
 
 
 def nested_deeper(value: Any, limit: int) -> bool:

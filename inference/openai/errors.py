@@ -121,6 +121,12 @@ def body_too_large() -> APIError:
     )
 
 
+def body_too_complex(limit: int) -> APIError:
+    return APIError(
+        f"The request body holds more than {limit} objects and arrays.", code="request_too_large", status=413
+    )
+
+
 def content_coding_refused(coding: str) -> APIError:
     # Not decompressed: a compressed body's size says nothing of what it inflates to. RFC 7694: the 415
     # names the codings that are accepted.

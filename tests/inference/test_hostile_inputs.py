@@ -144,6 +144,16 @@ async def test_a_body_of_more_objects_than_the_bound_is_a_413_before_it_is_valid
     assert watched_renderer["render"] == []
 
 
+async def test_a_body_past_the_object_bound_whose_last_string_never_ends_is_refused_as_quickly(api: API) -> None:
+    # A string of 400,000 escaped quotes with no end: matched once, not tried again from each of its quotes (hours).
+    body = b"[" * 50_001 + b'"' + b'\\"' * 400_000
+    headers = {"Authorization": f"Bearer {api.key}"}
+
+    response = await api.client.post(CHAT, data=body, content_type="application/json", headers=headers)
+
+    assert_refused(response, None, "more than 50000 objects and arrays", status=413)
+
+
 async def test_a_body_of_as_many_objects_as_the_bound_is_read(api: API) -> None:
     # 49,998 messages, the list and the body itself: 50,000. Read, and refused only for what it holds.
     response = await api.post(CHAT, chat(messages=QUESTION * 49_998))
