@@ -30,7 +30,7 @@ from inference.serving.caller import (
     meter_for,
     precheck_request,
 )
-from inference.serving.metered import metered
+from inference.serving.metered import Metered
 
 from . import runtime
 from .guardrails import Guardrails
@@ -372,7 +372,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
     )
     turn.charge = grant.charge_within
-    stream = metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
+    stream = Metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
     return Result(headers=grant.headers, stream=stream, route=ROUTE)
 
 

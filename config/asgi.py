@@ -46,6 +46,11 @@ class Handler(ASGIHandler):
                 await self.send_response(response, send)
             except asyncio.CancelledError:
                 pass  # the client went away while the response was being sent
+            finally:
+                # A streamed answer's own stream, which Django leaves open (see ``render_result``); one whose sending
+                # never began is settled as the client's hang-up.
+                if (source := getattr(response, "source", None)) is not None:
+                    await source.aclose()
             return response
 
         # As Django does: a client that disconnects cancels the response (and so the generation).
@@ -64,6 +69,4 @@ class Handler(ASGIHandler):
         body_file.close()
 
 
-application = ProtocolTypeRouter(
-    {"http": ASGIStaticFilesHandler(Handler()), "websocket": refuse_websocket}
-)
+application = ProtocolTypeRouter({"http": ASGIStaticFilesHandler(Handler()), "websocket": refuse_websocket})

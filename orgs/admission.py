@@ -76,7 +76,6 @@ class Grant:
     charged: int = 0  # tokens counted against tokens per minute for this request so far
     admitted_at: float = 0.0  # the admission's time on ``clock``
     _callbacks: list[Any] = field(default_factory=list)
-    _abandon: Any = None
 
     async def charge(self, tokens: int) -> None:
         """Counts ``tokens`` more against tokens per minute: input that only became known after admission."""
@@ -117,16 +116,6 @@ class Grant:
             self.released = True
             if self._release is not None:
                 self._release()
-            for callback in self._callbacks:
-                callback()
-
-    def abandon(self) -> None:
-        """``release`` for a request that ended without one (its response was never sent), from any thread, with
-        no event loop: its slot is no longer kept alive, and frees within ``SLOT_TTL`` seconds at the most."""
-        if not self.released:
-            self.released = True
-            if self._abandon is not None:
-                self._abandon()
             for callback in self._callbacks:
                 callback()
 
@@ -583,11 +572,6 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.release(key, slot)
 
-    def abandon() -> None:
-        _held.get(key, set()).discard(slot)  # no longer refreshed: Redis lets it expire
-        if not isinstance(store, RedisStore):
-            store.release(key, slot)
-
     async def charge(tokens: int, *, at: float | None = None) -> None:
         if at is not None and at <= clock() - WINDOW:
             return  # what it corrects has left the window already
@@ -609,7 +593,6 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     return Grant(
         headers=_headers(limits, decision),
         _release=release,
-        _abandon=abandon,
         _charge=charge if metered else None,
         _charge_within=charge_within if metered else None,
         charged=tokens,

@@ -119,6 +119,9 @@ class AsyncAPIView(APIView):
             )
             response["Cache-Control"] = "no-cache"
             response["X-Accel-Buffering"] = "no"
+            # Django closes only its own wrapper of the stream: the server closes the stream itself once it is sent
+            # or abandoned (``config.asgi``), so its slot and its usage are settled then, not by the garbage collector.
+            response.source = result.stream  # type: ignore[attr-defined]
         else:
             response = HttpResponse(orjson.dumps(result.body), content_type="application/json")
         for name, value in result.headers.items():

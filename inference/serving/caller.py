@@ -24,7 +24,7 @@ from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
-from .metered import CLIENT_DISCONNECTED, Chunk, Ending, generation_outcome, metered
+from .metered import CLIENT_DISCONNECTED, Chunk, Ending, Metered, generation_outcome
 
 logger = logging.getLogger("inference.serving")
 
@@ -86,7 +86,7 @@ def streamed_result(
 ) -> Result:
     """A generation's answer as a stream: its slot is released and its usage recorded when the stream ends, from the
     terminal event its encoder saw (``ending``)."""
-    outcome = metered(stream, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event))
+    outcome = Metered(stream, grant=grant, meter=meter, outcome=lambda _: generation_outcome(generation, ending.event))
     return Result(headers=grant.headers, stream=outcome)
 
 

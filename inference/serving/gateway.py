@@ -43,7 +43,7 @@ from inference.openai.errors import (
 )
 
 from .caller import Caller, Result, admit_request, meter_for, record_error
-from .metered import CLIENT_DISCONNECTED, StreamOutcome, metered
+from .metered import CLIENT_DISCONNECTED, Metered, StreamOutcome
 
 logger = logging.getLogger("inference.serving.gateway")
 
@@ -537,7 +537,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         request_id=caller.request_id,
         terminal=CHAT_END if path == "chat/completions" else RESPONSE_END,
     )
-    stream = metered(
+    stream = Metered(
         relay.relay(response),
         grant=grant,
         meter=meter,

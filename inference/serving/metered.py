@@ -9,7 +9,6 @@ instead of reporting is the service's fault, recorded as such (500), never as th
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -76,29 +75,43 @@ def generation_outcome(generation: Generation, end: Done | Failed | None) -> Str
     )
 
 
-def metered(
-    chunks: AsyncGenerator[Chunk, None],
-    *,
-    grant: Grant,
-    meter: Meter,
-    outcome: Callable[[bool], StreamOutcome],
-) -> AsyncIterator[Chunk]:
+class Metered(AsyncIterator[Chunk]):
     """Relays ``chunks``; when they end, however, releases ``grant`` and records ``outcome(ran_to_end)``.
 
     The source is closed at once when the client goes away, so the model's job is cancelled then, not
-    whenever the garbage collector gets to it. A client that goes away just as its response is about to be sent
-    leaves a stream that never starts, and so never runs its ``finally``: that one is settled when it is collected
-    (its slot left to expire, the request recorded as the client's hang-up).
+    whenever the garbage collector gets to it. Django closes only its own wrapper of a streamed response, so the
+    server closes this one itself once the response is sent or abandoned (``aclose``; ``config.asgi``); a stream
+    whose sending never began (its client gone just then) is settled there as the client's hang-up.
     """
-    stream = _metered(chunks, grant=grant, meter=meter, outcome=outcome)
-    weakref.finalize(stream, _never_sent, grant, meter, outcome).atexit = False
-    return stream
 
+    def __init__(
+        self,
+        chunks: AsyncGenerator[Chunk, None],
+        *,
+        grant: Grant,
+        meter: Meter,
+        outcome: Callable[[bool], StreamOutcome],
+    ) -> None:
+        self._chunks: AsyncGenerator[Chunk, None] = chunks
+        self._relay: AsyncGenerator[Chunk, None] = _metered(chunks, grant=grant, meter=meter, outcome=outcome)
+        self._started = False
+        self._grant, self._meter, self._outcome = grant, meter, outcome
 
-def _never_sent(grant: Grant, meter: Meter, outcome: Callable[[bool], StreamOutcome]) -> None:
-    if not meter.recorded:
-        grant.abandon()
-        outcome(False).record(meter)
+    def __aiter__(self) -> Metered[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        self._started = True
+        return await anext(self._relay)
+
+    async def aclose(self) -> None:
+        if self._started:
+            await self._relay.aclose()
+            return
+        await self._chunks.aclose()
+        if not self._meter.recorded:
+            self._grant.release()
+            self._outcome(False).record(self._meter)
 
 
 async def _metered(
@@ -107,7 +120,7 @@ async def _metered(
     grant: Grant,
     meter: Meter,
     outcome: Callable[[bool], StreamOutcome],
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     ran_to_end = failed = False
     try:
         async with aclosing(chunks):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import AsyncGenerator
 
 import pytest
 
 from inference.models import UsageRecord
-from inference.serving.metered import StreamOutcome, metered
+from inference.serving.metered import Metered, StreamOutcome
 from inference.usage import records as usage
 from orgs import admission
 from orgs.models import Limit, Organization
@@ -38,7 +37,7 @@ async def test_a_stream_whose_source_raises_is_recorded_as_the_services_fault_an
 ) -> None:
     await Limit.objects.acreate(organization=organization, requests_in_flight=1)
     admission.clear_limits_cache()
-    stream = metered(
+    stream = Metered(
         a_source_that_fails_after_its_first_chunk(),
         grant=await admitted(organization),
         meter=meter(organization),
@@ -57,7 +56,7 @@ async def test_a_stream_whose_source_raises_is_recorded_as_the_services_fault_an
 
 
 async def test_a_client_that_goes_away_is_recorded_as_gone(organization: Organization) -> None:
-    stream = metered(
+    stream = Metered(
         a_source_that_fails_after_its_first_chunk(),
         grant=await admitted(organization),
         meter=meter(organization),
@@ -72,21 +71,20 @@ async def test_a_client_that_goes_away_is_recorded_as_gone(organization: Organiz
     assert (record.status, record.error_code) == (499, "client_disconnected")
 
 
-async def test_a_stream_that_is_never_started_frees_its_slot_and_is_recorded_once_collected(
+async def test_a_stream_closed_before_it_started_frees_its_slot_and_is_recorded_as_gone(
     organization: Organization,
 ) -> None:
-    # Its client went away just as the response was to be sent: nothing ever iterates it.
+    # Its client went away just as the response was to be sent: the server closes it without ever iterating it.
     await Limit.objects.acreate(organization=organization, requests_in_flight=1)
     admission.clear_limits_cache()
-    stream = metered(
+    stream = Metered(
         a_source_that_fails_after_its_first_chunk(),
         grant=await admitted(organization),
         meter=meter(organization),
         outcome=served,
     )
 
-    del stream
-    gc.collect()
+    await stream.aclose()
 
     usage.flush()
     record = await UsageRecord.objects.aget(request_id="req_metered")

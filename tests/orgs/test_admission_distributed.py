@@ -123,3 +123,26 @@ def test_requests_in_flight_never_exceed_the_limit(two_servers: TwoServers) -> N
         running += step
         peak = max(peak, running)
     assert 1 <= peak <= 2
+
+
+def test_a_client_that_hangs_up_mid_stream_frees_its_slot_in_flight_at_once(two_servers: TwoServers) -> None:
+    key = two_servers.key_for("conc-hangup")
+    two_servers.servers[0].manage("set_limit", "conc-hangup", "--in-flight", "1")
+    time.sleep(2.5)  # let both processes see the new limit
+    headers = {"Authorization": f"Bearer {key}"}
+    story = ask(stream=True, max_tokens=200, messages=[{"role": "user", "content": "Tell a long story."}])
+    with httpx.stream(
+        "POST", two_servers.servers[0].url + "/v1/infer/chat/completions", json=story, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    hung_up = time.monotonic()
+
+    # Freed when the stream is closed, not left to expire with the slot's time to live (15 s).
+    while (
+        answer := httpx.post(
+            two_servers.servers[1].url + "/v1/infer/chat/completions", json=ask(), headers=headers, timeout=60
+        )
+    ).status_code == 429 and time.monotonic() - hung_up < 5:
+        time.sleep(0.2)
+    assert answer.status_code == 200, answer.text
