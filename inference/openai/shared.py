@@ -99,9 +99,54 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
     return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
 
 
+_BOUNDS = {
+    "greater_than_equal": ("ge", "below minimum", "min", ">="),
+    "greater_than": ("gt", "below minimum", "min", ">"),
+    "less_than_equal": ("le", "above maximum", "max", "<="),
+    "less_than": ("lt", "above maximum", "max", "<"),
+}
+
+
+# What a field of each pydantic type expects, and what a JSON value is, in OpenAI's words.
+_EXPECTED = {
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "a decimal"),
+    "string_type": "a string",
+    **dict.fromkeys(("bool_type", "bool_parsing"), "a boolean"),
+    "list_type": "an array",
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), "an object"),
+}
+_GIVEN: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a decimal number"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "an object"),
+)
+
+
 def _size_error(kind: str, error: Any, param: str) -> APIError | None:
-    """OpenAI's own words and codes for an array or a string of the wrong size."""
+    """OpenAI's own words and codes for a value of the wrong type, a number out of its range, or an array or a
+    string of the wrong size."""
     ctx, given = error.get("ctx") or {}, error.get("input")
+    if kind in _EXPECTED:
+        what = "null" if given is None else next((name for kind_, name in _GIVEN if isinstance(given, kind_)), None)
+        if what is not None:
+            return invalid_request(
+                f"Invalid type for '{param}': expected {_EXPECTED[kind]}, but got {what} instead.",
+                param=param,
+                code="invalid_type",
+            )
+    if kind in _BOUNDS and isinstance(given, int | float) and not isinstance(given, bool):
+        key, words, end, sign = _BOUNDS[kind]
+        bound = ctx[key]
+        number, shown = ("decimal", f"{bound:g}") if isinstance(bound, float) else ("integer", str(bound))
+        return invalid_request(
+            f"Invalid '{param}': {number} {words} value. Expected a value {sign} {shown}, but got {given} instead.",
+            param=param,
+            code=f"{number}_{words.split()[0]}_{end}_value",
+        )
     if kind == "too_long" and isinstance(given, list):
         return invalid_request(
             f"Invalid '{param}': array too long. Expected an array with maximum length {ctx['max_length']}, "

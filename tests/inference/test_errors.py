@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -81,50 +82,57 @@ async def test_a_missing_field_is_named(api: API) -> None:
     assert_error(await api.post(CHAT, {"model": MODEL_ID}), 400, "missing_required_parameter", "messages")
 
 
-async def test_a_wrong_type_is_named(api: API) -> None:
-    error = assert_error(
-        await api.post(
-            CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}
-        ),
-        400,
-        "invalid_value",
-        "temperature",
-    )
-    assert "temperature" in error["message"]
+@pytest.mark.parametrize(
+    ("param", "value", "message"),
+    [
+        ("temperature", "hot", "Invalid type for 'temperature': expected a decimal, but got a string instead."),
+        ("max_tokens", 1.5, "Invalid type for 'max_tokens': expected an integer, but got a decimal number instead."),
+        ("messages", {}, "Invalid type for 'messages': expected an array, but got an object instead."),
+        ("stream", "yes", "Invalid type for 'stream': expected a boolean, but got a string instead."),
+    ],
+)
+async def test_a_wrong_type_is_named_in_openais_words(api: API, param: str, value: Any, message: str) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], param: value}
+
+    error = assert_error(await api.post(CHAT, body), 400, "invalid_type", param)
+
+    assert error["message"] == message
 
 
 async def test_an_out_of_range_value_is_named(api: API) -> None:
     assert_error(
         await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}),
         400,
-        "invalid_value",
+        "decimal_above_max_value",
         "temperature",
     )
 
 
 @pytest.mark.parametrize(
-    ("path", "param", "value"),
+    ("path", "param", "value", "code"),
     [
         # OpenAI's own ranges, the same for every runner: a runner never sees a value outside them.
-        (CHAT, "temperature", 2.01),
-        (CHAT, "temperature", -0.1),
-        (CHAT, "top_p", 1.01),
-        (CHAT, "top_p", -0.01),
-        (CHAT, "frequency_penalty", 2.5),
-        (CHAT, "presence_penalty", -2.5),
-        (CHAT, "top_logprobs", 21),
-        ("/v1/infer/responses", "temperature", 2.5),
-        ("/v1/infer/responses", "top_p", 1.5),
-        ("/v1/infer/responses", "top_logprobs", 21),
+        (CHAT, "temperature", 2.01, "decimal_above_max_value"),
+        (CHAT, "temperature", -0.1, "decimal_below_min_value"),
+        (CHAT, "top_p", 1.01, "decimal_above_max_value"),
+        (CHAT, "top_p", -0.01, "decimal_below_min_value"),
+        (CHAT, "frequency_penalty", 2.5, "decimal_above_max_value"),
+        (CHAT, "presence_penalty", -2.5, "decimal_below_min_value"),
+        (CHAT, "top_logprobs", 21, "integer_above_max_value"),
+        ("/v1/infer/responses", "temperature", 2.5, "decimal_above_max_value"),
+        ("/v1/infer/responses", "top_p", 1.5, "decimal_above_max_value"),
+        ("/v1/infer/responses", "top_logprobs", 21, "integer_above_max_value"),
     ],
 )
-async def test_a_sampling_parameter_outside_openais_range_is_named(
-    api: API, path: str, param: str, value: float
+async def test_a_sampling_parameter_outside_openais_range_is_named_in_openais_words(
+    api: API, path: str, param: str, value: float, code: str
 ) -> None:
     prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
     body = {"model": MODEL_ID, **prompt, param: value}
 
-    assert_error(await api.post(path, body), 400, "invalid_value", param)
+    error = assert_error(await api.post(path, body), 400, code, param)
+
+    assert error["message"].startswith(f"Invalid '{param}': ") and f"but got {value} instead." in error["message"]
 
 
 @pytest.mark.parametrize(
