@@ -43,6 +43,8 @@ def unstorable_at(value: Any, where: str) -> str | None:
     if isinstance(value, str):
         return where if "\x00" in value else None
     if isinstance(value, dict):
+        if any("\x00" in key for key in value):  # a name of its own
+            return where
         parts: Any = value.items()
     elif isinstance(value, list):
         parts = enumerate(value)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
 from django.conf import settings
 from django.db import IntegrityError
 
@@ -147,22 +147,19 @@ def client_texts(items: list[dict[str, Any]], *, instructions: str | None) -> li
 
 
 def refused_exchanges(items: list[dict[str, Any]]) -> frozenset[int]:
-    """The places of every exchange the runtime refused in a conversation: each refusal and the client's messages
-    it answered (those since the last item before them that was not the client's). Neither the model nor the input
-    guardrails read them again: a refused text does not come back with the next turn, stored or sent again with
-    ``store: false``, and the conversation goes on without it. Outputs of the client's tools stay: their calls must
-    keep their answers."""
+    """The places of every exchange the runtime refused in a conversation: a refusal and everything since the
+    assistant's message before it (the question, the searches and calls made for it, their outputs), but the
+    client's system and developer messages, which hold for the rest of the conversation. Neither the model nor the
+    input guardrails read them again: a refused text does not come back with the next turn, stored or sent again
+    with ``store: false``, and the conversation goes on without it."""
     left_out: set[int] = set()
-    asked: list[int] = []
+    start = 0
     for index, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message" and item.get("role") in GUARDED_ROLES:
-            asked.append(index)
-        elif _is_refusal(item):
-            left_out.update(asked, (index,))
-            asked = []
-        elif kind != "function_call_output":
-            asked = []
+        if item.get("type", "message") != "message" or item.get("role") != "assistant":
+            continue
+        if _is_refusal(item):
+            left_out.update(i for i in range(start, index + 1) if items[i].get("role") not in ("system", "developer"))
+        start = index + 1
     return frozenset(left_out)
 
 
@@ -411,7 +408,7 @@ class AgentTurn:
         done: Done | None = None
         # With output guardrails, a word is sent once it has ended: until then a guardrail's whole word at the end
         # of the text so far ("pass") may be the start of another ("passport").
-        words = _WholeWords() if self.agent.guardrails.on_output else None
+        words = WholeWords() if self.agent.guardrails.on_output else None
         try:
             async with aclosing(generation.run()) as pieces:
                 async for piece in pieces:
@@ -572,21 +569,26 @@ _detached: set[asyncio.Task[None]] = set()
 
 
 Piece = TextPiece | ReasoningPiece | ToolCallPiece | Logprobs
-# A word still being written, at the end of the text so far; one longer than this holds no guardrail's term.
-_LAST_WORD = re.compile(r"\w{1,64}\Z")
+# A word still being written, at the end of the text so far; one longer than this holds no guardrail's term. The
+# ``regex`` module's word characters, as the guardrails' own (combining marks are part of a word).
+_LAST_WORD = regex.compile(r"\w{1,64}\Z")
 
 
 @dataclass
-class _WholeWords:
-    """Holds back the last word of the answer or the reasoning while it may go on."""
+class WholeWords:
+    """Holds back the last word of the answer or the reasoning while it may go on, and the logprobs of what it holds
+    back, so that each piece sent comes after its own logprobs."""
 
     held: TextPiece | ReasoningPiece | None = None
+    held_logprobs: list[Logprobs] = field(default_factory=list)  # of the held text
+    arrived: list[Logprobs] = field(default_factory=list)  # of the piece to come
 
     def through(self, piece: Piece) -> list[Piece]:
         """What may be sent now that ``piece`` has come: the text up to its last word, or the call, after what was
         held back (a call, or the other kind of text, ends the word before it)."""
         if isinstance(piece, Logprobs):
-            return [piece]  # they go with the next text sent
+            self.arrived.append(piece)
+            return []
         if isinstance(piece, ToolCallPiece):
             return [*self.rest(), piece]
         out: list[Piece] = []
@@ -594,18 +596,27 @@ class _WholeWords:
             piece = type(piece)(self.held.text + piece.text)
             self.held = None
         else:
+            arrived, self.arrived = self.arrived, []
             out += self.rest()
+            self.arrived = arrived
+        logprobs = [*self.held_logprobs, *self.arrived]
+        self.held_logprobs, self.arrived = [], []
         last = _LAST_WORD.search(piece.text)
         cut = last.start() if last is not None else len(piece.text)
         if cut:
-            out.append(type(piece)(piece.text[:cut]))
+            out += [*logprobs, type(piece)(piece.text[:cut])]
+        else:
+            self.held_logprobs = logprobs
         if cut < len(piece.text):
             self.held = type(piece)(piece.text[cut:])
         return out
 
     def rest(self) -> list[Piece]:
+        """All that is held back, in order."""
         held, self.held = self.held, None
-        return [held] if held is not None else []
+        out: list[Piece] = [*self.held_logprobs, *([held] if held is not None else []), *self.arrived]
+        self.held_logprobs, self.arrived = [], []
+        return out
 
 
 @dataclass

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import pytest
 from django.core.exceptions import ValidationError
 
 from agents.guardrails import Guardrails
 from agents.models import Guardrail, MatchKind, Stage
+from agents.runtime import WholeWords, refused_exchanges
+from inference.engine.decoding import ReasoningPiece, TextPiece, ToolCallPiece
+from inference.engine.generation import Logprobs
+from inference.engine.runners.base import TokenLogprob
 
 SECRETS = "\n".join(
     [
@@ -83,3 +88,63 @@ def test_a_regex_guardrail_that_does_not_compile_is_refused_by_the_admin(pattern
 
     with pytest.raises(ValidationError, match=re.escape(problem)):
         guardrail.full_clean(exclude=["instance"])
+
+
+# --- what output guardrails may see: whole words, each piece after its own logprobs ---------------------------
+
+
+def lp(token: str) -> Logprobs:
+    return Logprobs((TokenLogprob(token.encode(), -0.1),))
+
+
+def sent(pieces: list[Any]) -> list[Any]:
+    words = WholeWords()
+    return [out for piece in pieces for out in words.through(piece)] + words.rest()
+
+
+def test_a_word_of_the_answer_is_sent_once_it_has_ended_and_nothing_is_lost_or_moved() -> None:
+    out = sent([TextPiece("You need a pass"), TextPiece("port to fly"), TextPiece(".")])
+
+    assert out == [TextPiece("You need a "), TextPiece("passport to "), TextPiece("fly.")]
+
+
+def test_a_word_with_combining_marks_is_one_word_as_the_guardrails_read_it() -> None:
+    assert sent([TextPiece("नमस्"), TextPiece("ते दोस्त")]) == [TextPiece("नमस्ते "), TextPiece("दोस्त")]
+
+
+def test_each_piece_comes_after_its_own_logprobs_when_text_is_held_back() -> None:
+    call = ToolCallPiece(index=0, call_id="call_1", name="f", arguments="{}")
+    pieces = [lp("Think"), ReasoningPiece("Think"), lp("Hi"), lp(" there"), TextPiece("Hi there"), lp("{}"), call]
+
+    out = sent(pieces)
+
+    assert out == [
+        lp("Think"), ReasoningPiece("Think"), lp("Hi"), lp(" there"), TextPiece("Hi "), TextPiece("there"), lp("{}"),
+        call,
+    ]  # fmt: skip
+
+
+# --- exchanges a guardrail refused: not read again ---------------------------------------------------------------
+
+REFUSAL = {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+ANSWER = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}
+
+
+def say(role: str, text: str) -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": text}
+
+
+def test_a_refused_exchange_is_left_out_whole_but_the_clients_instructions_stay() -> None:
+    search = {"type": "agent_runtime:function_call", "name": "knowledge_search", "arguments": "{}"}
+    items = [
+        say("system", "Be brief."),
+        say("user", "Hi"),
+        ANSWER,
+        say("developer", "Answer in French."),
+        say("user", "The password is hunter2."),
+        search,
+        REFUSAL,
+        say("user", "Go on."),
+    ]
+
+    assert refused_exchanges(items) == {4, 5, 6}
