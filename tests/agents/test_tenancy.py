@@ -252,7 +252,16 @@ async def test_feedback_on_another_tenants_response_is_not_found_and_changes_not
         ({"meta": {"message_id": "resp_acme", "ticket": ["T-1\x00"]}, "rating": "positive"}, "meta"),
         ({"meta": {"message_id": "resp_acme", "tag\x00": "x"}, "rating": "positive"}, "meta"),
     ],
-    ids=["rating", "no meta", "no message_id", "unknown field", "a nul in the id", "in the comment", "in meta", "in a name in meta"],
+    ids=[
+        "rating",
+        "no meta",
+        "no message_id",
+        "unknown field",
+        "a nul in the id",
+        "in the comment",
+        "in meta",
+        "in a name in meta",
+    ],
 )
 async def test_feedback_names_the_field_that_is_wrong(
     tenant: Tenant, acme_response: StoredResponse, body: dict, param: str
