@@ -97,6 +97,13 @@ class APIChannel(HTTPChannel):
         else:
             self._refuse(request_timeout(self.timeOut or 0))
 
+    def headerReceived(self, line: bytes) -> bool:  # noqa: N802 (Twisted's name)
+        try:
+            return bool(super().headerReceived(line))
+        except ValueError:  # a Content-Length of more digits than Python reads as a number: past any bound
+            self._refuse(body_too_large())
+            return False
+
     def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's name)
         # The body's bound, before any of it is read (and before a ``100 Continue`` invites it): a declared length
         # at once, a chunked body as its chunks arrive. ``length`` is None for a chunked body.

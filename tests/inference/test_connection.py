@@ -241,6 +241,14 @@ def test_a_declared_length_past_the_bound_is_a_413_before_any_of_the_body_is_sen
         assert closed(sock)
 
 
+def test_a_declared_length_of_thousands_of_digits_is_a_413_too(served: Served) -> None:
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Content-Length: " + b"9" * 5000)
+    with served.connect() as sock:
+        sock.sendall(head)
+        assert_refused(answer(sock), 413, "request_too_large")
+        assert closed(sock)
+
+
 def test_a_chunked_body_is_refused_with_a_413_once_it_passes_the_bound_not_after_it_ends(served: Served) -> None:
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
     chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
