@@ -100,7 +100,7 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
         "stream": True,
         "store": True,
         "max_output_tokens": 2000,
-        "temperature": 0.9,
+        "temperature": 0,  # the same long answer every run: sampled, one could end before the client hangs up
     }
     with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/responses", json=body) as response:
@@ -110,7 +110,7 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
                 if line.startswith("data: ") and not response_id:
                     response_id = json.loads(line[6:])["response"]["id"]
                 deltas += line.startswith("data: ") and "output_text.delta" in line
-                if deltas >= 5:
+                if deltas >= 2:
                     break
         # The model is free again at once: the abandoned turn does not run on to 2000 tokens.
         started = time.monotonic()
