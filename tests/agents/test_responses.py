@@ -527,15 +527,12 @@ def a_term_that_starts_a_longer_word(text: str, entry: CatalogEntry) -> str:
 
 
 async def test_an_output_guardrails_term_at_the_start_of_a_longer_word_being_written_refuses_nothing(
-    tenant: Tenant, plain_agent: AgentInstance, catalog_model: CatalogEntry
+    tenant: Tenant, plain_agent: AgentInstance, every_token: CatalogEntry
 ) -> None:
     # Every token its own piece of the stream: the term is the whole text of the last one, for one piece.
-    settings = {**catalog_model.runner_settings, "stream_interval_ms": 0, "parallel": 1, "n_ctx": 2048}
-    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(runner_settings=settings)
-    catalog.clear_cache()
     turn = {"model": plain_agent.instance_id, "input": "Describe an international passport.", "max_output_tokens": 48}
     _, unguarded = await tenant.stream(**turn)
-    term = a_term_that_starts_a_longer_word(message_text(unguarded), await CatalogEntry.objects.aget())
+    term = a_term_that_starts_a_longer_word(message_text(unguarded), every_token)
     await Guardrail.objects.acreate(
         instance=plain_agent, name="term", applies_to=Stage.OUTPUT, kind=MatchKind.TERMS, patterns=term, refusal="No."
     )
@@ -622,8 +619,22 @@ async def test_an_instances_defaults_apply_to_requests_that_set_none(
     assert (chosen["temperature"], chosen["max_output_tokens"]) == (0.7, 20)
 
 
+@pytest.fixture
+def every_token(catalog_model: CatalogEntry) -> CatalogEntry:
+    """The model with every token a piece of the stream of its own, whatever the machine's speed."""
+    catalog_model.runner_settings = {
+        **catalog_model.runner_settings,
+        "stream_interval_ms": 0,
+        "parallel": 1,
+        "n_ctx": 2048,
+    }
+    catalog_model.save()
+    catalog.clear_cache()
+    return catalog_model
+
+
 async def test_an_output_guardrail_replaces_the_streamed_answer_with_its_refusal(
-    tenant: Tenant, plain_agent: AgentInstance
+    tenant: Tenant, plain_agent: AgentInstance, every_token: CatalogEntry
 ) -> None:
     # Blocks any answer of six words or more: the first words have been streamed by then.
     await Guardrail.objects.acreate(
