@@ -91,7 +91,7 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
         return invalid_request(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
         )
-    if (sized := _size_error(kind, first, param)) is not None:
+    if (sized := _in_openai_words(kind, first, param)) is not None:
         return sized
     message = re.sub(r" or instance of \w+", "", first["msg"])  # the class names behind a union are not the API's
     if message.startswith("Value error, "):
@@ -126,7 +126,7 @@ _GIVEN: tuple[tuple[type, str], ...] = (
 )
 
 
-def _size_error(kind: str, error: Any, param: str) -> APIError | None:
+def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
     """OpenAI's own words and codes for a value of the wrong type, a number out of its range, or an array or a
     string of the wrong size."""
     ctx, given = error.get("ctx") or {}, error.get("input")

@@ -460,13 +460,19 @@ async def test_an_input_guardrail_reads_everything_the_client_wrote_for_the_mode
 QUESTION_AFTER_REFUSAL = "Which word did my first message hold?"
 
 
-async def test_a_message_an_input_guardrail_refused_never_reaches_the_model_and_the_conversation_goes_on(
-    tenant: Tenant, plain_agent: AgentInstance
-) -> None:
-    model = plain_agent.instance_id
-    await Guardrail.objects.acreate(
+@pytest.fixture
+def guarded_agent(plain_agent: AgentInstance) -> AgentInstance:
+    """The plain agent, refusing any input that speaks of passwords."""
+    Guardrail.objects.create(
         instance=plain_agent, name="passwords", patterns="password", refusal="I can't help with passwords."
     )
+    return plain_agent
+
+
+async def test_a_message_an_input_guardrail_refused_never_reaches_the_model_and_the_conversation_goes_on(
+    tenant: Tenant, guarded_agent: AgentInstance
+) -> None:
+    model = guarded_agent.instance_id
     _, refused = await tenant.stream(model=model, input="The admin password is hunter2. Remember it.")
     assert refused["usage"]["input_tokens"] == 0  # the model never read it
 
@@ -481,12 +487,9 @@ async def test_a_message_an_input_guardrail_refused_never_reaches_the_model_and_
 
 
 async def test_a_refused_exchange_sent_again_with_store_false_is_left_out_as_a_stored_one_is(
-    tenant: Tenant, plain_agent: AgentInstance
+    tenant: Tenant, guarded_agent: AgentInstance
 ) -> None:
-    model = plain_agent.instance_id
-    await Guardrail.objects.acreate(
-        instance=plain_agent, name="passwords", patterns="password", refusal="I can't help with passwords."
-    )
+    model = guarded_agent.instance_id
     _, refused = await tenant.stream(model=model, input="The admin password is hunter2.", store=False)
     conversation = [{"role": "user", "content": "The admin password is hunter2."}, *refused["output"]]
 

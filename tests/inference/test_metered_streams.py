@@ -27,6 +27,18 @@ def served(ran_to_end: bool) -> StreamOutcome:
     return StreamOutcome(200 if ran_to_end else 499, "" if ran_to_end else "client_disconnected", 7, 3)
 
 
+async def one_request_in_flight(organization: Organization) -> Metered[str]:
+    """The stream of the one request ``organization`` may have in flight, from a source that fails."""
+    await Limit.objects.acreate(organization=organization, requests_in_flight=1)
+    admission.clear_limits_cache()
+    return Metered(
+        a_source_that_fails_after_its_first_chunk(),
+        grant=await admitted(organization),
+        meter=meter(organization),
+        outcome=served,
+    )
+
+
 async def a_source_that_fails_after_its_first_chunk() -> AsyncGenerator[str, None]:
     yield "data: {}\n\n"
     raise RuntimeError("a fault in the service")
@@ -35,14 +47,7 @@ async def a_source_that_fails_after_its_first_chunk() -> AsyncGenerator[str, Non
 async def test_a_stream_whose_source_raises_is_recorded_as_the_services_fault_and_frees_its_slot(
     organization: Organization,
 ) -> None:
-    await Limit.objects.acreate(organization=organization, requests_in_flight=1)
-    admission.clear_limits_cache()
-    stream = Metered(
-        a_source_that_fails_after_its_first_chunk(),
-        grant=await admitted(organization),
-        meter=meter(organization),
-        outcome=served,
-    )
+    stream = await one_request_in_flight(organization)
 
     with pytest.raises(RuntimeError):
         async for _ in stream:
@@ -75,14 +80,7 @@ async def test_a_stream_closed_before_it_started_frees_its_slot_and_is_recorded_
     organization: Organization,
 ) -> None:
     # Its client went away just as the response was to be sent: the server closes it without ever iterating it.
-    await Limit.objects.acreate(organization=organization, requests_in_flight=1)
-    admission.clear_limits_cache()
-    stream = Metered(
-        a_source_that_fails_after_its_first_chunk(),
-        grant=await admitted(organization),
-        meter=meter(organization),
-        outcome=served,
-    )
+    stream = await one_request_in_flight(organization)
 
     await stream.aclose()
 
