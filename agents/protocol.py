@@ -53,6 +53,18 @@ def unstorable_at(value: Any, where: str) -> str | None:
     return next((found for key, part in parts if (found := unstorable_at(part, f"{where}.{key}")) is not None), None)
 
 
+def storable(value: Any) -> Any:
+    """``value`` with every U+0000 in its text replaced by U+FFFD: for what the model or a server tool produced,
+    which the client has been sent as it was, and which the stored turn keeps as near as it can."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {storable(key): storable(part) for key, part in value.items()}
+    if isinstance(value, list):
+        return [storable(part) for part in value]
+    return value
+
+
 def unstorable(where: str) -> str:
     return f"{where} holds the character U+0000, which the service cannot store"
 

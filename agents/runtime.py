@@ -47,6 +47,7 @@ from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
 from inference.openai.errors import APIError, from_exception
+from inference.openai.shared import response_usage
 from inference.serving import responses
 from inference.serving.caller import generation_error
 from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
@@ -226,6 +227,7 @@ class AgentTurn:
     # Counts tokens against the organization's tokens per minute once the turn is admitted (``Grant.charge``).
     charge: Callable[[int], Awaitable[None]] | None = None
     _first: Generation | None = None
+    _running: Generation | None = None  # the step running now, not yet in ``steps``
     # The first step's prompt tokens, which admission charged before that step ran.
     _precharged: int = 0
     _server_calls: int = 0
@@ -409,6 +411,7 @@ class AgentTurn:
         # With output guardrails, a word is sent once it has ended: until then a guardrail's whole word at the end
         # of the text so far ("pass") may be the start of another ("passport").
         words = WholeWords() if self.agent.guardrails.on_output else None
+        self._running = generation
         try:
             async with aclosing(generation.run()) as pieces:
                 async for piece in pieces:
@@ -429,6 +432,7 @@ class AgentTurn:
                         if events := await self._send(ready, outcome):
                             yield events
         finally:
+            self._running = None
             self._count(generation, done)
         if done is not None:
             outcome.finish_reason = "length" if done.finish_reason == "length" else "stop"
@@ -500,12 +504,13 @@ class AgentTurn:
         ]
 
     async def _finish(self, finish_reason: str) -> list[dict[str, Any]]:
+        usage = self.usage
         done = Done(
             finish_reason="length" if finish_reason == "length" else "stop",
-            prompt_tokens=sum(step.prompt_tokens for step in self.steps),
-            completion_tokens=sum(step.completion_tokens for step in self.steps),
-            cached_tokens=sum(step.cached_tokens for step in self.steps),
-            reasoning_tokens=sum(step.reasoning_tokens for step in self.steps),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
         )
         events = self.encoder.finish(done, always_completed=True)
         if self.keep is not None:
@@ -524,9 +529,17 @@ class AgentTurn:
         return events
 
     async def _keep_quietly(self) -> None:
+        """Keeps a failed or cancelled turn, with the tokens its steps took (its Response carries no usage)."""
         if self.keep is not None:
+            usage = self.usage
+            spent = response_usage(
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
+                reasoning_tokens=usage.reasoning_tokens,
+            )
             try:
-                await self.keep(self.encoder.response)
+                await self.keep({**self.encoder.response, "usage": self.encoder.response.get("usage") or spent})
             except APIError:
                 pass  # the conversation is full: a failed or cancelled turn is not kept past its caps
             except IntegrityError:
@@ -536,11 +549,16 @@ class AgentTurn:
 
     @property
     def usage(self) -> StepUsage:
+        """The tokens of every step so far, the one running now too (a turn the client hung up on may be
+        stored or recorded before its step has ended)."""
+        steps = self.steps
+        if (running := self._running) is not None:
+            steps = [*steps, StepUsage(running.prompt_tokens, running.completion_tokens)]
         return StepUsage(
-            prompt_tokens=sum(step.prompt_tokens for step in self.steps),
-            completion_tokens=sum(step.completion_tokens for step in self.steps),
-            cached_tokens=sum(step.cached_tokens for step in self.steps),
-            reasoning_tokens=sum(step.reasoning_tokens for step in self.steps),
+            prompt_tokens=sum(step.prompt_tokens for step in steps),
+            completion_tokens=sum(step.completion_tokens for step in steps),
+            cached_tokens=sum(step.cached_tokens for step in steps),
+            reasoning_tokens=sum(step.reasoning_tokens for step in steps),
         )
 
     def time_to_first_token_ms(self, started: float) -> int | None:

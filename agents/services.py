@@ -35,7 +35,7 @@ from inference.serving.metered import Metered
 from . import runtime
 from .guardrails import Guardrails
 from .models import AgentInstance, Feedback, StoredResponse
-from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest, unstorable, unstorable_at
+from .protocol import AGENT_CALL, AgentCall, AgentResponseRequest, storable, unstorable, unstorable_at
 from .runtime import Agent, AgentTurn
 from .tools.registry import REGISTRY, ToolContext
 
@@ -99,7 +99,8 @@ def previous_not_found(response_id: str) -> APIError:
     kept = f"for {days} days" if days else "until deleted"
     return invalid_request(
         f"Previous response with id {response_id!r} not found. Only responses created with store: true are kept, "
-        f"{kept}; with store: false, send the whole conversation as input.",
+        f"{kept}, from the moment they end (a response still streaming cannot be continued yet); with store: false, "
+        "send the whole conversation as input.",
         param="previous_response_id",
         code="previous_response_not_found",
     )
@@ -185,7 +186,9 @@ def keep_response(
         # Embedded mode has no Celery beat: whoever stores prunes, at most hourly per process.
         _last_prune = time.monotonic()
         prune_responses()
-    size = stored_size(input_items, response["output"])
+    # The client's input was checked before the turn ran; the output is the model's.
+    output = storable(response["output"]) if unstorable_at(response["output"], "output") else response["output"]
+    size = stored_size(input_items, output)
     with transaction.atomic():
         if previous is not None:
             _check_room_to_store(thread=previous.thread, organization_id=organization_id, adding=size)
@@ -198,7 +201,7 @@ def keep_response(
             thread=previous.thread if previous is not None else response["id"],
             status=response["status"],
             input_items=input_items,
-            output_items=response["output"],
+            output_items=output,
             size=size,
             usage=response.get("usage") or {},
             request_id=request_id,

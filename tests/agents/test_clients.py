@@ -136,10 +136,12 @@ def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorde
     assert 3 <= output_tokens < 2000
 
     # What was produced is kept, cancelled, and the conversation goes on from it.
-    ((status, output),) = node_server.query(
-        "select status, output_items from agents_storedresponse where response_id = ?", response_id
+    ((status, output, usage),) = node_server.query(
+        "select status, output_items, usage from agents_storedresponse where response_id = ?", response_id
     )
     assert status == "cancelled" and json.loads(output)[-1]["type"] == "message"
+    # With the tokens it took, as its usage record counts them.
+    assert json.loads(usage)["output_tokens"] == output_tokens
     follow = {
         "model": demo_instance,
         "input": "Thanks.",

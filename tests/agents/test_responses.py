@@ -386,6 +386,36 @@ async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the
     assert (turn.model, turn.status, turn.error_code) == (MODEL_ID, 200, "")
 
 
+async def test_output_holding_u0000_is_stored_with_u_fffd_in_its_place_and_the_conversation_goes_on(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PostgreSQL's jsonb holds no U+0000: the whole answer streamed, then the turn failed as it was stored.
+    def read_label(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
+        return ToolResult(output="Label: A-104\x00bracket")
+
+    tool = ServerTool(
+        name="read_label",
+        description="Read a part's label.",
+        parameters={"type": "object", "properties": {}},
+        run=read_label,
+    )
+    monkeypatch.setitem(REGISTRY, tool.name, tool)
+    instance = await sync_to_async(make_instance)(
+        "support.agent.labels", tools=["read_label"], first_step=FirstStep.TOOL
+    )
+
+    events, response = await tenant.stream(model=instance.instance_id, input="What does the label say?", **SHORT)
+
+    assert events[-1]["type"] == "response.completed"
+    assert response["output"][0]["output"] == "Label: A-104\x00bracket"  # the client sees what the tool said
+    stored = await StoredResponse.objects.aget(response_id=response["id"])
+    assert stored.output_items[0]["output"] == "Label: A-104\ufffdbracket"
+    _, follow = await tenant.stream(
+        model=instance.instance_id, input="Thanks.", previous_response_id=response["id"], **SHORT
+    )
+    assert follow["status"] in ("completed", "incomplete")
+
+
 # --- guardrails -------------------------------------------------------------------------------------------
 
 
