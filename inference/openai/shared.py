@@ -132,9 +132,12 @@ def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
     ctx, given = error.get("ctx") or {}, error.get("input")
     if kind in _EXPECTED:
         what = "null" if given is None else next((name for kind_, name in _GIVEN if isinstance(given, kind_)), None)
+        expected = _EXPECTED[kind]
+        if kind == "list_type" and tuple(error["loc"])[-1:] == ("list",):  # text or parts (``text_or_list``)
+            expected = f"one of a string or array of {'input items' if param == 'input' else 'objects'}"
         if what is not None:
             return invalid_request(
-                f"Invalid type for '{param}': expected {_EXPECTED[kind]}, but got {what} instead.",
+                f"Invalid type for '{param}': expected {expected}, but got {what} instead.",
                 param=param,
                 code="invalid_type",
             )

@@ -99,6 +99,24 @@ async def test_a_wrong_type_is_named_in_openais_words(api: API, param: str, valu
     assert error["message"] == message
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "expected"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages.0.content", "objects"),
+        ("/v1/infer/responses", {"input": {"role": "user"}}, "input", "input items"),
+        ("/v1/infer/responses", {"input": [{"role": "user", "content": 7}]}, "input.0.content", "objects"),
+    ],
+)
+async def test_content_that_is_neither_text_nor_parts_is_told_both_are_taken(
+    api: API, path: str, body: dict[str, Any], param: str, expected: str
+) -> None:
+    error = assert_error(await api.post(path, {"model": MODEL_ID, **body}), 400, "invalid_type", param)
+
+    assert re.fullmatch(
+        f"Invalid type for '{param}': expected one of a string or array of {expected}, but got .+", error["message"]
+    )
+
+
 async def test_an_out_of_range_value_is_named(api: API) -> None:
     assert_error(
         await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}),
