@@ -194,7 +194,7 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "constraint_too_costly": "the output's constraint took too long to enforce for one token; simplify its schema",
 }
 # Failures the request's own content caused once it ran: a 400, not a server fault.
-REQUEST_FAULT_CODES = ("constraint_too_costly",)
+REQUEST_FAULT_CODES = ("constraint_too_costly", "context_length_exceeded")
 
 
 def generation_failed(code: str, *, request_id: str) -> APIError:

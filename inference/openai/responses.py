@@ -113,16 +113,25 @@ class ReasoningItem(LooseModel):
     encrypted_content: str | None = None
 
 
+class ItemReference(LooseModel):
+    """An item named by its ``id`` alone, to be read from storage (its ``type`` may be left out)."""
+
+    type: Literal["item_reference"] | None = None
+    id: str
+
+
 class OtherItem(LooseModel):
-    """An item type this node does not take (server tools' calls, item references); refused by type."""
+    """An item type this node does not take (server tools' calls); refused by type."""
 
     type: str
 
 
-_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning"})
+_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference"})
 
 
 def _item_kind(value: Any) -> str:
+    if isinstance(value, dict) and value.get("type") is None and "role" not in value and "id" in value:
+        return "item_reference"
     role = isinstance(value, dict) and "role" in value
     return tagged(value, _ITEM_TYPES, default="message" if role else None)
 
@@ -132,6 +141,7 @@ InputItem = Annotated[
     | Annotated[FunctionCall, Tag("function_call")]
     | Annotated[FunctionCallOutput, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ItemReference, Tag("item_reference")]
     | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
@@ -266,6 +276,17 @@ class Reasoning(WireModel):
     generate_summary: ReasoningSummary | None = None
 
 
+# OpenAI's ``include`` values: one it does not know is an invalid value, not a parameter this node lacks.
+Include = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
 # ``include`` values with a meaning here; the others ask for results of server tools.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = frozenset(
@@ -297,7 +318,7 @@ class ResponseCreateRequest(WireModel):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
-    include: list[str] | None = None
+    include: list[Include] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -65,18 +66,33 @@ def _param(loc: tuple[Any, ...], data: Any, *, missing: bool = False) -> str:
 
     Pydantic's locations also hold union members and discriminator tags (``literal['auto']``, ``list``,
     ``assistant``); walking the body keeps only the parts that address it, and a missing field's name.
+    A tag is the member's ``type``, which a body may also hold as a key (``{"type": "function", "function":
+    {...}}``, Chat Completions' shape sent to Responses): of the readings, the first that addresses the field
+    the error is about (a missing one absent, any other present) is the one meant.
     """
-    parts: list[str] = []
-    node = data
-    for index, part in enumerate(loc):
-        last = index == len(loc) - 1
-        if isinstance(node, dict) and isinstance(part, str) and (part in node or (last and missing)):
-            parts.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            parts.append(str(part))
-            node = node[part]
-    return ".".join(parts)
+    readings = _readings(loc, data, missing=missing)
+    first, landed = next(readings)
+    if not landed:
+        first = next((parts for parts, landed in readings if landed), first)
+    return ".".join(first)
+
+
+def _readings(loc: tuple[Any, ...], node: Any, *, missing: bool) -> Iterator[tuple[list[str], bool]]:
+    """The ways ``loc`` addresses the body at ``node``: the parts that do, and whether its last part is one."""
+    if not loc:
+        yield [], False
+        return
+    part, rest = loc[0], loc[1:]
+    if isinstance(node, dict) and isinstance(part, str) and (part in node or (not rest and missing)):
+        for parts, landed in _readings(rest, node.get(part), missing=missing):
+            yield [part, *parts], landed or (not rest and (part in node) is not missing)
+        if node.get("type") != part:
+            return
+    elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        for parts, landed in _readings(rest, node[part], missing=missing):
+            yield [str(part), *parts], landed or not rest
+        return
+    yield from _readings(rest, node, missing=missing)
 
 
 def validation_error(exc: ValidationError, data: Any) -> APIError:

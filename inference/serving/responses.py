@@ -188,10 +188,12 @@ class _Conversation:
                 )
 
 
-def _refuse_item(item: wire.OtherItem, where: str) -> APIError:
-    param = _at(where, "type")
-    if item.type == "item_reference":
+def _refuse_item(item: wire.ItemReference | wire.OtherItem, where: str) -> APIError:
+    if isinstance(item, wire.ItemReference):
+        # Named where the client wrote it: a reference may leave its type out.
+        param = _at(where, "type" if item.type else "id")
         return unsupported_parameter(param, f"item_reference needs stored items: {wire.STATELESS}")
+    param = _at(where, "type")
     tool = item.type.removesuffix("_output").removesuffix("_call")
     if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
         return unsupported_parameter(
@@ -337,7 +339,6 @@ class _OpenItem:
 # is ``invalid_prompt``.
 _RESPONSE_ERROR_CODES = {
     "rate_limited": "rate_limit_exceeded",
-    "context_length_exceeded": "invalid_prompt",
     "conversation_too_large": "invalid_prompt",
     **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),
 }
@@ -598,7 +599,9 @@ async def stream_events(
             async for piece in pieces:
                 if isinstance(piece, Failed):
                     ending.event = piece
-                    events = encoder.fail(generation_error(piece, request_id=request_id).message)
+                    # The error event names what failed; response.failed says whether trying again can help.
+                    error = generation_error(piece, request_id=request_id)
+                    events = encoder.fail(error.message, error_code=error.code)
                 elif isinstance(piece, Done):
                     ending.event = piece
                     events = encoder.finish(piece)
@@ -610,7 +613,7 @@ async def stream_events(
         # Once the stream has begun, the only way left to report a fault is the stream's own end.
         logger.exception("response stream %s failed", encoder.response_id)
         failed = ending.event = Failed("internal_error", "The server had an error while generating the response.")
-        for event in encoder.fail(failed.message):
+        for event in encoder.fail(failed.message, error_code=failed.code):
             yield sse(event)
 
 

@@ -117,6 +117,26 @@ async def test_content_that_is_neither_text_nor_parts_is_told_both_are_taken(
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "Name one river in Oregon, please."}]}),
+        ("/v1/infer/responses", {"input": "Name one river in Oregon, please."}),
+    ],
+)
+async def test_a_prompt_the_engine_finds_too_long_once_it_runs_is_the_requests_fault_not_the_servers(
+    api: API, toy_model: CatalogEntry, path: str, body: dict[str, Any]
+) -> None:
+    # The engine refuses prompts longer than its max_num_tokens, past the catalog's context check.
+    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(
+        runner_settings={"model": "/models/toy-reasoner", "max_num_tokens": 4}
+    )
+
+    error = assert_error(await api.post(path, {"model": TOY_ID, **body}), 400, "context_length_exceeded")
+
+    assert error["type"] == "invalid_request_error"
+
+
 async def test_an_out_of_range_value_is_named(api: API) -> None:
     assert_error(
         await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}),

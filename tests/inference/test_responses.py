@@ -22,7 +22,7 @@ import pytest
 from inference.engine import execution
 from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
 from inference.models import CatalogEntry, UsageRecord
-from inference.openai.responses import ResponseCreateRequest
+from inference.openai.responses import INCLUDE_LOGPROBS, ResponseCreateRequest
 from inference.openai.shared import parse
 from inference.serving import responses
 from inference.usage.records import flush
@@ -85,6 +85,7 @@ EVENT_SCHEMAS = {
     "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+    "error": "ResponseErrorEvent",
 }
 
 
@@ -472,6 +473,32 @@ async def test_it_names_a_malformed_item_precisely(api: API, item: dict, param: 
     assert_error(await api.post(RESPONSES, ask(input=[item])), 400, code, param)
 
 
+CHAT_FUNCTION = {"type": "function", "function": {"name": "get_weather"}}
+CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "river", "schema": {"type": "object"}}}
+CHAT_PART = {"type": "input_text", "input_text": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [CHAT_FUNCTION]}, "tools.0.name"),
+        ({"tools": [WEATHER], "tool_choice": CHAT_FUNCTION}, "tool_choice.name"),
+        ({"text": {"format": CHAT_FORMAT}}, "text.format.name"),
+        ({"input": [{"role": "user", "content": [CHAT_PART]}]}, "input.0.content.0.text"),
+    ],
+    ids=["tool", "tool_choice", "text.format", "content-part"],
+)
+async def test_it_names_the_missing_field_of_an_object_whose_type_is_also_one_of_its_keys(
+    api: API, body: dict, param: str
+) -> None:
+    # Chat Completions' shapes ({"type": "function", "function": {...}}) sent to Responses: the field that is missing
+    # is the object's own, not one inside the key that shares the type's name.
+    response = await api.post(RESPONSES, ask(**{"input": "hi", **body}))
+
+    error = assert_error(response, 400, "missing_required_parameter", param)
+    assert error["message"] == f"Missing required parameter: '{param}'."
+
+
 # --- refusals -------------------------------------------------------------------------------------
 
 
@@ -518,11 +545,23 @@ async def test_it_refuses_input_items_it_cannot_replay(api: API, kind: str) -> N
     assert_error(await api.post(RESPONSES, ask(input=items)), 400, "unsupported_parameter", "input.1.type")
 
 
+@pytest.mark.parametrize("reference", [{"id": "msg_1"}, {"type": None, "id": "msg_1"}], ids=["no-type", "null-type"])
+async def test_it_reads_an_item_of_only_an_id_as_the_item_reference_it_is_and_refuses_it(
+    api: API, reference: dict
+) -> None:
+    # OpenAI's ItemReferenceParam: the id is required, the type may be left out or null.
+    error = assert_error(
+        await api.post(RESPONSES, ask(input=[QUESTION, reference])), 400, "unsupported_parameter", "input.1.id"
+    )
+    assert "item_reference" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "code", "param"),
     [
         ({"reasoning": {"effort": "low"}}, "unsupported_parameter", "reasoning.effort"),
         ({"include": ["web_search_call.results"]}, "unsupported_parameter", "include.0"),
+        ({"include": [INCLUDE_LOGPROBS, "message.output_text.logprob"]}, "invalid_value", "include.1"),
         ({"text": {"verbosity": "low"}}, "unsupported_parameter", "text.verbosity"),
         ({"service_tier": "flex"}, "unsupported_parameter", "service_tier"),
         ({"frobnicate": 1}, "unknown_parameter", "frobnicate"),
@@ -929,11 +968,15 @@ async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
 
     events, result = await stream(api, {"model": TOY_ID, "input": "Name one river in Oregon, please."}, openai_spec)
 
-    assert events[-1]["type"] == "response.failed"
-    assert result["status"] == "failed" and result["error"]["code"] == "server_error" and result["error"]["message"]
+    error, failed = events[-2:]
+    assert failed["type"] == "response.failed" and result["status"] == "failed"
+    # What failed, by the API's code, then the Response's error: a prompt the engine cannot take fails the same way
+    # when sent again, so the client is not told to retry (server_error) but that the prompt is at fault.
+    assert (error["type"], error["code"]) == ("error", "context_length_exceeded")
+    assert result["error"] == {"code": "invalid_prompt", "message": error["message"]}
     flush()
     record = await UsageRecord.objects.aget(model=TOY_ID)
-    assert record.endpoint == "responses" and record.error_code
+    assert record.endpoint == "responses" and record.error_code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize(
