@@ -124,11 +124,12 @@ async def test_content_that_is_neither_text_nor_parts_is_told_both_are_taken(
         ("/v1/infer/responses", {"input": "Name one river in Oregon, please."}),
     ],
 )
+@pytest.mark.usefixtures("toy_model")
 async def test_a_prompt_the_engine_finds_too_long_once_it_runs_is_the_requests_fault_not_the_servers(
-    api: API, toy_model: CatalogEntry, path: str, body: dict[str, Any]
+    api: API, path: str, body: dict[str, Any]
 ) -> None:
     # The engine refuses prompts longer than its max_num_tokens, past the catalog's context check.
-    await CatalogEntry.objects.filter(pk=toy_model.pk).aupdate(
+    await CatalogEntry.objects.filter(public_id=TOY_ID).aupdate(
         runner_settings={"model": "/models/toy-reasoner", "max_num_tokens": 4}
     )
 
