@@ -2,8 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
+from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -14,8 +17,48 @@ from django.utils.html import format_html
 from .models import APIKey, Limit, Organization
 
 
+def _one_limit_per_scope(scopes: list[object]) -> str | None:
+    """What is wrong when an organization's limits name one scope (a model, or None: the default) twice."""
+    repeated = {scope for scope in scopes if scopes.count(scope) > 1}
+    if None in repeated:
+        return "An organization has one default limit (model left blank): keep one of these rows."
+    if repeated:
+        return f"An organization has one limit per model: {', '.join(sorted(map(str, repeated)))} is named twice."
+    return None
+
+
+def _names_a_row(model: Any, value: Any) -> bool:
+    try:
+        return bool(model._default_manager.filter(pk=value).exists())
+    except (ValueError, TypeError, OverflowError):  # not an id at all, or past what the database holds
+        return False
+
+
+class LimitInlineFormSet(BaseInlineFormSet):  # type: ignore[type-arg]
+    """The rows of one organization's limits, checked together: each row alone cannot see the others, and the
+    database's constraint would refuse the save only after the form was accepted (a server error)."""
+
+    def clean(self) -> None:
+        super().clean()
+        if any(self.errors):
+            return
+        kept = [
+            form
+            for form in self.forms
+            if form.cleaned_data and not (self.can_delete and self._should_delete_form(form))
+        ]
+        scopes: list[object] = [form.cleaned_data.get("model") for form in kept]
+        if self.instance.pk is not None:  # rows saved meanwhile, or left out of the posted form
+            shown = [form.instance.pk for form in self.initial_forms if form.instance.pk is not None]
+            others = Limit.objects.filter(organization=self.instance).exclude(pk__in=shown).select_related("model")
+            scopes += [row.model for row in others]
+        if problem := _one_limit_per_scope(scopes):
+            raise ValidationError(problem)
+
+
 class LimitInline(admin.TabularInline):
     model = Limit
+    formset = LimitInlineFormSet
     extra = 0
     fields = ["model", "tokens_per_minute", "requests_per_minute", "requests_in_flight"]
     autocomplete_fields = ["model"]
@@ -35,13 +78,37 @@ class APIKeyInline(admin.TabularInline):
         return False
 
 
+class OrganizationForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = Organization
+        fields = "__all__"
+        help_texts = {
+            "active": "Inactive organizations' keys are refused at once. An organization that has used the API is "
+            "deactivated, not deleted: deleting it would delete its usage records with it."
+        }
+
+
 @admin.register(Organization)
 class OrganizationAdmin(admin.ModelAdmin):
+    form = OrganizationForm
     list_display = ["slug", "name", "active", "key_count", "created", "add_key_link"]
     list_filter = ["active"]
     search_fields = ["slug", "name"]
     prepopulated_fields = {"slug": ["name"]}
     inlines = [LimitInline, APIKeyInline]
+
+    def has_delete_permission(self, request: HttpRequest, obj: Organization | None = None) -> bool:
+        """Its usage is what it is billed from: an organization with any is deactivated instead."""
+        if obj is not None and (obj.usage_records.exists() or obj.usage_rollups.exists()):
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        # Deleting in bulk would take the usage of every organization selected, and its confirmation page lists
+        # each of their usage records first.
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
 
     @admin.display(description="keys")
     def key_count(self, obj: Organization) -> int:
@@ -71,8 +138,21 @@ class KeyStateFilter(admin.SimpleListFilter):
         return queryset
 
 
+class APIKeyForm(forms.ModelForm):  # type: ignore[type-arg]
+    class Meta:
+        model = APIKey
+        fields = "__all__"
+
+    def clean_expires_at(self) -> object:
+        expires_at = self.cleaned_data.get("expires_at")
+        if self.instance.pk is None and expires_at is not None and expires_at <= timezone.now():
+            raise ValidationError("Choose a time in the future: a key that has already expired could never be used.")
+        return expires_at
+
+
 @admin.register(APIKey)
 class APIKeyAdmin(admin.ModelAdmin):
+    form = APIKeyForm
     list_display = ["display_prefix", "name", "organization", "state", "created", "last_used_at", "expires_at"]
     list_filter = ["organization", KeyStateFilter]
     search_fields = ["name", "prefix", "organization__slug", "organization__name"]
@@ -142,6 +222,15 @@ class LimitAdmin(admin.ModelAdmin):
     search_fields = ["organization__slug", "model__public_id"]
     autocomplete_fields = ["organization", "model"]
     list_select_related = ["organization", "model"]
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        """A page opened with ``?organization=...&model=...`` starts with those chosen, when they name rows: the
+        autocomplete widgets look their initial values up as given, and a value that is no id fails that query."""
+        initial = super().get_changeform_initial_data(request)
+        for name, related in (("organization", Organization), ("model", Limit._meta.get_field("model").related_model)):
+            if name in initial and not _names_a_row(related, initial[name]):
+                del initial[name]
+        return initial
 
     @admin.display(description="model")
     def scope(self, obj: Limit) -> str:

@@ -157,7 +157,12 @@ class Limit(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["organization", "model"], name="one_limit_per_org_and_model"),
             models.UniqueConstraint(
-                fields=["organization"], condition=models.Q(model__isnull=True), name="one_default_limit_per_org"
+                fields=["organization"],
+                condition=models.Q(model__isnull=True),
+                name="one_default_limit_per_org",
+                violation_error_message=(
+                    "This organization has a default limit already (model left blank): change that one instead."
+                ),
             ),
         ]
 

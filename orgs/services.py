@@ -55,11 +55,17 @@ async def authenticate_key_async(*, raw_key: str) -> APIKey:
 
 
 def create_organization(*, slug: str, name: str = "") -> tuple[Organization, bool]:
+    """The organization ``slug``, made if there is none; ``ValidationError`` for a slug or name its form would
+    refuse (PostgreSQL would refuse an overlong one only at the insert, SQLite never)."""
+    Organization(slug=slug, name=name or slug).full_clean(validate_unique=False)
     return Organization.objects.get_or_create(slug=slug, defaults={"name": name or slug})
 
 
 def create_api_key(*, organization: Organization, name: str = "", expires_at: datetime | None = None) -> str:
-    """A new key's raw secret, shown to its owner once."""
+    """A new key's raw secret, shown to its owner once; ``ValidationError`` for a name its form would refuse."""
+    APIKey(organization=organization, name=name, expires_at=expires_at).clean_fields(
+        exclude=["organization", "prefix", "hashed_key"]
+    )
     _, raw = APIKey.generate(organization=organization, name=name, expires_at=expires_at)
     return raw
 
@@ -73,6 +79,14 @@ def set_limit(
     requests_per_minute: int | None,
     requests_in_flight: int | None,
 ) -> Limit:
+    """``ValidationError`` for numbers the limit's form would refuse (negative, or past what the database holds)."""
+    Limit(
+        organization=organization,
+        model_id=model_id,
+        tokens_per_minute=tokens_per_minute,
+        requests_per_minute=requests_per_minute,
+        requests_in_flight=requests_in_flight,
+    ).clean_fields(exclude=["organization", "model"])
     limit, _ = Limit.objects.update_or_create(
         organization=organization,
         model_id=model_id,

@@ -224,3 +224,40 @@ def test_the_usage_report_shows_charts_and_exports_what_it_shows_as_csv(page: Pa
     assert per_day == charted and len(per_day) == 14
     assert [r["name"] for r in table if r["section"] == "organization"] == [server.org]
     assert [r["name"] for r in table if r["section"] == "error_code"] == ["rate_limited"]
+
+
+def chat_status(server: LiveServer, key: str) -> int:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server.base_url}/chat/completions", headers=headers, json=body, timeout=120).status_code
+
+
+def test_an_admin_sets_an_organizations_limits_on_its_page_and_the_next_request_obeys_them(
+    page: Page, server: LiveServer
+) -> None:
+    slug = f"limited-{uuid.uuid4().hex[:6]}"
+    log_in(page, server)
+    page.goto(f"{server.url}/admin/orgs/organization/add/")
+    page.locator("#id_name").press_sequentially(slug.replace("-", " ").title())
+    for row in range(2):  # a careless admin: two defaults
+        page.locator("#limits-group .add-row a").click()
+        page.fill(f"input[name=limits-{row}-requests_per_minute]", "0")
+    page.click("input[name=_save]")
+
+    expect(page.locator(".errornote")).to_be_visible()
+    expect(page.locator("#limits-group .errorlist.nonform")).to_have_text(
+        "An organization has one default limit (model left blank): keep one of these rows."
+    )
+    assert server.query("SELECT COUNT(*) FROM orgs_organization WHERE slug = ?", slug) == [(0,)]
+
+    page.locator("#limits-group tr.dynamic-limits").nth(1).locator(".inline-deletelink").click()
+    page.click("input[name=_save]")
+    expect(page.locator(".messagelist .success")).to_contain_text("was added successfully")
+    key = server.manage("create_key", slug).strip()
+    assert chat_status(server, key) == 429  # no request per minute
+
+    page.locator("#result_list th a", has_text=slug).click()
+    page.fill("input[name=limits-0-requests_per_minute]", "5")
+    page.click("input[name=_save]")
+    expect(page.locator(".messagelist .success")).to_contain_text("was changed successfully")
+    assert chat_status(server, key) == 200  # at once, not once the old limit has aged out of a cache

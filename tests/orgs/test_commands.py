@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from io import StringIO
@@ -72,3 +73,36 @@ def test_set_limit_refuses_an_unknown_model() -> None:
     run("create_org", "globex")
     with pytest.raises(CommandError, match="No catalog model"):
         run("set_limit", "globex", "nobody/model", "--rpm", "1")
+
+
+TOO_LONG = "Ensure this value has at most 200 characters (it has 201)."
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["create_org", "a" * 65], "slug: Ensure this value has at most 64 characters (it has 65)."),
+        (["create_org", "globex", "--name", "G" * 201], f"name: {TOO_LONG}"),
+        (["create_key", "acme", "--name", "k" * 201], f"name: {TOO_LONG}"),
+        (["set_limit", "acme", "--tpm", str(10**19)], "tokens_per_minute: Ensure this value is less than or equal to"),
+    ],
+    ids=["long slug", "long name", "long key name", "huge limit"],
+)
+def test_the_commands_refuse_what_the_admins_forms_refuse_and_write_nothing(args: list[str], message: str) -> None:
+    Organization.objects.create(slug="acme", name="Acme")
+
+    with pytest.raises(CommandError, match=re.escape(message)):
+        run(*args)
+
+    assert list(Organization.objects.values_list("slug", flat=True)) == ["acme"]
+    assert not APIKey.objects.exists() and not Limit.objects.exists()
+
+
+def test_create_key_warns_that_an_inactive_organizations_key_is_refused() -> None:
+    Organization.objects.create(slug="acme", name="Acme", active=False)
+    out, err = StringIO(), StringIO()
+
+    call_command("create_key", "acme", stdout=out, stderr=err)
+
+    assert out.getvalue().startswith("b3os_")
+    assert "'acme' is inactive: its keys are refused until it is made active." in err.getvalue()

@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from orgs.models import Organization
 from orgs.services import create_api_key
+
+from ._problems import refused
 
 
 class Command(BaseCommand):
@@ -19,4 +22,12 @@ class Command(BaseCommand):
         org = Organization.objects.filter(slug=org_slug).first()
         if org is None:
             raise CommandError(f"No organization {org_slug!r}. Create it with: manage.py create_org {org_slug}")
-        self.stdout.write(create_api_key(organization=org, name=name))
+        try:
+            raw = create_api_key(organization=org, name=name)
+        except ValidationError as exc:
+            raise refused(exc) from None
+        if not org.active:
+            self.stderr.write(
+                f"The organization {org_slug!r} is inactive: its keys are refused until it is made active."
+            )
+        self.stdout.write(raw)

@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils.text import slugify
 
 from orgs.services import create_organization
+
+from ._problems import refused
 
 
 class Command(BaseCommand):
@@ -18,6 +21,9 @@ class Command(BaseCommand):
     def handle(self, *args: Any, slug: str, name: str, **options: Any) -> None:
         if slugify(slug) != slug:
             raise CommandError(f"{slug!r} is not a valid slug: use lowercase letters, digits and hyphens.")
-        org, created = create_organization(slug=slug, name=name)
+        try:
+            org, created = create_organization(slug=slug, name=name)
+        except ValidationError as exc:
+            raise refused(exc) from None
         self.stderr.write(f"{'Created' if created else 'Exists'}: organization {org.slug}")
         self.stdout.write(org.slug)

@@ -2,11 +2,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inference.models import CatalogEntry
 from orgs.models import Organization
 from orgs.services import set_limit
+
+from ._problems import refused
 
 
 def _limit(value: str) -> int | None:
@@ -42,13 +45,16 @@ class Command(BaseCommand):
             entry = CatalogEntry.objects.filter(public_id=model_id).first()
             if entry is None:
                 raise CommandError(f"No catalog model {model_id!r}.")
-        limit = set_limit(
-            organization=org,
-            model_id=entry.pk if entry else None,
-            tokens_per_minute=tpm,
-            requests_per_minute=rpm,
-            requests_in_flight=in_flight,
-        )
+        try:
+            limit = set_limit(
+                organization=org,
+                model_id=entry.pk if entry else None,
+                tokens_per_minute=tpm,
+                requests_per_minute=rpm,
+                requests_in_flight=in_flight,
+            )
+        except ValidationError as exc:
+            raise refused(exc) from None
         show = lambda v: "unlimited" if v is None else str(v)  # noqa: E731
         self.stdout.write(
             f"{limit}: tpm={show(limit.tokens_per_minute)} rpm={show(limit.requests_per_minute)} "

@@ -11,7 +11,7 @@ from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.test import Client, override_settings
 
@@ -284,6 +284,24 @@ def test_the_admin_report_exports_what_it_shows_as_csv(record: Record) -> None:
     assert (rows[0]["section"], rows[0]["requests"], rows[0]["errors"]) == ("total", "2", "1")
     assert [r["name"] for r in rows if r["section"] == "day"][-2:] == [str(days_ago(1)), str(today())]
     assert [(r["name"], r["errors"]) for r in rows if r["section"] == "error_code"] == [("rate_limited", "1")]
+
+
+@pytest.mark.parametrize("may_view_usage", [False, True])
+def test_the_admin_report_is_only_for_staff_who_may_view_usage_records(record: Record, may_view_usage: bool) -> None:
+    """Staff given other parts of the admin (the catalog, say) do not read every organization's usage."""
+    record(day=today())
+    clerk = User.objects.create(username="catalog-keeper", is_staff=True)
+    if may_view_usage:
+        clerk.user_permissions.add(Permission.objects.get(codename="view_usagerecord"))
+    client = Client()
+    client.force_login(clerk)
+
+    page = client.get("/admin/usage/report/")
+    download = client.get("/admin/usage/report/", {"format": "csv"})
+    index = client.get("/admin/").content.decode()
+
+    assert (page.status_code, download.status_code) == ((200, 200) if may_view_usage else (403, 403))
+    assert ('id="usage-report-link"' in index) is may_view_usage
 
 
 def test_the_csv_export_keeps_a_spreadsheet_from_running_names_as_formulas(

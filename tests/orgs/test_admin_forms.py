@@ -1,0 +1,242 @@
+"""The organizations' admin as a careless or hostile admin uses it: what its forms refuse, and how they say so."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.utils import timezone
+
+from inference.models import CatalogEntry, UsageRecord
+from orgs import admission
+from orgs.models import APIKey, Limit, Organization
+from tests.conftest import API, MODEL_ID
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
+
+
+@pytest.fixture
+def staff_client() -> Client:
+    user = get_user_model().objects.create_superuser("root", "root@example.com", "a-long-password")
+    client = Client(raise_request_exception=False)
+    client.force_login(user)
+    return client
+
+
+def organization_form(
+    organization: Organization, limits: Sequence[CatalogEntry | None], *, shown: Sequence[Limit] = ()
+) -> dict[str, str]:
+    """The organization's page as posted: ``shown`` are its saved limit rows on the page, ``limits`` new rows."""
+    data = {
+        "name": organization.name,
+        "slug": organization.slug,
+        "active": "on",
+        "limits-TOTAL_FORMS": str(len(shown) + len(limits)),
+        "limits-INITIAL_FORMS": str(len(shown)),
+        "api_keys-TOTAL_FORMS": "0",
+        "api_keys-INITIAL_FORMS": "0",
+    }
+    rows = [(row.pk, row.model) for row in shown] + [(None, model) for model in limits]
+    for index, (pk, model) in enumerate(rows):
+        data[f"limits-{index}-id"] = str(pk or "")
+        data[f"limits-{index}-organization"] = str(organization.pk or "")
+        data[f"limits-{index}-model"] = str(model.pk) if model else ""
+        data[f"limits-{index}-requests_per_minute"] = "10"
+    return data
+
+
+def errors(page: bytes) -> str:
+    return " ".join(
+        re.sub(r"<[^>]+>", " ", found)
+        for found in re.findall(r'class="errorlist[^"]*"[^>]*>(.*?)</ul>', page.decode(), re.S)
+    )
+
+
+def test_a_new_organization_with_two_default_limits_is_refused_by_the_form(staff_client: Client) -> None:
+    page = staff_client.post(
+        "/admin/orgs/organization/add/", organization_form(Organization(name="Globex", slug="globex"), [None, None])
+    )
+
+    assert page.status_code == 200
+    assert "An organization has one default limit (model left blank): keep one of these rows." in errors(page.content)
+    assert not Organization.objects.filter(slug="globex").exists()
+
+
+def test_a_second_default_limit_beside_the_saved_one_is_refused_by_the_form(
+    staff_client: Client, organization: Organization
+) -> None:
+    saved = Limit.objects.create(organization=organization, requests_per_minute=5)
+    url = f"/admin/orgs/organization/{organization.pk}/change/"
+
+    page = staff_client.post(url, organization_form(organization, [None], shown=[saved]))
+
+    assert page.status_code == 200 and "one default limit" in errors(page.content)
+    assert list(Limit.objects.values_list("requests_per_minute", flat=True)) == [5]
+
+
+@pytest.mark.parametrize("scope", ["default", "model"])
+def test_a_limit_for_a_scope_saved_meanwhile_is_refused_by_the_form_not_a_server_error(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry, scope: str
+) -> None:
+    """The page was opened before another admin saved a limit for the same scope."""
+    model = catalog_model if scope == "model" else None
+    Limit.objects.create(organization=organization, model=model, requests_per_minute=5)
+    url = f"/admin/orgs/organization/{organization.pk}/change/"
+
+    page = staff_client.post(url, organization_form(organization, [model]))
+
+    assert page.status_code == 200
+    expected = f"one limit per model: {MODEL_ID} is named twice" if model else "one default limit"
+    assert expected in errors(page.content)
+    assert Limit.objects.count() == 1
+
+
+def test_a_default_limit_can_become_a_models_limit_while_a_new_default_is_added(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    saved = Limit.objects.create(organization=organization, requests_per_minute=5)
+    data = organization_form(organization, [None], shown=[saved])
+    data["limits-0-model"] = str(catalog_model.pk)
+
+    response = staff_client.post(f"/admin/orgs/organization/{organization.pk}/change/", data)
+
+    assert response.status_code == 302
+    assert sorted(Limit.objects.values_list("model", flat=True), key=str) == [catalog_model.pk, None]
+
+
+def test_a_second_default_limit_on_the_limits_page_is_refused_with_a_message_an_admin_understands(
+    staff_client: Client, organization: Organization
+) -> None:
+    Limit.objects.create(organization=organization, requests_per_minute=5)
+
+    page = staff_client.post(
+        "/admin/orgs/limit/add/",
+        {"organization": organization.pk, "model": "", "tokens_per_minute": "100", "requests_per_minute": ""},
+    )
+
+    assert page.status_code == 200
+    assert "This organization has a default limit already (model left blank): change that one instead." in errors(
+        page.content
+    )
+    assert Limit.objects.count() == 1
+
+
+async def test_a_limit_lowered_as_the_admin_saves_it_applies_to_the_next_request(api: API) -> None:
+    organization = await Organization.objects.aget(slug="acme")
+    row = await Limit.objects.acreate(organization=organization, requests_per_minute=10)
+    admission.clear_limits_cache()
+    ask = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    assert (await api.post("/v1/infer/chat/completions", ask)).status_code == 200
+
+    row.requests_per_minute = 0
+    await row.asave()
+
+    assert (await api.post("/v1/infer/chat/completions", ask)).status_code == 429
+    await row.adelete()
+    assert (await api.post("/v1/infer/chat/completions", ask)).status_code == 200
+
+
+def test_a_key_that_would_expire_before_it_is_created_is_refused(
+    staff_client: Client, organization: Organization
+) -> None:
+    past = timezone.now() - timedelta(days=1)
+
+    page = staff_client.post(
+        "/admin/orgs/apikey/add/",
+        {
+            "organization": organization.pk,
+            "name": "ci",
+            "expires_at_0": past.date().isoformat(),
+            "expires_at_1": past.time().strftime("%H:%M:%S"),
+        },
+    )
+
+    assert page.status_code == 200 and 'id="new-api-key"' not in page.content.decode()
+    assert "Choose a time in the future" in errors(page.content)
+    assert not APIKey.objects.exists()
+
+
+def test_a_saved_key_may_be_given_an_expiry_that_has_passed_to_end_it(
+    staff_client: Client, organization: Organization
+) -> None:
+    key, _ = APIKey.generate(organization=organization, name="ci")
+    past = timezone.now() - timedelta(minutes=1)
+
+    response = staff_client.post(
+        f"/admin/orgs/apikey/{key.pk}/change/",
+        {"name": "ci", "expires_at_0": past.date().isoformat(), "expires_at_1": past.time().strftime("%H:%M:%S")},
+    )
+
+    assert response.status_code == 302
+    key.refresh_from_db()
+    assert key.state == "expired"
+
+
+def test_an_organization_that_has_used_the_api_is_deactivated_not_deleted(
+    staff_client: Client, organization: Organization
+) -> None:
+    UsageRecord.objects.create(
+        organization=organization, model=MODEL_ID, endpoint="chat.completions", status=200, request_id="req_1",
+        created=timezone.now(),
+    )  # fmt: skip
+    url = f"/admin/orgs/organization/{organization.pk}/"
+
+    page = staff_client.get(url + "change/").content.decode()
+    assert "deleting it would delete its usage records" in page and f"{url}delete/" not in page
+    assert staff_client.get(url + "delete/").status_code == 403
+    assert staff_client.post(url + "delete/", {"post": "yes"}).status_code == 403
+    listing = staff_client.get("/admin/orgs/organization/").content.decode()
+    assert "delete_selected" not in listing
+    staff_client.post("/admin/orgs/organization/", {"action": "delete_selected", "_selected_action": organization.pk,
+                                                    "post": "yes"})  # fmt: skip
+    assert Organization.objects.filter(pk=organization.pk).exists() and UsageRecord.objects.count() == 1
+
+
+def test_an_organization_made_by_mistake_can_still_be_deleted(staff_client: Client, organization: Organization) -> None:
+    response = staff_client.post(f"/admin/orgs/organization/{organization.pk}/delete/", {"post": "yes"})
+
+    assert response.status_code == 302 and not Organization.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "query", ["organization=abc", "organization=99999999999999999999999", "model=%00&organization=1.5"]
+)
+def test_the_limit_page_opened_with_a_choice_that_names_no_row_opens_with_nothing_chosen(
+    staff_client: Client, organization: Organization, query: str
+) -> None:
+    page = staff_client.get(f"/admin/orgs/limit/add/?{query}")
+
+    assert page.status_code == 200 and 'selected>acme</option>' not in page.content.decode()
+
+
+def test_the_limit_page_opened_for_an_organization_and_a_model_opens_with_them_chosen(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    page = staff_client.get(f"/admin/orgs/limit/add/?organization={organization.pk}&model={catalog_model.pk}")
+
+    assert page.status_code == 200
+    assert re.search(r"<option value=\"\d+\" selected>acme</option>", page.content.decode())
+    assert re.search(rf"<option value=\"\d+\" selected>{re.escape(MODEL_ID)}</option>", page.content.decode())
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_a_key_made_for_an_inactive_organization_is_shown_with_a_warning_that_it_is_refused(
+    staff_client: Client, organization: Organization, active: bool
+) -> None:
+    Organization.objects.filter(pk=organization.pk).update(active=active)
+
+    form = {"organization": organization.pk, "name": "ci", "expires_at_0": "", "expires_at_1": ""}
+
+    page = staff_client.post("/admin/orgs/apikey/add/", form).content.decode()
+
+    assert 'id="new-api-key"' in page
+    warning = re.search(r'id="inactive-organization">([^<]+)</li>', page)
+    assert (warning is None) is active
+    if warning:
+        assert " ".join(warning.group(1).split()) == (
+            "acme is inactive: this key is refused until the organization is made active again."
+        )
