@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Where the project keeps its local files (config/settings.py reads the same variable).
+VAR_DIR := $(or $(B3OS_VAR_DIR),var)
 LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 # The Codex CLI release the tests drive against a live server (tests/inference/test_responses_clients.py).
 CODEX_VERSION := 0.171.0
@@ -12,6 +14,7 @@ CODEX_DIR := var/codex
 .PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench soak clean
 
 $(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11 or later is needed: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
@@ -38,9 +41,9 @@ rebuild-runner: | $(PY)
 run: install
 	$(PY) manage.py migrate --noinput -v0
 	$(PY) manage.py bootstrap_demo
-	$(PY) manage.py create_demo_instance demo > var/demo-instance
-	@echo "Agent:    $$(cat var/demo-instance)  (X-Tenant-ID: demo, POST http://$(HOST):$(PORT)/v1/responses)"
-	@echo "Models:   curl -s http://$(HOST):$(PORT)/v1/infer/models -H \"Authorization: Bearer $$(cat var/demo-api-key)\""
+	$(PY) manage.py create_demo_instance demo > $(VAR_DIR)/demo-instance
+	@echo "Agent:    $$(cat $(VAR_DIR)/demo-instance)  (X-Tenant-ID: demo, POST http://$(HOST):$(PORT)/v1/responses)"
+	@echo "Models:   curl -s http://$(HOST):$(PORT)/v1/infer/models -H \"Authorization: Bearer $$(cat $(VAR_DIR)/demo-api-key)\""
 	@echo "Admin:    http://$(HOST):$(PORT)/admin/"
 	$(PY) manage.py serve --host $(HOST) --port $(PORT)
 

@@ -266,6 +266,9 @@ WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
 # The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
 OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2)
 
+# Read by the CPU runner itself (inference.engine.runners.llama_cpp), in workers and test children too; checked here.
+_int("CPU_RUNNER_THREADS", 0, least=1, code="config.E051", hint="Use 1 or more threads, or leave it unset.")
+
 # What one request may ask of the CPU runner's grammars: larger schemas are refused with a 400 naming them, since
 # their grammar would take unbounded time and memory to build, or crash llama.cpp's parser. See the README.
 SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32)
@@ -354,6 +357,13 @@ HTTP_REQUEST_READ_TIMEOUT_SECONDS = _int(
     hint="Use 1 or more: without a deadline, clients that send their requests slowly hold connections forever.",
 )
 
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "").strip().upper() or "INFO"
+if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+    CONFIG_PROBLEMS.append(
+        ("config.E050", f"LOG_LEVEL={LOG_LEVEL!r} is not a log level.", "Use DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+    )
+    LOG_LEVEL = "INFO"
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -363,7 +373,7 @@ LOGGING = {
     },
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},

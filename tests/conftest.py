@@ -41,7 +41,7 @@ MODEL_ID = DEFAULT_MODEL["public_id"]
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The suite generates with the CPU runner in this process: one whose library crashes stops it here, by name."""
     if (problem := check_runner(DEFAULT_MODEL["runner"], DEFAULT_MODEL["runner_settings"])) is not None:
-        pytest.exit(problem, returncode=3)
+        pytest.exit(problem.message, returncode=3)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

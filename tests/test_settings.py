@@ -80,3 +80,18 @@ def test_running_distributed_without_a_shared_secret_key_is_an_error(tmp_path: P
 
     assert unshared.returncode != 0 and "config.E012" in unshared.stderr
     assert shared.returncode == 0, shared.stderr
+
+
+def test_a_log_level_is_read_in_any_case_and_one_that_is_none_is_named_by_the_checks(tmp_path: Path) -> None:
+    lower = run(["manage.py", "check"], tmp_path, LOG_LEVEL="debug")
+    wrong = run(["manage.py", "check"], tmp_path, LOG_LEVEL="verbose")
+
+    assert lower.returncode == 0, lower.stderr
+    assert wrong.returncode != 0 and "config.E050" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_cpu_runner_threads_that_are_no_count_of_threads_are_named_by_the_checks(tmp_path: Path) -> None:
+    for threads in ("two", "0"):
+        result = run(["manage.py", "check"], tmp_path, CPU_RUNNER_THREADS=threads)
+
+        assert result.returncode != 0 and "CPU_RUNNER_THREADS" in result.stderr, result.stderr

@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 TIMEOUT_SECONDS = 300
@@ -22,12 +23,22 @@ _SELF_TESTS = {"llama_cpp": "inference.engine.runners.llama_cpp"}
 _ADVICE = {
     "llama_cpp": (
         "Its native library (llama.cpp, built by scripts/build-cpu-runner) does not run on this CPU. "
-        "Rebuild it with `make rebuild-runner`; see the README, \"The CPU runner's build\"."
+        'Rebuild it with `make rebuild-runner`; see the README, "The CPU runner\'s build".'
     ),
 }
 
 
-def check_runner(runner: str, settings: dict[str, Any]) -> str | None:
+@dataclass(frozen=True, slots=True)
+class RunnerProblem:
+    """What a test generation found. ``crashed``: the native library cannot run on this CPU (killed by a
+    signal, or hung), and nothing on it can be served; otherwise the entry's settings are wrong (a model file
+    that is not there), and only that entry cannot."""
+
+    message: str
+    crashed: bool
+
+
+def check_runner(runner: str, settings: dict[str, Any]) -> RunnerProblem | None:
     """``None`` when a test generation on ``runner`` works here, else what went wrong and what to do."""
     module = _SELF_TESTS.get(runner)
     if module is None:
@@ -38,12 +49,16 @@ def check_runner(runner: str, settings: dict[str, Any]) -> str | None:
             [sys.executable, "-c", code, json.dumps(settings)], capture_output=True, text=True, timeout=TIMEOUT_SECONDS
         )
     except subprocess.TimeoutExpired:
-        return f"The {runner} runner did not finish a test generation in {TIMEOUT_SECONDS} s."
+        return RunnerProblem(f"The {runner} runner did not finish a test generation in {TIMEOUT_SECONDS} s.", True)
     if child.returncode == 0:
         return None
     if child.returncode < 0:
-        how = f"was killed by {signal.Signals(-child.returncode).name}"
-    else:
-        last = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        how = f"failed ({last})"
-    return f"The {runner} runner {how} in a test generation. {_ADVICE[runner]}"
+        killed = signal.Signals(-child.returncode).name
+        return RunnerProblem(
+            f"The {runner} runner was killed by {killed} in a test generation. {_ADVICE[runner]}", True
+        )
+    # An exception, not a crash: the library runs, the entry is wrong (a model file that is not there, a bad setting).
+    last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+    return RunnerProblem(
+        f"The {runner} runner failed in a test generation ({last}): check the entry's runner settings.", False
+    )

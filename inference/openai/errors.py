@@ -94,7 +94,8 @@ def model_missing(message: str, *, code: str = "model_not_available") -> APIErro
 
 def model_not_available(model: str) -> APIError:
     return model_missing(
-        f'The model {model!r} is not served on this node. Add "route": "gateway" to send the request to the gateway.'
+        f"The model {model!r} is not served on this node (GET /v1/infer/models lists the models you can use; "
+        'one offered through the gateway is sent there with "route": "gateway").'
     )
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from twisted.web.http import _parseContentType
 
 from inference.management.commands.serve import media_type
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize(
@@ -27,3 +34,24 @@ from inference.management.commands.serve import media_type
 )
 def test_the_content_type_is_read_as_twisted_reads_it(header: bytes) -> None:
     assert media_type(header) == _parseContentType(header)
+
+
+def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {**os.environ, "B3OS_VAR_DIR": str(tmp_path), "DATABASE_URL": "", "REDIS_URL": ""}
+
+        served = subprocess.run(
+            [sys.executable, "manage.py", "serve", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert served.returncode != 0
+    assert f"Cannot listen on 127.0.0.1:{port}: Address already in use" in served.stderr
+    assert "Serving on" not in served.stderr

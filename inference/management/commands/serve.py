@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import socket
 from http import HTTPStatus
 from typing import Any
 
@@ -49,6 +50,21 @@ def media_type(header: bytes) -> bytes:
     return media if media.count(b"/") == 1 else b"text/plain"
 
 
+def check_port(host: str, port: int) -> None:
+    """A clear error, before anything loads, when ``host:port`` cannot be listened on (another server holds it)."""
+    interface = host.strip("[]")
+    family = socket.AF_INET6 if ":" in interface else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Twisted listens
+        try:
+            probe.bind((interface, port))
+        except OSError as exc:
+            raise CommandError(
+                f"Cannot listen on {host}:{port}: {exc.strerror}. Stop what holds the port, or choose another "
+                "(manage.py serve --port N, make run PORT=N)."
+            ) from None
+
+
 class Command(BaseCommand):
     help = (
         "Serve the API and the admin with daphne. "
@@ -64,6 +80,7 @@ class Command(BaseCommand):
         # Imported here: building the ASGI application sets Django up for serving, which no other command needs.
         from config.asgi import application
 
+        check_port(host, port)  # before the models load: a port in use is told at once, and the exit is not 0
         if not settings.DISTRIBUTED:
             # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
             start_periodic_rollup()
@@ -79,10 +96,10 @@ class Command(BaseCommand):
         for status in HTTPStatus:
             twisted_http.RESPONSES.setdefault(status.value, status.phrase.encode())
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
-        self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)")
+        self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)", style_func=self.style.SUCCESS)
         interface = host.strip("[]")
         endpoint = f"tcp:port={port}:interface={interface.replace(':', chr(92) + ':')}"
-        daphne_server.Server(
+        server = daphne_server.Server(
             application=application,
             endpoints=[endpoint],
             signal_handlers=True,
@@ -90,10 +107,18 @@ class Command(BaseCommand):
             http_timeout=settings.HTTP_TIMEOUT_SECONDS,
             application_close_timeout=10,
             server_name="b3os",
-        ).run()
+        )
+        server.run()
+        if not server.listening_addresses:
+            raise CommandError(f"Could not listen on {host}:{port} (see the line above).")
 
     def check_runners(self) -> None:
         """A native runner library that crashes on this CPU stops the start with a message, not a dead server later."""
         for entry in CatalogEntry.objects.served_here():
-            if (problem := check_runner(entry.runner, entry.runner_settings)) is not None:
-                raise CommandError(f"{entry.public_id}: {problem}")
+            if (problem := check_runner(entry.runner, entry.runner_settings)) is None:
+                continue
+            if problem.crashed:
+                raise CommandError(f"{entry.public_id}: {problem.message}")
+            # One entry's bad settings must not keep the admin, where they are fixed, and the other models down.
+            message = f"{entry.public_id}: {problem.message} Requests for it get 503 meanwhile."
+            self.stderr.write(self.style.WARNING(message))

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from inference.engine.preflight import check_runner
+from inference.management.commands.serve import Command
+from inference.models import CatalogEntry
 from tests.conftest import DEFAULT_MODEL, ROOT
 
 # A stand-in for a llama.cpp built with kernels this CPU cannot run: it dies on a bad memory access.
@@ -37,9 +39,28 @@ def test_a_runner_library_that_crashes_is_named_with_what_to_do(
 
     problem = check_runner(DEFAULT_MODEL["runner"], DEFAULT_MODEL["runner_settings"])
 
-    assert problem is not None
-    assert "The llama_cpp runner was killed by SIGSEGV" in problem
-    assert "make rebuild-runner" in problem
+    assert problem is not None and problem.crashed
+    assert "The llama_cpp runner was killed by SIGSEGV" in problem.message
+    assert "make rebuild-runner" in problem.message
+
+
+def test_an_entry_whose_model_file_is_missing_is_its_own_settings_fault_not_the_librarys() -> None:
+    problem = check_runner("llama_cpp", {"model_path": "/nonexistent/model.gguf"})
+
+    assert problem is not None and not problem.crashed
+    assert "/nonexistent/model.gguf" in problem.message and "check the entry's runner settings" in problem.message
+    assert "rebuild" not in problem.message
+
+
+@pytest.mark.django_db
+def test_serve_names_an_entry_it_cannot_load_and_goes_on_with_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    CatalogEntry.objects.create(
+        public_id="local/missing", runner="llama_cpp", runner_settings={"model_path": "/nonexistent/model.gguf"}
+    )
+
+    Command().check_runners()  # the default model's library runs: only the entry's own settings are at fault
+
+    assert "local/missing: The llama_cpp runner failed in a test generation" in capsys.readouterr().err
 
 
 def test_runners_without_a_native_library_of_their_own_have_nothing_to_check() -> None:
