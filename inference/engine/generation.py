@@ -8,6 +8,7 @@ tool calls) and one terminal ``Done`` or ``Failed``, cancelling the job if the c
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import secrets
 import time
@@ -141,11 +142,12 @@ class Generation:
                         if self.first_token_at is None:
                             self.first_token_at = time.monotonic()
                         self.completion_tokens += event.tokens
-                        if event.logprobs:
-                            yield Logprobs(event.logprobs)
-                        for piece in decoder.feed(event.text):
-                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
-                            yield piece
+                        for text, logprobs in _by_token(event):
+                            if logprobs:
+                                yield Logprobs(logprobs)
+                            for piece in decoder.feed(text):
+                                reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
+                                yield piece
                     elif isinstance(event, Finished):
                         for piece in decoder.finish():
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
@@ -187,6 +189,24 @@ def _coalesce(batch: list[Any]) -> list[Any]:
         else:
             out.append(event)
     return out
+
+
+def _by_token(chunk: TextChunk) -> list[tuple[str, tuple[TokenLogprob, ...]]]:
+    """A chunk's text a token at a time, each after its own logprob, when its logprobs spell it out: the decoder
+    then tells the reasoning's, a call's and the answer's tokens apart however many of them arrived together.
+    Otherwise (a token cut by a stop sequence, a character split across chunks) the chunk as it is."""
+    whole = [(chunk.text, chunk.logprobs)]
+    if len(chunk.logprobs) < 2:
+        return whole
+    decode = codecs.getincrementaldecoder("utf-8")().decode
+    try:
+        texts = [decode(item.token) for item in chunk.logprobs]
+        rest = decode(b"", final=True)
+    except UnicodeDecodeError:
+        return whole
+    if rest or "".join(texts) != chunk.text:
+        return whole
+    return [(text, (item,)) for text, item in zip(texts, chunk.logprobs, strict=True)]
 
 
 def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "length", "tool_calls"]:
