@@ -22,7 +22,7 @@ from django.conf import settings
 from twisted.internet.interfaces import ITCPTransport
 from twisted.web.http import HTTPChannel
 
-from inference.openai.errors import APIError, body_too_large
+from inference.openai.errors import APIError, body_too_large, not_json
 
 from .middleware import new_request_id
 
@@ -132,8 +132,17 @@ class APIChannel(HTTPChannel):
             self._refuse(headers_too_large(self))
         elif self.line_mode:
             self._refuse(malformed_head())
+        elif self._multipart():
+            # Twisted parses a multipart/form-data body itself, and one that does not parse ends here; the API takes
+            # JSON only, as it says of a multipart body that parses.
+            self._refuse(not_json())
         else:
             self._refuse(malformed_chunked_body())
+
+    def _multipart(self) -> bool:
+        request = self.requests[-1] if self.requests else None
+        content_type = request.requestHeaders.getRawHeaders(b"content-type", [b""])[0] if request else b""
+        return bool(content_type.split(b";", 1)[0].strip().lower().startswith(b"multipart/"))
 
     def _refuse(self, error: APIError) -> None:
         """Answer ``error`` and close, reading no more of the request.

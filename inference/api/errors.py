@@ -27,6 +27,7 @@ from inference.openai.errors import (
     invalid_request,
     method_not_allowed,
     not_found,
+    not_json,
 )
 from inference.usage import metrics
 
@@ -47,11 +48,7 @@ def to_api_error(exc: BaseException, names: ParamNames | None = None) -> APIErro
     if isinstance(exc, drf_exceptions.ParseError):
         return invalid_request(f"The request body is not valid JSON: {exc.detail}", code="invalid_json")
     if isinstance(exc, drf_exceptions.UnsupportedMediaType):
-        return APIError(
-            "Send the request body as JSON with 'Content-Type: application/json'.",
-            code="unsupported_media_type",
-            status=415,
-        )
+        return not_json()
     if isinstance(exc, drf_exceptions.MethodNotAllowed):
         return method_not_allowed(str(exc.detail))
     if isinstance(exc, drf_exceptions.NotFound):

@@ -128,6 +128,14 @@ def body_too_complex(limit: int) -> APIError:
     )
 
 
+def not_json() -> APIError:
+    return APIError(
+        "Send the request body as JSON with 'Content-Type: application/json'.",
+        code="unsupported_media_type",
+        status=415,
+    )
+
+
 def content_coding_refused(coding: str) -> APIError:
     # Not decompressed: a compressed body's size says nothing of what it inflates to. RFC 7694: the 415
     # names the codings that are accepted.

@@ -228,6 +228,19 @@ def test_a_malformed_chunked_body_gets_an_error_in_the_apis_shape(served: Served
         assert closed(sock)
 
 
+@pytest.mark.parametrize("body", [b'{"model": "upstream/gpt-x"}', b"--x\r\nContent-Disposition: form-data\r\n\r\n"])
+def test_a_multipart_body_is_told_to_be_json_whether_or_not_it_parses(served: Served, body: bytes) -> None:
+    head = served.head("POST", CHAT, body=body).replace(
+        b"Content-Type: application/json", b"Content-Type: multipart/form-data; boundary=x"
+    )
+    with served.connect() as sock:
+        sock.sendall(head + body)
+        response = answer(sock)
+        error = json.loads(response.read())["error"]
+    assert (response.status, error["code"]) == (415, "unsupported_media_type")
+    assert "Content-Type: application/json" in error["message"]
+
+
 # A body's bound, kept while it arrives
 
 
