@@ -79,10 +79,15 @@ def test_a_cpu_model_shows_its_sequences_queue_and_the_memory_of_its_kv_cache(
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ('{"parallel": 0}', "parallel must be a whole number of at least 1, not 0."),
-        ('{"stream_interval_ms": -5}', "stream_interval_ms must be a whole number of at least 0, not -5."),
-        ('{"n_ctx": "8192"}', "n_ctx must be a whole number of at least 16, not &#x27;8192&#x27;."),
-        ('{"queue": true}', "queue must be a whole number of at least 0, not True."),
+        ('{"parallel": 0}', "parallel must be a whole number from 1 to 256, not 0."),
+        ('{"parallel": 1000}', "parallel must be a whole number from 1 to 256, not 1000."),
+        ('{"stream_interval_ms": -5}', "stream_interval_ms must be a whole number from 0 to 10000, not -5."),
+        ('{"stream_interval_ms": 1000000000}', "stream_interval_ms must be a whole number from 0 to 10000"),
+        ('{"n_threads": 100000}', "n_threads must be a whole number from 1 to 512, not 100000."),
+        ('{"n_ctx": "8192"}', "n_ctx must be a whole number from 16 to 1048576, not &#x27;8192&#x27;."),
+        ('{"queue": true}', "queue must be a whole number from 0 to 4096, not True."),
+        ('{"prefill_chunk": 1000000000}', "prefill_chunk must be a whole number from 1 to 1048576"),
+        ('{"prefill_chunk": 9000}', "prefill_chunk must be at most n_ctx (8192)"),
     ],
 )
 def test_a_cpu_model_whose_settings_hold_a_wrong_number_is_not_saved_and_the_form_says_which(

@@ -110,18 +110,31 @@ def default_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
 
-# The numbers a catalog entry's ``runner_settings`` may set, each with the least it may be; one left out takes
-# its default.
-SETTING_MINIMUMS = {"parallel": 1, "queue": 0, "n_ctx": 16, "n_threads": 1, "prefill_chunk": 1, "stream_interval_ms": 0}
+DEFAULT_CONTEXT = 8192  # tokens per sequence
+
+# The numbers a catalog entry's ``runner_settings`` may set, each with the least and the most it may be; one left
+# out takes its default. The most: llama.cpp's own limits (256 sequences, 512 threads), a context of a million
+# tokens, a queue any host's threads could hold, and deltas held back 10 s at most (past that a stream seems dead).
+SETTING_RANGES = {
+    "parallel": (1, 256),
+    "queue": (0, 4096),
+    "n_ctx": (16, 2**20),
+    "n_threads": (1, 512),
+    "prefill_chunk": (1, 2**20),
+    "stream_interval_ms": (0, 10_000),
+}
 
 
 def settings_problem(settings: dict[str, Any]) -> str | None:
     """What is wrong with the numbers in a catalog entry's settings, or None. The model file is checked where the
     model loads: in distributed mode that is a worker's host, not the one the admin runs on."""
-    for name, least in SETTING_MINIMUMS.items():
+    for name, (least, most) in SETTING_RANGES.items():
         value = settings.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            return f"{name} must be a whole number of at least {least}, not {value!r}."
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most):
+            return f"{name} must be a whole number from {least} to {most}, not {value!r}."
+    chunk, context = settings.get("prefill_chunk"), settings.get("n_ctx", DEFAULT_CONTEXT)
+    if chunk is not None and chunk > context:
+        return f"prefill_chunk must be at most n_ctx ({context}): a prompt is prefilled within one sequence."
     return None
 
 
@@ -149,7 +162,7 @@ class RunnerSettings:
         parallel = number("parallel", default_parallel())
         return cls(
             path=model_path(settings),
-            context=number("n_ctx", 8192),
+            context=number("n_ctx", DEFAULT_CONTEXT),
             parallel=parallel,
             queue=number("queue", 4 * parallel),
             # The host's own choice first: a host that runs several model workers splits its cores among them.

@@ -324,7 +324,7 @@ def test_a_wrong_number_in_the_settings_is_refused_by_name_before_anything_loads
         llama_cpp.RunnerSettings.of({**SETTINGS, "prefill_chunk": 2.5})
 
     assert refused.value.code == "runner_unavailable"
-    assert "prefill_chunk must be a whole number of at least 1, not 2.5." in str(refused.value)
+    assert "prefill_chunk must be a whole number from 1 to 1048576, not 2.5." in str(refused.value)
     assert llama_cpp.RunnerSettings.of({**SETTINGS, "n_threads": None}).threads >= 1
 
 
