@@ -13,6 +13,7 @@ from django.utils.safestring import SafeString
 from agents.models import AgentInstance, Document, Feedback, Guardrail, StoredResponse
 from agents.protocol import AGENT_CALL
 from agents.tools.registry import REGISTRY
+from core.admin import ModelAdmin
 
 
 class AgentInstanceForm(forms.ModelForm):
@@ -69,7 +70,7 @@ class GuardrailInline(admin.StackedInline):
 
 
 @admin.register(AgentInstance)
-class AgentInstanceAdmin(admin.ModelAdmin):
+class AgentInstanceAdmin(ModelAdmin):
     form = AgentInstanceForm
     list_display = ["instance_id", "name", "model", "first_step", "reasons", "enabled", "tenants", "documents"]
     list_filter = ["enabled", "model", "organizations"]
@@ -141,7 +142,7 @@ class FeedbackInline(admin.StackedInline):
 
 
 @admin.register(StoredResponse)
-class StoredResponseAdmin(admin.ModelAdmin):
+class StoredResponseAdmin(ModelAdmin):
     list_display = ["response_id", "created", "organization", "instance", "status", "rating"]
     list_filter = ["organization", "instance", "status", "feedback__rating"]
     search_fields = ["response_id", "thread", "request_id"]
@@ -193,7 +194,7 @@ class StoredResponseAdmin(admin.ModelAdmin):
 
 
 @admin.register(Feedback)
-class FeedbackAdmin(admin.ModelAdmin):
+class FeedbackAdmin(ModelAdmin):
     list_display = ["created", "rating", "comment", "response_link", "organization"]
     list_filter = ["rating", "response__organization", "response__instance"]
     search_fields = ["comment", "response__response_id"]

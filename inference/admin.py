@@ -5,6 +5,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
+from core.admin import ModelAdmin
 from inference.engine.execution import get_capacity
 from inference.models import GATEWAY_PARAMETERS, CatalogEntry, UsageRecord
 
@@ -40,7 +41,7 @@ class CatalogEntryForm(forms.ModelForm):
 
 
 @admin.register(CatalogEntry)
-class CatalogEntryAdmin(admin.ModelAdmin):
+class CatalogEntryAdmin(ModelAdmin):
     form = CatalogEntryForm
     list_display = [
         "public_id",
@@ -95,7 +96,7 @@ class CatalogEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(ModelAdmin):
     list_display = [
         "created",
         "organization",

@@ -14,6 +14,8 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
+from core.admin import ModelAdmin
+
 from .models import APIKey, Limit, Organization
 
 
@@ -89,7 +91,7 @@ class OrganizationForm(forms.ModelForm):  # type: ignore[type-arg]
 
 
 @admin.register(Organization)
-class OrganizationAdmin(admin.ModelAdmin):
+class OrganizationAdmin(ModelAdmin):
     form = OrganizationForm
     list_display = ["slug", "name", "active", "key_count", "created", "add_key_link"]
     list_filter = ["active"]
@@ -151,7 +153,7 @@ class APIKeyForm(forms.ModelForm):  # type: ignore[type-arg]
 
 
 @admin.register(APIKey)
-class APIKeyAdmin(admin.ModelAdmin):
+class APIKeyAdmin(ModelAdmin):
     form = APIKeyForm
     list_display = ["display_prefix", "name", "organization", "state", "created", "last_used_at", "expires_at"]
     list_filter = ["organization", KeyStateFilter]
@@ -209,7 +211,7 @@ class APIKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(Limit)
-class LimitAdmin(admin.ModelAdmin):
+class LimitAdmin(ModelAdmin):
     list_display = [
         "organization",
         "scope",

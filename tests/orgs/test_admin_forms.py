@@ -240,3 +240,21 @@ def test_a_key_made_for_an_inactive_organization_is_shown_with_a_warning_that_it
         assert " ".join(warning.group(1).split()) == (
             "acme is inactive: this key is refused until the organization is made active again."
         )
+
+
+@pytest.mark.parametrize(
+    "changelist",
+    [
+        "/admin/orgs/apikey/?created__year=99999",
+        "/admin/orgs/organization/?created__year=0",
+        "/admin/orgs/limit/?updated__year=99999",
+        "/admin/inference/catalogentry/?created__year=99999",
+        "/admin/agents/storedresponse/?created__year=99999",
+    ],
+)
+def test_a_list_filtered_on_a_year_no_date_holds_is_refused_as_a_wrong_filter_not_a_server_error(
+    staff_client: Client, changelist: str
+) -> None:
+    page = staff_client.get(changelist)
+
+    assert page.status_code == 302 and page["Location"].endswith("?e=1")
