@@ -35,7 +35,7 @@ def _bool(name: str, default: bool) -> bool:
     return default
 
 
-def _int(name: str, default: int, *, least: int | None = None, code: str = "", hint: str = "") -> int:
+def _int(name: str, default: int, *, least: int | None = None, code: str = "config.E052", hint: str = "") -> int:
     """The integer setting ``name``; one below ``least`` is reported as ``code`` (with ``hint``) and ``default``
     is used instead."""
     raw = os.environ.get(name)
@@ -94,9 +94,9 @@ if REDIS_URL and urlparse(REDIS_URL).scheme not in {"redis", "rediss", "unix"}:
     REDIS_URL = ""
 DISTRIBUTED = bool(REDIS_URL)
 # Connections each API process's Redis pool may open (per event loop); past it, a command waits for a free one.
-REDIS_MAX_CONNECTIONS = _int("REDIS_MAX_CONNECTIONS", 256)
+REDIS_MAX_CONNECTIONS = _int("REDIS_MAX_CONNECTIONS", 256, least=1)
 # The Retry-After of a 503 answered while Redis or the database cannot be reached.
-OUTAGE_RETRY_AFTER_SECONDS = _int("OUTAGE_RETRY_AFTER_SECONDS", 2)
+OUTAGE_RETRY_AFTER_SECONDS = _int("OUTAGE_RETRY_AFTER_SECONDS", 2, least=0)
 
 # --- database ----------------------------------------------------------------------------------
 _default_db = f"sqlite:///{VAR_DIR / 'b3os.sqlite3'}"
@@ -182,8 +182,8 @@ MAX_REQUEST_BODY_BYTES = _int("MAX_REQUEST_BODY_BYTES", 8 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 # ...and so are their nesting and their number of objects and arrays: past either, a body is refused before
 # anything walks it.
-MAX_JSON_DEPTH = _int("MAX_JSON_DEPTH", 64)
-MAX_JSON_CONTAINERS = _int("MAX_JSON_CONTAINERS", 50_000)
+MAX_JSON_DEPTH = _int("MAX_JSON_DEPTH", 64, least=1)
+MAX_JSON_CONTAINERS = _int("MAX_JSON_CONTAINERS", 50_000, least=1)
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False
@@ -209,7 +209,7 @@ if _proxy_header:
 # that came over it), unless DEBUG is on; set these to false to use the admin over plain HTTP off this host.
 SESSION_COOKIE_SECURE = _bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = _bool("CSRF_COOKIE_SECURE", not DEBUG)
-SECURE_HSTS_SECONDS = _int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600)
+SECURE_HSTS_SECONDS = _int("SECURE_HSTS_SECONDS", 0 if DEBUG else 365 * 24 * 3600, least=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = _bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
 
 REST_FRAMEWORK = {
@@ -259,23 +259,23 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 
 # --- inference ---------------------------------------------------------------------------------
 # Longest a stream may run before it is ended cleanly.
-STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600)
+STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600, least=1)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
-JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120)
-WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5)
+JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120, least=1)
+WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5, least=1)
 # The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
-OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2)
+OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2, least=0)
 
 # Read by the CPU runner itself (inference.engine.runners.llama_cpp), in workers and test children too; checked here.
 _int("CPU_RUNNER_THREADS", 0, least=1, code="config.E051", hint="Use 1 or more threads, or leave it unset.")
 
 # What one request may ask of the CPU runner's grammars: larger schemas are refused with a 400 naming them, since
 # their grammar would take unbounded time and memory to build, or crash llama.cpp's parser. See the README.
-SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32)
-SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000)
-SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256)
-GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024)
-SCHEMA_MAX_ALTERNATIVES = _int("SCHEMA_MAX_ALTERNATIVES", 1024)
+SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32, least=1)
+SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000, least=1)
+SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256, least=1)
+GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024, least=1)
+SCHEMA_MAX_ALTERNATIVES = _int("SCHEMA_MAX_ALTERNATIVES", 1024, least=1)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups
@@ -289,9 +289,9 @@ USAGE_RETENTION_DAYS = _int(
 )
 # Usage records waiting for the database while it is away (retried every second); past this the oldest are dropped,
 # logged and counted in b3os_usage_records_dropped_total.
-USAGE_MAX_PENDING_RECORDS = _int("USAGE_MAX_PENDING_RECORDS", 50_000)
+USAGE_MAX_PENDING_RECORDS = _int("USAGE_MAX_PENDING_RECORDS", 50_000, least=1)
 # How often the embedded server (and Celery beat, in distributed mode) rolls usage up.
-USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600)
+USAGE_ROLLUP_INTERVAL_SECONDS = _int("USAGE_ROLLUP_INTERVAL_SECONDS", 3600, least=1)
 # `celery -A config beat` runs the rollup; some worker must consume the default queue ("celery").
 CELERY_BEAT_SCHEDULE = {
     "rollup-usage": {"task": "inference.rollup_usage", "schedule": float(USAGE_ROLLUP_INTERVAL_SECONDS)},
@@ -300,9 +300,9 @@ CELERY_BEAT_SCHEDULE = {
 # When set, /metrics answers only requests with 'Authorization: Bearer <METRICS_TOKEN>'.
 METRICS_TOKEN = os.environ.get("METRICS_TOKEN", "").strip()
 # How long /health waits for Celery workers to say which queues they consume.
-HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1)
+HEALTH_WORKER_TIMEOUT_SECONDS = _int("HEALTH_WORKER_TIMEOUT_SECONDS", 1, least=1)
 # How long /health answers from its last check before it checks again (0: every call checks).
-HEALTH_CACHE_SECONDS = _int("HEALTH_CACHE_SECONDS", 5)
+HEALTH_CACHE_SECONDS = _int("HEALTH_CACHE_SECONDS", 5, least=0)
 
 # --- agent runtime ------------------------------------------------------------------------------
 # Stored conversations (store: true) are deleted this many days after their last turn (0 keeps them):
@@ -319,8 +319,8 @@ AGENT_MAX_STEPS = _int("AGENT_MAX_STEPS", 4, least=1, code="config.E031")
 
 # What one stored conversation (all its branches) may hold: its turns, and the bytes of their items. Past
 # either, a turn that would be stored is refused with 400 conversation_too_large.
-AGENT_CONVERSATION_MAX_TURNS = _int("AGENT_CONVERSATION_MAX_TURNS", 256)
-AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1024)
+AGENT_CONVERSATION_MAX_TURNS = _int("AGENT_CONVERSATION_MAX_TURNS", 256, least=1)
+AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1024, least=1)
 for _bound_name, _bound in (
     ("AGENT_CONVERSATION_MAX_TURNS", AGENT_CONVERSATION_MAX_TURNS),
     ("AGENT_CONVERSATION_MAX_BYTES", AGENT_CONVERSATION_MAX_BYTES),
@@ -336,17 +336,17 @@ AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100, least=1, co
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
 # Longest wait for the upstream's next bytes; connections pooled per API process.
-GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60)
-GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512)
+GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60, least=1)
+GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512, least=1)
 # Charged at admission for a gateway request that sets no output limit.
-GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096)
+GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096, least=1)
 # Longest a gateway stream may run, however the upstream paces it.
-GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600)
+GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600, least=1)
 # Largest upstream answer read whole (a non-streamed response, an error body); past it the client gets a 502.
-GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024)
+GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024, least=1)
 # Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
 # past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
-HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60)
+HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60, least=1)
 # Longest `serve` waits for a request's headers and body from its first byte (past it: 408, and the connection
 # closes), and for a kept-alive connection's next request to begin (past it the connection closes).
 HTTP_REQUEST_READ_TIMEOUT_SECONDS = _int(

@@ -95,3 +95,10 @@ def test_cpu_runner_threads_that_are_no_count_of_threads_are_named_by_the_checks
         result = run(["manage.py", "check"], tmp_path, CPU_RUNNER_THREADS=threads)
 
         assert result.returncode != 0 and "CPU_RUNNER_THREADS" in result.stderr, result.stderr
+
+
+def test_a_duration_or_a_bound_of_zero_or_less_is_named_by_the_checks(tmp_path: Path) -> None:
+    for name, value in (("STREAM_MAX_SECONDS", "-5"), ("USAGE_ROLLUP_INTERVAL_SECONDS", "0"), ("MAX_JSON_DEPTH", "0")):
+        result = run(["manage.py", "check"], tmp_path, **{name: value})
+
+        assert result.returncode != 0 and "config.E052" in result.stderr and name in result.stderr, result.stderr

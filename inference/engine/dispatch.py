@@ -37,7 +37,7 @@ from django.conf import settings
 from core.outages import REDIS_ERRORS
 from core.redis import async_client
 from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
-from inference.engine.runners.base import Finished, GenerationJob
+from inference.engine.runners.base import Finished, GenerationJob, RunnerError
 from inference.models import CatalogEntry
 
 logger = logging.getLogger("inference.engine.dispatch")
@@ -209,6 +209,8 @@ def warm_up_embedded() -> None:
         try:
             get_renderer(entry.runner, entry.runner_settings)
             get_runner(entry.runner, entry.runner_settings)
+        except RunnerError as exc:  # the entry's settings (a model file not there): one line says which
+            logger.error("could not load model %s: %s", entry.public_id, exc)
         except Exception:
             logger.exception("could not load model %s", entry.public_id)
 

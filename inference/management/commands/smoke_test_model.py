@@ -11,7 +11,7 @@ from inference.engine.exceptions import EngineError
 from inference.engine.execution import JobFailed, get_runner, run_job
 from inference.engine.generation import GenerationRequest, prepare
 from inference.engine.runners.base import Finished, RunnerError, TextChunk
-from inference.models import CatalogEntry
+from inference.models import GATEWAY, CatalogEntry
 
 
 class Command(BaseCommand):
@@ -29,6 +29,8 @@ class Command(BaseCommand):
         entry = CatalogEntry.objects.filter(public_id=model).first()
         if entry is None:
             raise CommandError(f"There is no catalog model {model!r}.")
+        if entry.runner == GATEWAY:
+            raise CommandError(f"{entry.public_id} has no runner here: it is served only through the gateway.")
         started = time.monotonic()
         try:
             get_runner(entry.runner, entry.runner_settings)

@@ -1064,3 +1064,11 @@ def test_the_smoke_test_command_fails_loudly_when_the_model_cannot_load(fresh_ca
 
     with pytest.raises(CommandError, match="did not load"):
         call_command("smoke_test_model", "b3os/toy-chat", stdout=io.StringIO())
+
+
+@pytest.mark.django_db
+def test_the_smoke_test_command_says_a_gateway_entry_has_no_runner_to_test() -> None:
+    CatalogEntry.objects.create(public_id="openai/gpt-x", runner="gateway", runner_settings={})
+
+    with pytest.raises(CommandError, match="served only through the gateway"):
+        call_command("smoke_test_model", "openai/gpt-x", stdout=io.StringIO())
