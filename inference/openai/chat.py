@@ -22,6 +22,7 @@ from .shared import (
     LooseModel,
     ModelId,
     ReasoningEffort,
+    ServiceTier,
     StreamOptions,
     WireModel,
     check_metadata,
@@ -257,7 +258,7 @@ class ChatCompletionRequest(WireModel):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None  # OpenAI's range; more than 1 is refused by name
     stop: StopParam = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # OpenAI's range: a signed 64-bit integer
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -269,7 +270,7 @@ class ChatCompletionRequest(WireModel):
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     modalities: list[str] | None = None
     reasoning_effort: ReasoningEffort | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None

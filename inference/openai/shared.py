@@ -263,6 +263,8 @@ def tool_choice_kind(value: Any) -> str:
     return "mode" if isinstance(value, str) else tagged(value, frozenset({"function", "allowed_tools"}))
 
 
+# OpenAI's service tiers: one it does not know is an invalid value; one this node does not offer is refused by name.
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 

@@ -158,6 +158,8 @@ async def test_an_out_of_range_value_is_named(api: API) -> None:
         (CHAT, "frequency_penalty", 2.5, "decimal_above_max_value"),
         (CHAT, "presence_penalty", -2.5, "decimal_below_min_value"),
         (CHAT, "top_logprobs", 21, "integer_above_max_value"),
+        (CHAT, "n", 0, "integer_below_min_value"),
+        (CHAT, "n", 129, "integer_above_max_value"),
         ("/v1/infer/responses", "temperature", 2.5, "decimal_above_max_value"),
         ("/v1/infer/responses", "top_p", 1.5, "decimal_above_max_value"),
         ("/v1/infer/responses", "top_logprobs", 21, "integer_above_max_value"),
@@ -172,6 +174,19 @@ async def test_a_sampling_parameter_outside_openais_range_is_named_in_openais_wo
     error = assert_error(await api.post(path, body), 400, code, param)
 
     assert error["message"].startswith(f"Invalid '{param}': ") and f"but got {value} instead." in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("tier", "code"),
+    [("bogus", "invalid_value"), ("flex", "unsupported_parameter"), ("priority", "unsupported_parameter")],
+)
+@pytest.mark.parametrize("path", [CHAT, "/v1/infer/responses"])
+async def test_a_service_tier_openai_has_not_is_invalid_and_one_this_node_does_not_offer_is_unsupported(
+    api: API, path: str, tier: str, code: str
+) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
+
+    assert_error(await api.post(path, {"model": MODEL_ID, **prompt, "service_tier": tier}), 400, code, "service_tier")
 
 
 @pytest.mark.parametrize(
