@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
@@ -20,12 +20,12 @@ from .shared import (
     JSONSchema,
     LogprobItems,
     LooseModel,
+    Metadata,
     ModelId,
     ReasoningEffort,
     ServiceTier,
     StreamOptions,
     WireModel,
-    check_metadata,
     logprob_objects,
     text_or_list,
     tool_choice_kind,
@@ -268,7 +268,7 @@ class ChatCompletionRequest(WireModel):
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: ServiceTier | None = None
     modalities: list[str] | None = None
@@ -291,11 +291,6 @@ class ChatCompletionRequest(WireModel):
     web_search_options: Any = None
     verbosity: Any = None
     moderation: Any = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
     def refuse_unsupported(self) -> None:
         for name, message in CHAT_UNSUPPORTED.items():

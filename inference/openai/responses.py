@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
@@ -20,12 +20,12 @@ from .shared import (
     FunctionParameters,
     JSONSchema,
     LooseModel,
+    Metadata,
     ModelId,
     ReasoningEffort,
     ServiceTier,
     StreamOptions,
     WireModel,
-    check_metadata,
     tagged,
     text_or_list,
     tool_choice_kind,
@@ -320,7 +320,7 @@ class ResponseCreateRequest(WireModel):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     include: list[Include] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     prompt_cache_key: str | None = None
@@ -341,11 +341,6 @@ class ResponseCreateRequest(WireModel):
     moderation: Any = None
     # This platform's: which way the request goes (a request for the gateway is forwarded, not parsed here).
     route: Literal["node", "gateway"] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
     # Known parameters refused by name when set, with why.
     REFUSED: ClassVar[Mapping[str, str]] = {

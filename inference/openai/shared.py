@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
 
 from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
@@ -173,6 +173,13 @@ def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
             param=param,
             code="array_above_max_length",
         )
+    if kind == "too_long" and isinstance(given, dict):
+        return invalid_request(
+            f"Invalid '{param}': too many properties. Expected an object with at most {ctx['max_length']} "
+            f"properties, but got an object with {len(given)} properties instead.",
+            param=param,
+            code="object_above_max_properties",
+        )
     if kind == "too_short" and isinstance(given, list) and not given:
         return invalid_request(
             f"Invalid '{param}': empty array. Expected an array with minimum length {ctx['min_length']}, "
@@ -268,15 +275,11 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if len(value) > 16:
-        raise ValueError("metadata holds at most 16 pairs")
-    for key, item in value.items():
-        if len(key) > 64 or len(item) > 512:
-            raise ValueError("metadata keys are at most 64 characters and values at most 512")
-    return value
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters and values of at most 512.
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]
 
 
 class StreamOptions(WireModel):

@@ -177,6 +177,23 @@ async def test_a_sampling_parameter_outside_openais_range_is_named_in_openais_wo
 
 
 @pytest.mark.parametrize(
+    ("metadata", "code", "param"),
+    [
+        ({str(number): "v" for number in range(17)}, "object_above_max_properties", "metadata"),
+        ({"k" * 65: "v"}, "string_above_max_length", "metadata." + "k" * 65),
+        ({"k": "v" * 513}, "string_above_max_length", "metadata.k"),
+    ],
+)
+@pytest.mark.parametrize("path", [CHAT, "/v1/infer/responses"])
+async def test_metadata_past_openais_bounds_is_named_in_openais_words(
+    api: API, path: str, metadata: dict[str, str], code: str, param: str
+) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"input": "hi"}
+
+    assert_error(await api.post(path, {"model": MODEL_ID, **prompt, "metadata": metadata}), 400, code, param)
+
+
+@pytest.mark.parametrize(
     ("tier", "code"),
     [("bogus", "invalid_value"), ("flex", "unsupported_parameter"), ("priority", "unsupported_parameter")],
 )
