@@ -818,10 +818,27 @@ async def test_reasoning_comes_back_as_a_reasoning_item_with_its_own_events(
     assert again.status_code == 200, again.content
 
 
-@pytest.mark.parametrize("streamed", [False, True])
+def all_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event of a job reaches the API in one batch, as on a machine too busy to read them one at a time."""
+    batches = Generation._batches
+
+    async def together(self: Generation) -> AsyncGenerator[list[Any], None]:
+        yield [event async for batch in batches(self) for event in batch]
+
+    monkeypatch.setattr(Generation, "_batches", together)
+
+
+@pytest.mark.parametrize(("streamed", "arriving"), [(False, "apart"), (True, "apart"), (False, "together")])
 async def test_the_answers_logprobs_are_those_of_its_own_text_not_of_the_reasoning_before_it(
-    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry, streamed: bool
+    api: API,
+    openai_spec: OpenAISpec,
+    toy_model: CatalogEntry,
+    monkeypatch: pytest.MonkeyPatch,
+    streamed: bool,
+    arriving: str,
 ) -> None:
+    if arriving == "together":  # the reasoning's tokens and the answer's in one chunk
+        all_at_once(monkeypatch)
     body = {
         "model": TOY_ID,
         "input": THOUGHTFUL,
@@ -839,35 +856,6 @@ async def test_the_answers_logprobs_are_those_of_its_own_text_not_of_the_reasoni
     tokens = "".join(logprob["token"] for logprob in part["logprobs"])
     # The answer's first token carries the space after </think>, which the answer's text leaves out.
     assert tokens.lstrip() == part["text"] == "The Willamette."
-
-
-@pytest.fixture
-def busy_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every event of a job reaches the API in one batch, as on a machine too busy to read them one at a time."""
-    batches = Generation._batches
-
-    async def all_at_once(self: Generation) -> AsyncGenerator[list[Any], None]:
-        yield [event async for batch in batches(self) for event in batch]
-
-    monkeypatch.setattr(Generation, "_batches", all_at_once)
-
-
-@pytest.mark.usefixtures("busy_machine")
-async def test_the_answers_logprobs_are_its_own_when_the_reasoning_and_the_answer_arrive_together(
-    api: API, toy_model: CatalogEntry
-) -> None:
-    body = {
-        "model": TOY_ID,
-        "input": THOUGHTFUL,
-        "reasoning": {"effort": "medium"},
-        "include": ["message.output_text.logprobs"],
-        "top_logprobs": 1,
-    }
-
-    result = (await api.post(RESPONSES, body)).json()
-
-    (part,) = result["output"][-1]["content"]
-    assert "".join(logprob["token"] for logprob in part["logprobs"]).lstrip() == part["text"] == "The Willamette."
 
 
 async def test_reasoning_effort_none_turns_reasoning_off(api: API, toy_model: CatalogEntry) -> None:
