@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inference.engine.runners.base import SCHEMA_DATA, SCHEMA_MAPS, TOOL_CLOSE, TOOL_OPEN, Constraint
+from inference.engine.runners.base import SCHEMA_DATA, SCHEMA_MAPS, TOOL_CLOSE, TOOL_OPEN, Constraint, schema_at
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -126,6 +126,46 @@ def _rebased(schema: Any, where: str, *, in_map: bool = False) -> Any:
         else:
             out[key] = _rebased(value, where, in_map=key in SCHEMA_MAPS)
     return out
+
+
+def parameters_problem(schema: dict[str, Any]) -> str | None:
+    """Why a function's parameters admit no JSON object, or None: a call's arguments are one, and parameters that are a
+    ``$ref``, an ``anyOf`` or a ``oneOf`` of strings got a forced call of ``"text"`` for arguments, read back as a
+    call cut short (``finish_reason: "length"`` with arguments no client can parse)."""
+    if _admits_object(schema, schema, {}):
+        return None
+    return (
+        'function parameters must admit a JSON object (the arguments are one); its "$ref", "anyOf", "oneOf", '
+        '"enum" or "const" admit only other values: give the root "type": "object"'
+    )
+
+
+def _admits_object(node: Any, root: Any, known: dict[int, bool]) -> bool:
+    """Whether a JSON object may be a value of ``node``, as far as its type, ``const``, ``enum`` and the subschemas
+    it leads through say (whatever else holds it is left to the checks that build its grammar). Each subschema is
+    judged once (``known``; one met again on its own way is taken to admit one), so that ``$ref``s that lead to the
+    same places many ways cost no more than the schema's size."""
+    if not isinstance(node, dict):
+        return node is not False
+    if id(node) in known:
+        return known[id(node)]
+    known[id(node)] = True
+    kind = node.get("type")
+    admits = not ((isinstance(kind, str) and kind != "object") or (isinstance(kind, list) and "object" not in kind))
+    admits = admits and not ("const" in node and not isinstance(node["const"], dict))
+    values = node.get("enum")
+    admits = admits and not (isinstance(values, list) and not any(isinstance(value, dict) for value in values))
+    if admits and isinstance(ref := node.get("$ref"), str) and (target := schema_at(root, ref)) is not None:
+        admits = _admits_object(target, root, known)
+    for keyword in ("anyOf", "oneOf"):
+        branches = node.get(keyword)
+        if admits and isinstance(branches, list):
+            admits = any([_admits_object(branch, root, known) for branch in branches])
+    parts = node.get("allOf")
+    if admits and isinstance(parts, list):
+        admits = all([_admits_object(part, root, known) for part in parts])
+    known[id(node)] = admits
+    return admits
 
 
 def plan_decoding(

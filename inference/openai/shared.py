@@ -17,6 +17,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
 
+from inference.engine.decoding import parameters_problem
 from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
 from .errors import APIError, invalid_request, unsupported_parameter
@@ -219,6 +220,8 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     except SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise ValueError(f"not a valid JSON schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    except (OverflowError, RecursionError) as exc:  # a pattern's count past what a regex holds, groups nested past it
+        raise ValueError(f"not a valid JSON schema: a pattern no regular expression engine takes ({exc})") from None
     return schema
 
 
@@ -231,6 +234,8 @@ def _function_parameters(schema: dict[str, Any]) -> dict[str, Any]:
     if "type" in schema and schema["type"] != "object":
         given = orjson.dumps(schema["type"]).decode()
         raise ValueError(f'function parameters must be a JSON schema of type "object", not of type {given}')
+    if problem := parameters_problem(schema):
+        raise ValueError(problem)
     return schema
 
 

@@ -9,6 +9,7 @@ runner alike.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
@@ -139,6 +140,25 @@ class RunnerError(Exception):
 # property's name), and keywords whose value is data, not a schema (left exactly as written).
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})
+
+
+def schema_at(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#``, ``#/$defs/Name``: a JSON pointer in a URI fragment) points at, or
+    None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in urllib.parse.unquote(ref[2:]).split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
 
 
 def _any_schema(schema: dict[str, Any]) -> str | None:

@@ -36,7 +36,6 @@ import secrets
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -60,7 +59,9 @@ from .base import (
     TextChunk,
     TokenLogprob,
     prompt_pieces,
+    schema_at,
 )
+from .grammar_costs import grammar_cost_problem
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
         schema: dict[str, Any] = {"type": "object"}
     else:
         # Checked before anything is built: the converter's own work is what an unbounded schema runs away with.
-        if problem := size_problem(constraint.schema or {}, limits):
+        if problem := size_problem(constraint.schema or {}, limits) or grammar_cost_problem(constraint.schema or {}):
             raise SchemaTooLarge(problem)
         schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
     schema = converter.resolve_refs(schema, "schema")
@@ -389,29 +390,10 @@ def _property_count(node: dict[str, Any], root: Any) -> int:
     for part in parts if isinstance(parts, list) else ():
         for component in part.get("anyOf", [part]) if isinstance(part, dict) else ():
             if isinstance(component, dict) and isinstance(ref := component.get("$ref"), str):
-                component = _local(root, ref)
+                component = schema_at(root, ref)
             if isinstance(component, dict) and isinstance(props := component.get("properties"), dict):
                 count += len(props)
     return count
-
-
-def _local(root: Any, ref: str) -> Any:
-    """The subschema a local ``$ref`` (``#``, ``#/$defs/Name``: a JSON pointer in a URI fragment) points at, or
-    None."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in urllib.parse.unquote(ref[2:]).split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            return None
-    return node
 
 
 _COUNTED = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
@@ -470,11 +452,18 @@ _GRAMMAR_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()\n]')
 
 
 def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
-    """``{"$ref": …, "$defs": …}`` (a recursive Pydantic model) as ``allOf``: the converter skips a $ref's siblings."""
-    if not isinstance(schema.get("$ref"), str) or len(schema) == 1:
+    """``{"$ref": …, "$defs": …}`` (a recursive Pydantic model) as ``allOf``: the converter skips a $ref's siblings.
+    The converter takes every ``allOf`` for an object of its parts' properties, so a ``$ref`` to a schema with no
+    properties of its own (a string, an enum, an array, a union of objects) is ``anyOf`` that one ``$ref`` instead,
+    the same values: as ``allOf`` it came out as ``{}``."""
+    ref = schema.get("$ref")
+    if not isinstance(ref, str) or len(schema) == 1:
         return schema
     rest = {key: value for key, value in schema.items() if key != "$ref"}
-    return {**rest, "allOf": [{"$ref": schema["$ref"]}, *rest.get("allOf", [])]}
+    target = schema_at(schema, ref)
+    if isinstance(target, dict) and "properties" not in target and "anyOf" not in rest and "oneOf" not in rest:
+        return {**rest, "anyOf": [{"$ref": ref}]}
+    return {**rest, "allOf": [{"$ref": ref}, *rest.get("allOf", [])]}
 
 
 def _refs(schema: Any, *, in_map: bool = False) -> Iterator[str]:
@@ -514,7 +503,7 @@ def _converter_class() -> type[Any]:
                     continue
                 if not ref.startswith("#"):
                     raise ValueError(f"its $ref {ref!r} is not local to the schema, and remote schemas are not fetched")
-                if (target := _local(schema, ref)) is None:
+                if (target := schema_at(schema, ref)) is None:
                     raise ValueError(f"its $ref {ref!r} points at nothing in the schema")
                 self._refs[ref] = target
             return schema

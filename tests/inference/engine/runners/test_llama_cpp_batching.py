@@ -304,7 +304,7 @@ def test_tokens_that_come_faster_than_the_stream_interval_travel_together_and_th
 ) -> None:
     assert llama_cpp.RunnerSettings.of(SETTINGS).stream_interval == llama_cpp.STREAM_INTERVAL_MS / 1000
     every_token = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 0})
-    held = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 600_000})
+    held = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 10_000})
     try:
         one_by_one = run(every_token, job(render(QUESTIONS[2]), max_tokens=16))
         grouped = run(held, job(render(QUESTIONS[2]), max_tokens=16))

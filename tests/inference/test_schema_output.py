@@ -1,0 +1,95 @@
+"""What structured output comes back as: a value the client's schema accepts, whatever shape the schema has."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.conftest import API, MODEL_ID
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/infer/chat/completions"
+RESPONSES = "/v1/infer/responses"
+
+SHAPE = {
+    "$defs": {
+        "circle": {
+            "type": "object",
+            "properties": {"radius": {"type": "integer"}},
+            "required": ["radius"],
+            "additionalProperties": False,
+        },
+        "square": {
+            "type": "object",
+            "properties": {"side": {"type": "integer"}},
+            "required": ["side"],
+            "additionalProperties": False,
+        },
+        "shape": {"anyOf": [{"$ref": "#/$defs/circle"}, {"$ref": "#/$defs/square"}]},
+    },
+    "$ref": "#/$defs/shape",
+}
+
+# A root that is a $ref to a definition with no properties of its own, as Pydantic writes a named type.
+ROOT_REFS = {
+    "string": {"$defs": {"word": {"type": "string", "maxLength": 10}}, "$ref": "#/$defs/word"},
+    "enum": {"$defs": {"color": {"enum": ["red", "green"]}}, "$ref": "#/$defs/color"},
+    "array": {
+        "$defs": {"pair": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}},
+        "$ref": "#/$defs/pair",
+    },
+    "union of objects": SHAPE,
+}
+
+
+def chat_with_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
+
+
+@pytest.mark.parametrize("schema", ROOT_REFS.values(), ids=ROOT_REFS.keys())
+async def test_a_root_ref_to_a_definition_without_properties_comes_back_as_a_value_of_that_definition(
+    api: API, schema: dict[str, Any]
+) -> None:
+    response = await api.post(CHAT, chat_with_schema(schema))
+
+    assert response.status_code == 200, response.content
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+async def test_a_responses_text_format_with_a_root_ref_to_a_union_comes_back_as_one_of_its_members(api: API) -> None:
+    text = {"format": {"type": "json_schema", "name": "shape", "schema": SHAPE}}
+    body = {"model": MODEL_ID, "input": "A shape, as JSON.", "max_output_tokens": 40, "temperature": 0, "text": text}
+
+    response = await api.post(RESPONSES, body)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["status"] == "completed"
+    message = next(item for item in response.json()["output"] if item["type"] == "message")
+    jsonschema.validate(json.loads(message["content"][0]["text"]), SHAPE)
+
+
+async def test_a_root_ref_to_an_object_still_keeps_its_recursive_definitions(api: API) -> None:
+    node = {
+        "type": "object",
+        "properties": {"value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+        "required": ["value", "next"],
+        "additionalProperties": False,
+    }
+    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+
+    response = await api.post(CHAT, {**chat_with_schema(schema), "max_tokens": 12})
+
+    content = response.json()["choices"][0]["message"]["content"]
+    assert content.startswith("{") and '"value"' in content

@@ -1,0 +1,77 @@
+"""Function parameters as a client may write them: arguments that parse and match, or a 400 naming them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.conftest import API, MODEL_ID
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/infer/chat/completions"
+RESPONSES = "/v1/infer/responses"
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+
+# Parameters with no "type" whose $ref, anyOf, oneOf or enum admit no object: a forced call was decoded as a
+# string and came back as a call "cut short" by a budget it never reached, arguments no client could parse.
+NOT_AN_OBJECT = {
+    "anyOf of strings": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    "$ref to a string": {"$defs": {"city": {"type": "string"}}, "$ref": "#/$defs/city"},
+    "oneOf of an enum": {"oneOf": [{"enum": ["Paris", "Eugene"]}]},
+}
+
+# Parameters with no "type" that do describe an object.
+AN_OBJECT = {
+    "$ref to an object": {"$defs": {"city": CITY}, "$ref": "#/$defs/city"},
+    "properties alone": {"properties": CITY["properties"], "required": ["city"]},
+    "anyOf of an object": {"anyOf": [CITY]},
+}
+
+
+def forced_chat(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "What is the weather in Paris? Use the tool."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}],
+        "tool_choice": "required",
+    }
+
+
+@pytest.mark.parametrize("parameters", NOT_AN_OBJECT.values(), ids=NOT_AN_OBJECT.keys())
+async def test_chat_parameters_that_admit_no_object_are_a_400_naming_them(api: API, parameters: dict[str, Any]) -> None:
+    response = await api.post(CHAT, forced_chat(parameters))
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == "tools.0.function.parameters"
+    assert "must admit a JSON object" in error["message"]
+
+
+async def test_responses_parameters_that_admit_no_object_are_a_400_naming_them(api: API) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": NOT_AN_OBJECT["anyOf of strings"]}
+    body = {"model": MODEL_ID, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required"}
+
+    response = await api.post(RESPONSES, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["param"] == "tools.0.parameters"
+
+
+@pytest.mark.parametrize("parameters", AN_OBJECT.values(), ids=AN_OBJECT.keys())
+async def test_parameters_without_a_type_that_describe_an_object_get_a_call_whose_arguments_match(
+    api: API, parameters: dict[str, Any]
+) -> None:
+    response = await api.post(CHAT, forced_chat(parameters))
+
+    assert response.status_code == 200, response.content
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
