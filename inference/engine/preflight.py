@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TIMEOUT_SECONDS = 300
+SETTINGS_REFUSED = 3  # the test generation's exit status when the runner refuses the entry's settings
 
 # Runners whose library is native code compiled on this machine.
 _SELF_TESTS = {"llama_cpp": "inference.engine.runners.llama_cpp"}
@@ -43,7 +44,13 @@ def check_runner(runner: str, settings: dict[str, Any]) -> RunnerProblem | None:
     module = _SELF_TESTS.get(runner)
     if module is None:
         return None
-    code = f"import json, sys; from {module} import self_test; self_test(json.loads(sys.argv[1]))"
+    # The runner refusing the entry (its model file, a setting) exits with SETTINGS_REFUSED; anything else that
+    # fails (the library cannot load: a missing libgomp, another glibc) is the library's.
+    code = (
+        f"import json, sys\nfrom inference.engine.runners.base import RunnerError\nfrom {module} import self_test\n"
+        f"try:\n    self_test(json.loads(sys.argv[1]))\nexcept RunnerError as exc:\n"
+        f"    print(exc, file=sys.stderr)\n    sys.exit({SETTINGS_REFUSED})"
+    )
     try:
         child = subprocess.run(
             [sys.executable, "-c", code, json.dumps(settings)], capture_output=True, text=True, timeout=TIMEOUT_SECONDS
@@ -57,8 +64,9 @@ def check_runner(runner: str, settings: dict[str, Any]) -> RunnerProblem | None:
         return RunnerProblem(
             f"The {runner} runner was killed by {killed} in a test generation. {_ADVICE[runner]}", True
         )
-    # An exception, not a crash: the library runs, the entry is wrong (a model file that is not there, a bad setting).
     last = (child.stderr.strip().splitlines() or ["no output"])[-1]
-    return RunnerProblem(
-        f"The {runner} runner failed in a test generation ({last}): check the entry's runner settings.", False
-    )
+    if child.returncode == SETTINGS_REFUSED:  # the library runs; the entry is wrong
+        return RunnerProblem(
+            f"The {runner} runner refused the entry in a test generation ({last}): check its runner settings.", False
+        )
+    return RunnerProblem(f"The {runner} runner failed in a test generation ({last}). {_ADVICE[runner]}", True)

@@ -23,7 +23,7 @@ from .shared import (
     Metadata,
     ModelId,
     ReasoningEffort,
-    ServiceTier,
+    ServiceTierResponses,
     StreamOptions,
     WireModel,
     tagged,
@@ -330,7 +330,7 @@ class ResponseCreateRequest(WireModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     store: bool | None = None
-    service_tier: ServiceTier | None = None
+    service_tier: ServiceTierResponses | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # Known but refused: accepted by the schema so they can be refused by name.
     previous_response_id: str | None = None

@@ -276,7 +276,8 @@ def tool_choice_kind(value: Any) -> str:
 
 
 # OpenAI's service tiers: one it does not know is an invalid value; one this node does not offer is refused by name.
-ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+ServiceTierResponses = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 

@@ -14,6 +14,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client, override_settings
 
 from agents.models import AgentInstance
+from inference.engine.runners import llama_cpp
 from inference.models import CatalogEntry
 from tests.conftest import DEFAULT_MODEL
 
@@ -260,13 +261,19 @@ def test_a_gpu_model_that_could_not_render_a_prompt_is_not_saved_and_the_form_sa
     assert entry.runner_settings == {"model": "/m"}
 
 
-def test_a_gpu_model_with_a_chat_template_that_renders_is_saved(staff_client: Client) -> None:
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+        # Llama 2's kind: the tokenizer's special tokens are there when it renders
+        "{% for m in messages %}{{ bos_token + '[INST] ' + m.content + ' [/INST]' }}{% endfor %}",
+    ],
+    ids=["roles", "special-tokens"],
+)
+def test_a_gpu_model_with_a_chat_template_that_renders_is_saved(staff_client: Client, template: str) -> None:
     entry = CatalogEntry.objects.create(
         public_id="acme/gpu-model", runner="tensorrt_llm", runner_settings={"model": "/m"}
-    )
-    template = (
-        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     settings = {"model": "/models/qwen", "chat_template": template}
 
@@ -285,13 +292,13 @@ def test_a_cpu_model_whose_kv_cache_could_never_fit_in_this_hosts_memory_is_not_
     """Loading it would fail, or take the serving process's memory with it: it is refused while the admin is there
     to change it."""
     url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
-    too_many = {**SMOLLM2, "parallel": 100_000}
+    too_many = {**SMOLLM2, "parallel": 256, "n_ctx": 2**20}
 
     page = staff_client.post(url, form_data(catalog_model, runner_settings=json.dumps(too_many)))
 
     assert page.status_code == 200
     assert re.search(
-        r"The KV cache of 100000 sequences of 8192 tokens would take 18,000,000 MiB, more than this host&#x27;s memory "
+        r"The KV cache of 256 sequences of 1048576 tokens would take 5,898,240 MiB, more than this host&#x27;s memory "
         r"\([\d,]+ MiB\): lower parallel or n_ctx.",
         page.content.decode(),
     )
@@ -311,3 +318,23 @@ def test_a_cpu_model_whose_file_is_not_a_model_is_not_saved(
     assert page.status_code == 200 and "Could not load the model" in page.content.decode()
     catalog_model.refresh_from_db()
     assert catalog_model.runner_settings == SMOLLM2
+
+
+def test_a_cpu_model_whose_file_went_away_can_still_be_disabled(
+    staff_client: Client, catalog_model: CatalogEntry
+) -> None:
+    gone = {"model_path": "/nonexistent/model.gguf"}
+    CatalogEntry.objects.filter(pk=catalog_model.pk).update(runner_settings=gone)
+    catalog_model.refresh_from_db()
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+
+    response = staff_client.post(url, {**form_data(catalog_model, runner_settings=json.dumps(gone)), "enabled": ""})
+
+    assert response.status_code == 302
+    catalog_model.refresh_from_db()
+    assert not catalog_model.enabled
+
+
+def test_a_context_left_to_its_default_bounds_the_prefill_chunk_as_the_default_does() -> None:
+    assert llama_cpp.settings_problem({"n_ctx": None, "prefill_chunk": 512}) is None
+    assert "at most n_ctx (8192)" in (llama_cpp.settings_problem({"n_ctx": None, "prefill_chunk": 9000}) or "")

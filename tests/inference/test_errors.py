@@ -195,7 +195,7 @@ async def test_metadata_past_openais_bounds_is_named_in_openais_words(
 
 @pytest.mark.parametrize(
     ("tier", "code"),
-    [("bogus", "invalid_value"), ("flex", "unsupported_parameter"), ("priority", "unsupported_parameter")],
+    [("bogus", "invalid_value"), ("flex", "unsupported_parameter"), ("fast", "unsupported_parameter")],
 )
 @pytest.mark.parametrize("path", [CHAT, "/v1/infer/responses"])
 async def test_a_service_tier_openai_has_not_is_invalid_and_one_this_node_does_not_offer_is_unsupported(

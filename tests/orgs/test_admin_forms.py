@@ -250,6 +250,7 @@ def test_a_key_made_for_an_inactive_organization_is_shown_with_a_warning_that_it
         "/admin/orgs/limit/?updated__year=99999",
         "/admin/inference/catalogentry/?created__year=99999",
         "/admin/agents/storedresponse/?created__year=99999",
+        "/admin/auth/user/?date_joined__year=99999",
     ],
 )
 def test_a_list_filtered_on_a_year_no_date_holds_is_refused_as_a_wrong_filter_not_a_server_error(

@@ -133,7 +133,7 @@ def settings_problem(settings: dict[str, Any]) -> str | None:
         value = settings.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most):
             return f"{name} must be a whole number from {least} to {most}, not {value!r}."
-    chunk, context = settings.get("prefill_chunk"), settings.get("n_ctx", DEFAULT_CONTEXT)
+    chunk, context = settings.get("prefill_chunk"), settings.get("n_ctx") or DEFAULT_CONTEXT
     if chunk is not None and chunk > context:
         return f"prefill_chunk must be at most n_ctx ({context}): a prompt is prefilled within one sequence."
     return None
@@ -1538,7 +1538,9 @@ def _token_floor(longest: int, specials: tuple[str, ...]) -> Callable[[str], int
 
 def self_test(settings: dict[str, Any]) -> None:
     """One short generation: what a native library built for another CPU crashes on (see ``engine.preflight``)."""
-    runner = LlamaCppRunner({**settings, "parallel": 1, "n_ctx": 256})
+    context = 256  # a prefill chunk is at most a sequence
+    chunk = min(settings.get("prefill_chunk") or PREFILL_CHUNK, context)
+    runner = LlamaCppRunner({**settings, "parallel": 1, "n_ctx": context, "prefill_chunk": chunk})
     job = GenerationJob(
         job_id="self-test",
         model_id="self-test",

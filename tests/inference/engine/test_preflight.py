@@ -44,11 +44,18 @@ def test_a_runner_library_that_crashes_is_named_with_what_to_do(
     assert "make rebuild-runner" in problem.message
 
 
+def test_an_entry_with_a_prefill_chunk_past_the_test_generations_context_passes_it() -> None:
+    # The test generation runs on a short context of its own; the entry's chunk fits the entry's context.
+    settings = {**DEFAULT_MODEL["runner_settings"], "n_ctx": 2048, "prefill_chunk": 512}
+
+    assert check_runner(DEFAULT_MODEL["runner"], settings) is None
+
+
 def test_an_entry_whose_model_file_is_missing_is_its_own_settings_fault_not_the_librarys() -> None:
     problem = check_runner("llama_cpp", {"model_path": "/nonexistent/model.gguf"})
 
     assert problem is not None and not problem.crashed
-    assert "/nonexistent/model.gguf" in problem.message and "check the entry's runner settings" in problem.message
+    assert "/nonexistent/model.gguf" in problem.message and "check its runner settings" in problem.message
     assert "rebuild" not in problem.message
 
 
@@ -60,7 +67,19 @@ def test_serve_names_an_entry_it_cannot_load_and_goes_on_with_the_others(capsys:
 
     Command().check_runners()  # the default model's library runs: only the entry's own settings are at fault
 
-    assert "local/missing: The llama_cpp runner failed in a test generation" in capsys.readouterr().err
+    assert "local/missing: The llama_cpp runner refused the entry in a test generation" in capsys.readouterr().err
+
+
+def test_a_runner_library_that_cannot_load_is_the_librarys_fault_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "libllama.so").write_text("not a shared library")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(tmp_path))
+
+    problem = check_runner(DEFAULT_MODEL["runner"], DEFAULT_MODEL["runner_settings"])
+
+    assert problem is not None and problem.crashed
+    assert "make rebuild-runner" in problem.message
 
 
 def test_runners_without_a_native_library_of_their_own_have_nothing_to_check() -> None:
