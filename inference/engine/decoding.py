@@ -288,6 +288,11 @@ class StreamDecoder:
     def tool_calls(self) -> int:
         return self._calls
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the reasoning (between its tags)."""
+        return self._state == "think"
+
     def feed(self, text: str) -> list[Piece]:
         self.raw.append(text)
         self._buffer += text

@@ -12,7 +12,7 @@ import codecs
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -142,12 +142,9 @@ class Generation:
                         if self.first_token_at is None:
                             self.first_token_at = time.monotonic()
                         self.completion_tokens += event.tokens
-                        for text, logprobs in _by_token(event):
-                            if logprobs:
-                                yield Logprobs(logprobs)
-                            for piece in decoder.feed(text):
-                                reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
-                                yield piece
+                        for piece in _read(decoder, event):
+                            reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
+                            yield piece
                     elif isinstance(event, Finished):
                         for piece in decoder.finish():
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
@@ -189,6 +186,18 @@ def _coalesce(batch: list[Any]) -> list[Any]:
         else:
             out.append(event)
     return out
+
+
+def _read(decoder: StreamDecoder, chunk: TextChunk) -> Iterator[Logprobs | Piece]:
+    """A chunk's pieces, each token's logprobs just before the pieces it ends. The reasoning's tokens, its tags
+    among them, have none: the answer's logprobs are those of the answer's tokens (whose text a tag may hold back
+    and let go with a later one)."""
+    for text, logprobs in _by_token(chunk):
+        thinking = decoder.thinking
+        pieces = decoder.feed(text)
+        if logprobs and not (thinking or decoder.thinking):
+            yield Logprobs(logprobs)
+        yield from pieces
 
 
 def _by_token(chunk: TextChunk) -> list[tuple[str, tuple[TokenLogprob, ...]]]:
