@@ -192,7 +192,9 @@ def _refuse_item(item: wire.ItemReference | wire.OtherItem, where: str) -> APIEr
     if isinstance(item, wire.ItemReference):
         # Named where the client wrote it: a reference may leave its type out.
         param = _at(where, "type" if item.type else "id")
-        return unsupported_parameter(param, "items are not looked up by id: send the item itself as input")
+        return unsupported_parameter(
+            param, "item_reference is not supported: items are not looked up by id; send the item itself as input"
+        )
     param = _at(where, "type")
     tool = item.type.removesuffix("_output").removesuffix("_call")
     if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
