@@ -529,6 +529,12 @@ def _converter_class() -> type[Any]:
                 if problem := _unenforceable(schema):
                     raise ValueError(problem)
                 kind = schema.get("type")
+                if isinstance(kind, list) and len(kind) > 1 and schema.keys() - _ANNOTATIONS - {"type"}:
+                    # The converter reads a list of types as those types alone, its other keywords (an enum, a
+                    # maxLength) left out: one branch a type, each with them all (a keyword of another type's
+                    # holds nothing there).
+                    rest = {key: value for key, value in schema.items() if key != "type"}
+                    return str(super().visit({"anyOf": [{**rest, "type": one} for one in kind]}, name))
                 if kind in ("integer", "number") and _BOUNDS & schema.keys() and not _COMPOSED & schema.keys():
                     rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
                     if kind == "integer":
@@ -562,7 +568,14 @@ _UNENFORCEABLE = (
     "dependentRequired",
     "dependentSchemas",
     "if",
+    "unevaluatedProperties",
+    "unevaluatedItems",
 )
+# Keywords that say what a value is about, not what it may be.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"})
+_LENGTHS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"))
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_TRUE_OR_FALSE = "a schema of true or false cannot be enforced by this model's grammar: write {} for any value"
 # Integer bounds enforced digit by digit; past this many digits a bound is refused (no model writes such a number).
 _MOST_DIGITS = 18
 
@@ -576,7 +589,49 @@ def _unenforceable(schema: dict[str, Any]) -> str | None:
     if _BOUNDS & schema.keys() and schema.get("type") not in ("integer", "number"):
         bound = sorted(_BOUNDS & schema.keys())[0]
         return f"its {bound!r} can be enforced by this model's grammar where the type is one integer or number"
+    return _misread(schema)
+
+
+def _misread(schema: dict[str, Any]) -> str | None:
+    """What the converter would read otherwise than JSON Schema means it, so that output breaking the schema would
+    pass as valid: the 400's reason, or None."""
+    for low, high, what in _LENGTHS:
+        least, most = schema.get(low), schema.get(high)
+        for keyword, value in ((low, least), (high, most)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                return f"its {keyword!r} must be a whole number of 0 or more, not {value!r}"
+        if isinstance(least, int) and isinstance(most, int) and least > most:
+            return f"its {low!r} of {least} is past its {high!r} of {most}: it allows no {what}"
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        if "" in properties:
+            return "its property named '' cannot be enforced by this model's grammar"
+        if any(isinstance(value, bool) for value in properties.values()):
+            return _TRUE_OR_FALSE
+        required = schema.get("required")
+        composed = schema.keys() & {"allOf", "anyOf", "oneOf", "$ref"}  # properties may come from its parts
+        absent = [name for name in required if name not in properties] if isinstance(required, list) else []
+        if absent and not composed:
+            return f"its required property {absent[0]!r} is not among its properties"
+    if isinstance(schema.get("items"), bool) or any(
+        isinstance(parts, list) and any(isinstance(part, bool) for part in parts)
+        for parts in (schema.get(keyword) for keyword in _SUBSCHEMA_LISTS)
+    ):
+        return _TRUE_OR_FALSE
+    if "prefixItems" in schema and "items" in schema:
+        return "its 'prefixItems' beside 'items' cannot be enforced by this model's grammar: write one of them"
+    parts = schema.get("allOf")
+    if isinstance(parts, list) and not all(isinstance(part, dict) and _an_object(part) for part in parts):
+        return "its 'allOf' can be enforced by this model's grammar only of objects"
     return None
+
+
+def _an_object(schema: dict[str, Any]) -> bool:
+    """Whether ``schema`` is an object's (what the converter merges the parts of an ``allOf`` as)."""
+    kind = schema.get("type")
+    if kind is not None:
+        return kind == "object"
+    return bool(schema.keys() & {"properties", "additionalProperties", "required", "$ref", "allOf", "anyOf", "oneOf"})
 
 
 def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:

@@ -232,6 +232,16 @@ def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
         ({"type": "integer", "minimum": 1e30}, "past what this model's grammar enforces"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "allow no integer"),
         ({"type": "integer", "minimum": -(10**30)}, "integer exceeds 64-bit range"),
+        ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties' cannot be enforced"),
+        ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' of 5 is past its 'maxLength' of 2"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "it allows no array"),
+        ({"type": "string", "minLength": 2.0}, "'minLength' must be a whole number"),
+        ({"type": "object", "properties": {"": {"type": "string"}}}, "property named '' cannot be enforced"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}, "'zz' is not among"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}, "'prefixItems' beside"),
+        ({"type": "array", "items": False}, "a schema of true or false"),
+        ({"type": "object", "properties": {"a": True}}, "a schema of true or false"),
+        ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf' can be enforced by this model's grammar only"),
     ],
     ids=[
         "fractional-number-bound",
@@ -243,10 +253,38 @@ def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
         "huge-bound",
         "empty-range",
         "integer-past-64-bits",
+        "unevaluatedProperties",
+        "no-string",
+        "no-array",
+        "fractional-length",
+        "empty-name",
+        "required-not-a-property",
+        "prefixItems-and-items",
+        "items-false",
+        "property-true",
+        "allOf-of-strings",
     ],
 )
 def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(schema: dict[str, Any], says: str) -> None:
     assert says in (schema_problem({"type": "object", "properties": {"v": schema}}) or "")
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": ["string", "null"], "maxLength": 2},
+        {"type": ["string", "null"], "enum": ["ab", None]},
+        {"type": ["integer", "string"], "const": 3},
+    ],
+    ids=["maxLength", "enum", "const"],
+)
+def test_a_list_of_types_keeps_its_other_keywords(vocab: Any, schema: dict[str, Any]) -> None:
+    # The converter read the types alone: a maxLength, an enum or a const beside them was left out.
+    wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
+    valid = jsonschema.Draft202012Validator(wrapped).is_valid
+
+    for value in ["ab", "abc", None, 3, 4, "x"]:
+        assert accepts(vocab, wrapped, json.dumps({"v": value})) == valid({"v": value}), value
 
 
 # --- tool calls: every enforced tool's parameters in one call schema ----------------------------------------
