@@ -9,6 +9,7 @@ import pytest
 
 from inference.engine.runners.grammar_costs import SCHEMA_MAX_LEADS, schema_leads_problem
 from tests.conftest import API, MODEL_ID
+from tests.inference.test_schema_output import LINKED_LIST
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -87,13 +88,7 @@ async def test_a_schema_whose_refs_lead_a_few_ways_is_served(api: API) -> None:
 
 
 async def test_a_recursive_schema_is_served_and_its_loop_counted_once(api: API) -> None:
-    node = {
-        "type": "object",
-        "properties": {"value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
-        "required": ["value", "next"],
-        "additionalProperties": False,
-    }
-    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    schema = LINKED_LIST
 
     response = await api.post(CHAT, chat(response_format=output_schema(schema)))
 

@@ -15,6 +15,22 @@ pytestmark = pytest.mark.django_db(transaction=True)
 CHAT = "/v1/infer/chat/completions"
 RESPONSES = "/v1/infer/responses"
 
+# A linked list as Pydantic writes a recursive model: a root $ref to an object that refers to itself.
+LINKED_LIST = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "value": {"type": "integer"},
+                "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+            },
+            "required": ["value", "next"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
 SHAPE = {
     "$defs": {
         "circle": {
@@ -81,13 +97,7 @@ async def test_a_responses_text_format_with_a_root_ref_to_a_union_comes_back_as_
 
 
 async def test_a_root_ref_to_an_object_still_keeps_its_recursive_definitions(api: API) -> None:
-    node = {
-        "type": "object",
-        "properties": {"value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
-        "required": ["value", "next"],
-        "additionalProperties": False,
-    }
-    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    schema = LINKED_LIST
 
     response = await api.post(CHAT, {**chat_with_schema(schema), "max_tokens": 12})
 
