@@ -276,6 +276,8 @@ SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000, least=1)
 SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256, least=1)
 GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024, least=1)
 SCHEMA_MAX_ALTERNATIVES = _int("SCHEMA_MAX_ALTERNATIVES", 1024, least=1)
+SCHEMA_MAX_LEADS = _int("SCHEMA_MAX_LEADS", 1_000_000, least=1)
+SCHEMA_MAX_AMBIGUITY = _int("SCHEMA_MAX_AMBIGUITY", 256, least=1)
 
 # --- usage, reports, metrics ------------------------------------------------------------------
 # Raw usage records older than this many days are deleted once rolled up into daily rollups

@@ -12,18 +12,17 @@ from typing import Any
 from .base import SCHEMA_DATA, SCHEMA_MAPS, schema_at
 
 
-def grammar_cost_problem(schema: Any) -> str | None:
-    """Why ``schema``'s grammar would cost too much to build or to decode with, or None."""
-    return schema_leads_problem(schema) or ambiguity_problem(schema)
+def grammar_cost_problem(schema: Any, *, leads: int, ambiguity: int) -> str | None:
+    """Why ``schema``'s grammar would cost too much to build or to decode with, or None (``SCHEMA_MAX_LEADS``,
+    ``SCHEMA_MAX_AMBIGUITY``)."""
+    return schema_leads_problem(schema, most=leads) or ambiguity_problem(schema, most=ambiguity)
 
 
-# The most ways a schema may lead to where a value starts: grammar compilers walk every one (llama.cpp's check for
-# left recursion follows each leading rule reference anew, on every path), so a few dozen $defs, each an anyOf of two
-# $refs to the next, held a core for minutes with a 2 KB schema. A schema that a person writes leads a few ways.
-SCHEMA_MAX_LEADS = 1_000_000
-
-
-def schema_leads_problem(schema: Any, *, most: int = SCHEMA_MAX_LEADS) -> str | None:
+# SCHEMA_MAX_LEADS, the most ways a schema may lead to where a value starts: grammar compilers walk every one
+# (llama.cpp's check for left recursion follows each leading rule reference anew, on every path), so a few dozen
+# $defs, each an anyOf of two $refs to the next, held a core for minutes with a 2 KB schema. A schema that a person
+# writes leads a few ways.
+def schema_leads_problem(schema: Any, *, most: int) -> str | None:
     """Why ``schema`` is too costly to compile to a grammar, or None: the ways its subschemas lead to where a value
     starts (following ``$ref``s and ``anyOf``/``oneOf`` branches, each way as often as it is reached), in all,
     counted without following any of them twice."""
@@ -55,14 +54,11 @@ def schema_leads_problem(schema: Any, *, most: int = SCHEMA_MAX_LEADS) -> str | 
     return None
 
 
-# The most alternatives of a schema that may be alive at once, one inside another: a grammar matcher that follows each
-# (llama.cpp's keeps a stack for every one, and compares each new one with all the others) slows with their square, so
-# a 300-byte schema whose value is either of two arrays of itself took a minute a token past 15 levels, the model's
-# other streams waiting on it.
-SCHEMA_MAX_AMBIGUITY = 256
-
-
-def ambiguity_problem(schema: Any, *, most: int = SCHEMA_MAX_AMBIGUITY) -> str | None:
+# SCHEMA_MAX_AMBIGUITY, the most alternatives of a schema that may be alive at once, one inside another: a grammar
+# matcher that follows each (llama.cpp's keeps a stack for every one, and compares each new one with all the others)
+# slows with their square, so a 300-byte schema whose value is either of two arrays of itself took a minute a token
+# past 15 levels, the model's other streams waiting on it.
+def ambiguity_problem(schema: Any, *, most: int) -> str | None:
     """Why ``schema`` would keep too many of its alternatives alive at once, or None.
 
     Alternatives stay alive together when branches of one ``anyOf``/``oneOf`` begin alike and go on alike into a nested

@@ -216,6 +216,8 @@ class SchemaLimits:
     properties: int = 256  # properties of one object; four times as many in the whole schema
     grammar_bytes: int = 1 << 20
     alternatives: int = 1024  # alternatives in the whole grammar
+    leads: int = 1_000_000  # ways a schema's $refs and branches lead to where a value starts (grammar_costs)
+    ambiguity: int = 256  # alternatives alive at once inside a nested value (grammar_costs)
 
     @classmethod
     def from_settings(cls) -> SchemaLimits:
@@ -227,6 +229,8 @@ class SchemaLimits:
             properties=django_settings.SCHEMA_MAX_PROPERTIES,
             grammar_bytes=django_settings.GRAMMAR_MAX_BYTES,
             alternatives=django_settings.SCHEMA_MAX_ALTERNATIVES,
+            leads=django_settings.SCHEMA_MAX_LEADS,
+            ambiguity=django_settings.SCHEMA_MAX_AMBIGUITY,
         )
 
 
@@ -242,7 +246,10 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
         schema: dict[str, Any] = {"type": "object"}
     else:
         # Checked before anything is built: the converter's own work is what an unbounded schema runs away with.
-        if problem := size_problem(constraint.schema or {}, limits) or grammar_cost_problem(constraint.schema or {}):
+        schema = constraint.schema or {}
+        if problem := size_problem(schema, limits) or grammar_cost_problem(
+            schema, leads=limits.leads, ambiguity=limits.ambiguity
+        ):
             raise SchemaTooLarge(problem)
         schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
     schema = converter.resolve_refs(schema, "schema")
