@@ -132,11 +132,16 @@ def parameters_problem(schema: dict[str, Any]) -> str | None:
     """Why a function's parameters admit no JSON object, or None: a call's arguments are one, and parameters that are a
     ``$ref``, an ``anyOf`` or a ``oneOf`` of strings got a forced call of ``"text"`` for arguments, read back as a
     call cut short (``finish_reason: "length"`` with arguments no client can parse)."""
-    if _admits_object(schema, schema, {}):
+    known: dict[int, bool] = {}
+    root = schema_at(schema, ref) if isinstance(ref := schema.get("$ref"), str) else schema
+    branches = (root.get("anyOf") or root.get("oneOf") or []) if isinstance(root, dict) else []
+    if _admits_object(schema, schema, known) and all(
+        _admits_object(branch, schema, known) for branch in branches if isinstance(branches, list)
+    ):
         return None
     return (
-        'function parameters must admit a JSON object (the arguments are one); its "$ref", "anyOf", "oneOf", '
-        '"enum" or "const" admit only other values: give the root "type": "object"'
+        'function parameters must be a JSON object (the arguments are one); its "$ref", "anyOf", "oneOf", '
+        '"enum" or "const" admit other values: give the root "type": "object"'
     )
 
 

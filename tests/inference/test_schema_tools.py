@@ -17,12 +17,15 @@ RESPONSES = "/v1/infer/responses"
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 
-# Parameters with no "type" whose $ref, anyOf, oneOf or enum admit no object: a forced call was decoded as a
-# string and came back as a call "cut short" by a budget it never reached, arguments no client could parse.
+# Parameters with no "type" whose $ref, anyOf, oneOf or enum admit other values than an object: a forced call was
+# decoded as a string and came back as a call "cut short" by a budget it never reached, arguments no client could
+# parse.
 NOT_AN_OBJECT = {
     "anyOf of strings": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
     "$ref to a string": {"$defs": {"city": {"type": "string"}}, "$ref": "#/$defs/city"},
     "oneOf of an enum": {"oneOf": [{"enum": ["Paris", "Eugene"]}]},
+    # one object among other values: a forced call could still be decoded as a string
+    "anyOf of an object and a string": {"anyOf": [CITY, {"type": "string"}]},
 }
 
 # Parameters with no "type" that do describe an object.
@@ -45,16 +48,18 @@ def forced_chat(parameters: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("parameters", NOT_AN_OBJECT.values(), ids=NOT_AN_OBJECT.keys())
-async def test_chat_parameters_that_admit_no_object_are_a_400_naming_them(api: API, parameters: dict[str, Any]) -> None:
+async def test_chat_parameters_that_admit_other_values_than_an_object_are_a_400_naming_them(
+    api: API, parameters: dict[str, Any]
+) -> None:
     response = await api.post(CHAT, forced_chat(parameters))
 
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert error["param"] == "tools.0.function.parameters"
-    assert "must admit a JSON object" in error["message"]
+    assert "must be a JSON object" in error["message"]
 
 
-async def test_responses_parameters_that_admit_no_object_are_a_400_naming_them(api: API) -> None:
+async def test_responses_parameters_that_admit_other_values_than_an_object_are_a_400_naming_them(api: API) -> None:
     tool = {"type": "function", "name": "get_weather", "parameters": NOT_AN_OBJECT["anyOf of strings"]}
     body = {"model": MODEL_ID, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required"}
 
