@@ -8,6 +8,9 @@ from .registry import ServerTool, Source, ToolContext, ToolError, ToolResult, re
 from .search import query_terms, search_documents
 
 SEARCH_RESULTS = 3
+# A query is a few words: bounded, so that a model sampling hot cannot spend the response's tokens on it (the
+# grammar of a forced call holds the model to it). The search the runtime runs first takes the user's text whole.
+QUERY_MAX_CHARACTERS = 128
 
 
 def knowledge_search(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
@@ -30,7 +33,7 @@ KNOWLEDGE_SEARCH = register(
         description="Search the knowledge base for documents about the user's question.",
         parameters={
             "type": "object",
-            "properties": {"query": {"type": "string"}},
+            "properties": {"query": {"type": "string", "maxLength": QUERY_MAX_CHARACTERS}},
             "required": ["query"],
         },
         run=knowledge_search,

@@ -23,6 +23,7 @@ from django.test import override_settings
 
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
 from agents.services import stored_size
+from agents.tools.knowledge import QUERY_MAX_CHARACTERS
 from agents.tools.registry import REGISTRY, ServerTool, ToolContext, ToolError, ToolResult
 from inference.engine import catalog, execution
 from inference.models import CatalogEntry, UsageRecord
@@ -278,6 +279,25 @@ async def test_continuing_a_conversation_reads_the_turns_of_its_own_branch_only(
 
 
 # --- server tools and citations ---------------------------------------------------------------------------
+
+
+async def test_the_knowledge_search_query_the_model_writes_is_held_to_a_few_words_and_leaves_room_for_the_answer(
+    tenant: Tenant, searching_agent: AgentInstance
+) -> None:
+    long_text = (
+        "machine 4711 spare parts compatibility list for the hydraulic pump, the gearbox, the main drive belt, "
+        "the cooling fan, the control board and the emergency stop switch of every model year"
+    )
+    _, response = await tenant.stream(
+        model=searching_agent.instance_id,
+        input=f"Search the knowledge base for this exact text: {long_text}",
+        max_output_tokens=200,
+    )
+
+    (call,) = agent_calls(response)
+    query = json.loads(call["arguments"])["query"]
+    assert long_text[:40] in query and len(query) <= QUERY_MAX_CHARACTERS < len(long_text)
+    assert response["status"] == "completed" and response["output"][-1]["type"] == "message"
 
 
 async def test_a_server_tool_the_model_calls_is_shown_with_its_arguments_and_result_and_what_it_found_is_cited(
@@ -779,7 +799,7 @@ async def test_a_named_client_tool_is_called_after_the_server_tool_the_instance_
         tools=[ASK],
         tool_choice=choice,
         temperature=0.6 + attempt / 5,
-        # Room for the forced call after the server tool's, however long a hot sample makes the tool's query.
+        # Room for the forced call after the server tool's, whose query is a few words however hot the sample.
         max_output_tokens=256,
     )
 
