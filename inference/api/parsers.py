@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -33,13 +34,20 @@ class JSONBodyParser(BaseParser):
             raise body_too_complex(containers)
         try:
             data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            if _LONG_INTEGER.search(raw):
+                # orjson reads an integer past 64 bits as a float; read exactly, it is refused as the number it is.
+                data = json.loads(raw)
+        except (orjson.JSONDecodeError, ValueError) as exc:  # ValueError: past Python's 4,300 digits too
             raise ParseError(str(exc)) from None
         # A body with fewer brackets than the limit cannot nest past it: most are never walked.
         if brackets > depth and nested_deeper(data, depth):
             raise invalid_request(f"The request body nests deeper than {depth} levels.", code="invalid_json")
         return data
 
+
+# Twenty digits or more, not in a fraction or an exponent: an integer orjson may not hold in 64 bits (or digits in a
+# string, read again for nothing).
+_LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{20,}(?![\d.eE])")
 
 # A JSON string; its closing quote optional, so that a body whose last string never ends is matched once, not
 # tried again from each quote in it (which would take time with the square of its length).

@@ -62,6 +62,24 @@ async def test_a_body_that_is_not_an_object_is_a_400(api: API) -> None:
     assert_error(await api.post(CHAT, [1, 2]), 400, "invalid_json")
 
 
+@pytest.mark.parametrize(("field", "code"), [("seed", "integer_above_max_value"), ("n", "integer_above_max_value")])
+async def test_an_integer_past_64_bits_is_refused_as_the_integer_it_is(api: API, field: str, code: str) -> None:
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], field: 2**64 * 10})
+    error = assert_error(await api.post(CHAT, body, raw=True), 400, code)
+    assert error["param"] == field and str(2**64 * 10) in error["message"]
+
+
+async def test_an_integer_of_thousands_of_digits_is_a_400(api: API) -> None:
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "seed": 0})
+    body = body.replace('"seed": 0', '"seed": ' + "9" * 5000)
+    assert_error(await api.post(CHAT, body, raw=True), 400, "invalid_json")
+
+
+async def test_long_runs_of_digits_in_a_string_are_only_text(api: API) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "1" * 30}]}
+    assert_error(await api.post(CHAT, body), 404, "model_not_available")
+
+
 async def test_a_body_that_is_not_declared_json_is_a_415(api: API) -> None:
     response = await api.client.post(
         CHAT,
