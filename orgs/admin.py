@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from django import forms
@@ -7,7 +8,7 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
@@ -144,7 +145,15 @@ class KeyStateFilter(admin.SimpleListFilter):
         return queryset
 
 
+# In the session: the token of each add form that made a key, and the key's id (never its secret).
+KEYS_MADE = "b3os_keys_made"
+KEYS_MADE_KEPT = 20
+
+
 class APIKeyForm(forms.ModelForm):  # type: ignore[type-arg]
+    # One per add form: the same form sent again (a reload of the page that showed the secret) makes no second key.
+    once = forms.CharField(widget=forms.HiddenInput, required=False, initial=lambda: secrets.token_urlsafe(16))
+
     class Meta:
         model = APIKey
         fields = "__all__"
@@ -168,7 +177,7 @@ class APIKeyAdmin(ModelAdmin):
 
     def get_fields(self, request: HttpRequest, obj: APIKey | None = None) -> list[str]:
         if obj is None:
-            return ["organization", "name", "expires_at"]
+            return ["organization", "name", "expires_at", "once"]
         return [
             "organization",
             "name",
@@ -190,6 +199,21 @@ class APIKeyAdmin(ModelAdmin):
         key, raw = APIKey.generate(organization=obj.organization, name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.prefix, obj.hashed_key, obj.created = key.pk, key.prefix, key.hashed_key, key.created
         obj.raw_key = raw  # type: ignore[attr-defined]  # for response_add, this request only
+        if once := form.cleaned_data.get("once"):
+            made = list(request.session.get(KEYS_MADE, {}).items())[-(KEYS_MADE_KEPT - 1) :]
+            request.session[KEYS_MADE] = {**dict(made), once: key.pk}
+
+    def add_view(self, request: HttpRequest, form_url: str = "", extra_context: Any = None) -> HttpResponse:
+        once = request.POST.get("once", "") if request.method == "POST" else ""
+        if once and (made := request.session.get(KEYS_MADE, {}).get(once)) is not None:
+            self.message_user(
+                request,
+                "This form made its key already: here it is, not a second one. Its secret was shown once, when it "
+                "was made; if it was not copied, revoke the key and create another.",
+                messages.WARNING,
+            )
+            return HttpResponseRedirect(reverse("admin:orgs_apikey_change", args=[made]))
+        return super().add_view(request, form_url, extra_context)
 
     def response_add(self, request: HttpRequest, obj: APIKey, post_url_continue: str | None = None) -> HttpResponse:
         """The new key's secret, shown in this response and nowhere else: not through the messages framework,

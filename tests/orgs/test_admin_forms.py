@@ -210,7 +210,7 @@ def test_the_limit_page_opened_with_a_choice_that_names_no_row_opens_with_nothin
 ) -> None:
     page = staff_client.get(f"/admin/orgs/limit/add/?{query}")
 
-    assert page.status_code == 200 and 'selected>acme</option>' not in page.content.decode()
+    assert page.status_code == 200 and "selected>acme</option>" not in page.content.decode()
 
 
 def test_the_limit_page_opened_for_an_organization_and_a_model_opens_with_them_chosen(
@@ -240,6 +240,25 @@ def test_a_key_made_for_an_inactive_organization_is_shown_with_a_warning_that_it
         assert " ".join(warning.group(1).split()) == (
             "acme is inactive: this key is refused until the organization is made active again."
         )
+
+
+def test_the_key_form_sent_again_by_a_reload_makes_no_second_key_and_shows_the_first(
+    staff_client: Client, organization: Organization
+) -> None:
+    add_page = staff_client.get("/admin/orgs/apikey/add/").content.decode()
+    once = re.search(r'name="once" value="([^"]+)"', add_page).group(1)  # type: ignore[union-attr]
+    form = {"organization": organization.pk, "name": "ci", "expires_at_0": "", "expires_at_1": "", "once": once}
+
+    first = staff_client.post("/admin/orgs/apikey/add/", form)
+    again = staff_client.post("/admin/orgs/apikey/add/", form, follow=True)
+
+    (key,) = APIKey.objects.filter(organization=organization)
+    assert 'id="new-api-key"' in first.content.decode()
+    assert again.redirect_chain == [(f"/admin/orgs/apikey/{key.pk}/change/", 302)]
+    page = again.content.decode()
+    assert 'id="new-api-key"' not in page and "This form made its key already" in page
+    another = staff_client.get("/admin/orgs/apikey/add/").content.decode()
+    assert once not in another  # a new form makes a new key
 
 
 @pytest.mark.parametrize(
