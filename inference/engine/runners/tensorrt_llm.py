@@ -373,7 +373,7 @@ def _token_logprobs(
             top = tuple(
                 (_token_bytes(tokenizer, tid), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked[:top_logprobs]
             )
-        else:  # TensorRT backend without gathered logits: one float per token, no alternatives
+        else:  # the TensorRT engine backend's legacy format: one float per token, no alternatives
             logprob, top = max(float(entry), _MIN_LOGPROB), ()
         result.append(TokenLogprob(token=token, logprob=logprob, top=top))
     return tuple(result)
@@ -549,7 +549,10 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
     if constraint is None:
         return None
     if constraint.kind == "json_object":
-        return api.GuidedDecodingParams(json_object=True)
+        # Not json_object=True: with xgrammar that is GuideType.JSON, compiled as xgrammar's builtin JSON
+        # grammar (grammar_matcher.py, compile_builtin_json_grammar), whose root is an object or an array.
+        # This schema admits any object and nothing else, as the llama.cpp runner's grammar does.
+        return api.GuidedDecodingParams(json={"type": "object"})
     if constraint.schema is None:
         raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
     if constraint.kind == "tool_calls":
@@ -795,9 +798,11 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
 def _max_top_logprobs(settings: Mapping[str, Any]) -> int:
     """How many alternatives per token this entry returns with logprobs (its ``max_top_logprobs`` setting).
 
-    The PyTorch backend returns each token's top-k as {token id: Logprob} (``executor/result.py``);
-    the TensorRT engine backend without gathered generation logits returns only the sampled
-    token's logprob, a plain float, so such an entry sets 0 and asks for more are refused up front.
+    The PyTorch backend (``tensorrt_llm.LLM``, the one this runner builds) returns each token's top-k
+    as {token id: Logprob} (``executor/result.py``). A plain float per token, the sampled token's
+    alone, comes only from the TensorRT engine backend's legacy ``_return_log_probs`` path (that
+    backend refuses ``logprobs`` without ``gather_generation_logits``: ``llm.py``, ``_check_arguments``);
+    an entry whose engine gives no alternatives sets 0, and asks for more are refused up front.
     """
     value = settings.get("max_top_logprobs", MAX_TOP_LOGPROBS)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -43,6 +43,8 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
   ``{"structures": [...], "triggers": [...]}`` form). The stand-in compiles guides with the real
   xgrammar. ``LLGuidanceMatcherFactory.create`` has no structural tag case ("Unsupported guide
   type"), so with ``guided_decoding_backend="llguidance"`` such a guide fails the batch.
+  ``json_object=True`` is ``GuideType.JSON``: xgrammar's builtin JSON grammar
+  (``compile_builtin_json_grammar``), which admits an array as well as an object.
 - ``tensorrt_llm/_torch/pyexecutor/py_executor.py`` (two versions read):
   ``_handle_errors`` fails every active request with one error message, which is what an exception
   in the batch's guided decoder leads to; ``_handle_canceled_requests`` drops cancelled requests

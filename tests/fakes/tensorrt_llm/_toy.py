@@ -10,9 +10,12 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   spells what is not in its vocabulary (``<0xF0>``): ``decode`` of one such token is ``"\ufffd"``.
   ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true.
 - ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is fixed
-  when it is submitted: the prompt's words echoed, or, under guided decoding, a minimal instance of
-  the JSON schema (``"{}"`` for a JSON object), or for a ``triggered_tags`` structural tag its first
-  tag wrapped around a minimal instance of the tag's schema (the toy model "calls the first tool").
+  when it is submitted: the prompt's words echoed. Under a JSON guide (a schema, or ``json_object``)
+  the echo stays when the guide's grammar, compiled by the real xgrammar as TensorRT-LLM compiles it,
+  admits it (a model follows its prompt wherever the mask lets it), and otherwise becomes a minimal
+  instance of the schema (``"{}"`` for ``json_object``). Under a ``triggered_tags`` structural tag
+  the output is its first tag wrapped around a minimal instance of the tag's schema (the toy model
+  "calls the first tool").
   Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
   token for every active request and delivers a response to it.
 - Guides are compiled with the real ``xgrammar`` when their request is scheduled, and a guide that
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xgrammar
+from xgrammar.testing import _is_grammar_accept_string
 
 from .executor.result import CANCELLED, END_ID, LENGTH, STOP_WORDS, Logprob
 from .sampling_params import GuidedDecodingParams, SamplingParams
@@ -184,8 +188,13 @@ def _first_tag_instance(structural_tag: dict[str, Any]) -> str:
     return first["begin"] + json.dumps(minimal_instance(first["content"]["json_schema"])) + first["end"]
 
 
-def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> None:
+def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> xgrammar.Grammar:
     """Compile a guide as ``XGrammarMatcherFactory.create`` does (``_torch/pyexecutor/grammar_matcher.py``).
+
+    The guide types are checked in the order ``SamplingParams._get_guided_decoding_params`` checks
+    them (``json_object`` first). ``json_object`` is ``GuideType.JSON``, for which xgrammar compiles its
+    builtin JSON grammar (``compile_builtin_json_grammar``), whose root is an object *or an array*; the
+    llguidance factory compiles ``'{"type": "object"}'`` instead.
 
     With the ``llguidance`` backend, ``LLGuidanceMatcherFactory.create`` has no case for a structural
     tag and raises ``ValueError("Unsupported guide type: ...")``; its other guides are compiled here
@@ -199,14 +208,29 @@ def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> Non
     """
     if backend == "llguidance" and guide.structural_tag is not None:
         raise ValueError("Unsupported guide type: GuideType.STRUCTURAL_TAG.")
+    if guide.json_object:
+        if backend == "llguidance":
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}')
+        return xgrammar.Grammar.builtin_json_grammar()
     if guide.json is not None:
-        xgrammar.Grammar.from_json_schema(guide.json if isinstance(guide.json, str) else json.dumps(guide.json))
-    elif guide.structural_tag is not None:
-        xgrammar.Grammar.from_structural_tag(guide.structural_tag)
-    elif guide.regex is not None:
-        xgrammar.Grammar.from_regex(guide.regex)
-    elif guide.grammar is not None:
-        xgrammar.Grammar.from_ebnf(guide.grammar)
+        return xgrammar.Grammar.from_json_schema(guide.json if isinstance(guide.json, str) else json.dumps(guide.json))
+    if guide.regex is not None:
+        return xgrammar.Grammar.from_regex(guide.regex)
+    if guide.grammar is not None:
+        return xgrammar.Grammar.from_ebnf(guide.grammar)
+    if guide.structural_tag is not None:
+        return xgrammar.Grammar.from_structural_tag(guide.structural_tag)
+    raise ValueError(f"Unsupported guide type: {guide}.")
+
+
+def admits(guide: GuidedDecodingParams, text: str, backend: str = "xgrammar") -> bool:
+    """Whether the guide's grammar, as the real xgrammar compiles it, accepts ``text`` as a whole output."""
+    try:
+        grammar = compile_guide(guide, backend)
+    except Exception:  # noqa: BLE001  (a guide that does not compile fails the batch when it is scheduled)
+        return False
+    # xgrammar's own test helper: a matcher over the grammar, fed the text byte by byte.
+    return bool(_is_grammar_accept_string(grammar, text))
 
 
 @dataclass(slots=True)
@@ -346,14 +370,15 @@ class ToyExecutor:
         if guide is not None:
             if self._guided_decoding_backend is None:
                 return [], "Guided decoding requested, but the LLM was built without guided_decoding_backend."
-            if guide.json is not None:
-                schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
-                try:
-                    text = json.dumps(minimal_instance(schema))
-                except (ValueError, KeyError, TypeError, IndexError):
-                    text = "{}"  # xgrammar decides whether the schema compiles, when it is scheduled
-            elif guide.json_object:
-                text = "{}"
+            if guide.json_object or guide.json is not None:
+                if not admits(guide, text, self._guided_decoding_backend):
+                    text = "{}"
+                    if not guide.json_object and guide.json is not None:
+                        schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
+                        try:
+                            text = json.dumps(minimal_instance(schema))
+                        except (ValueError, KeyError, TypeError, IndexError):
+                            pass  # xgrammar decides whether the schema compiles, when it is scheduled
             elif guide.structural_tag is not None:
                 try:
                     text = _first_tag_instance(json.loads(guide.structural_tag))

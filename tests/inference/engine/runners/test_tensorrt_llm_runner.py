@@ -470,8 +470,31 @@ def test_a_json_object_constraint_asks_for_a_json_object(trtllm: types.ModuleTyp
 
     chunks, _ = collect(runner.stream(make_job("x", constraint=Constraint(kind="json_object")), never))
 
-    assert engine.calls[0].sampling_params.guided_decoding == trtllm.llmapi.GuidedDecodingParams(json_object=True)
+    assert engine.calls[0].sampling_params.guided_decoding == trtllm.llmapi.GuidedDecodingParams(
+        json={"type": "object"}
+    )
     assert json.loads("".join(c.text for c in chunks)) == {}
+
+
+def test_a_json_object_constraint_lets_no_json_array_through(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    # The toy model keeps to its prompt wherever the guide admits it. TensorRT-LLM's json_object guide
+    # is xgrammar's builtin JSON grammar, whose root is an object or an array: it would admit this one.
+    chunks, finished = collect(runner.stream(make_job("[1, 2]", constraint=Constraint(kind="json_object")), never))
+
+    assert isinstance(json.loads("".join(c.text for c in chunks)), dict)
+    assert finished.reason == "stop"
+
+
+def test_the_stand_ins_json_object_guide_admits_an_array_as_tensorrt_llms_does(trtllm: types.ModuleType) -> None:
+    toy = importlib.import_module("tensorrt_llm._toy")
+    guide = trtllm.llmapi.GuidedDecodingParams(json_object=True)
+
+    # grammar_matcher.py: GuideType.JSON -> compile_builtin_json_grammar(); llguidance compiles {"type": "object"}.
+    assert toy.admits(guide, "[1, 2]") and toy.admits(guide, '{"a": 1}')
+    assert not toy.admits(guide, "[1, 2]", backend="llguidance")
+    assert not toy.admits(trtllm.llmapi.GuidedDecodingParams(json={"type": "object"}), "[1, 2]")
 
 
 CALL_SCHEMA: dict[str, Any] = {
