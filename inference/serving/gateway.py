@@ -55,6 +55,8 @@ MAX_PENDING_EVENT = 1 << 20
 # What a stream's last event holds, by API.
 CHAT_END = (b"[DONE]",)
 RESPONSE_END = (b"response.completed", b"response.failed", b"response.incomplete")
+RESPONSE_END_TYPES = frozenset(marker.decode() for marker in RESPONSE_END)
+REDACTED = b"[upstream key]"
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 
 
@@ -171,6 +173,11 @@ def _count(value: Any) -> int | None:
     return value
 
 
+def redacted(text: bytes, secret: str) -> bytes:
+    """``text`` for the log, without the upstream's key: some upstreams echo the credentials they refuse."""
+    return text.replace(secret.encode(), REDACTED) if secret else text
+
+
 @dataclass
 class UpstreamUsage:
     """What the upstream reported using, and how its answer went; filled in as the response passes through."""
@@ -220,13 +227,17 @@ class UpstreamUsage:
         )
 
 
-def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes, *, request_id: str) -> APIError:
+def upstream_error(
+    status: int, headers: CIMultiDictProxy[str], body: bytes, *, request_id: str, secret: str = ""
+) -> APIError:
     """An upstream's error, in the API's shape: its status, and its code, parameter and type when they are plain
     names. Its message may name the upstream's accounts, hosts or models: it is logged under the request id,
     and the client is told what failed and the id to quote. The upstream's own auth failures are the node's
     problem, not the client's."""
-    logger.warning("the gateway answered %d to request %s: %r", status, request_id, body[:2000])
+    logger.warning("the gateway answered %d to request %s: %r", status, request_id, redacted(body[:2000], secret))
     quote = f"Quote the request id {request_id} when you report it."
+    # The upstream's word on when to come back, whatever its body; a 429 always says when.
+    retry = {"Retry-After": headers.get("retry-after", "1")} if status == 429 or "retry-after" in headers else None
     if status in (401, 403):
         return APIError(
             f"The gateway refused the node's credentials. {quote}", code="upstream_error", status=502, type=SERVER
@@ -236,12 +247,7 @@ def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes, *, 
     except (orjson.JSONDecodeError, AttributeError):
         detail = None
     if not isinstance(detail, dict) or not isinstance(detail.get("message"), str):
-        return APIError(
-            f"The gateway answered {status} without an OpenAI error body. {quote}",
-            code="upstream_error",
-            status=502 if status >= 500 or status < 400 else status,
-            type=SERVER,
-        )
+        return _bodiless_error(status, quote, retry)
     code, param, kind = (_plain_name(detail.get(field)) for field in ("code", "param", "type"))
     refused = 400 <= status < 500
     return APIError(
@@ -252,9 +258,23 @@ def upstream_error(status: int, headers: CIMultiDictProxy[str], body: bytes, *, 
         status=status if refused else 502,
         param=param,
         type=kind if kind in ERROR_TYPES else (RATE_LIMIT if status == 429 else INVALID_REQUEST if refused else SERVER),
-        # A 429 always says when to come back; the upstream's own word if it gave one.
-        headers={"Retry-After": headers.get("retry-after", "1")} if status == 429 or "retry-after" in headers else None,
+        headers=retry,
     )
+
+
+def _bodiless_error(status: int, quote: str, retry: dict[str, str] | None) -> APIError:
+    """An upstream's failure without an OpenAI error body: an HTML page or plain text, most often from a proxy or
+    load balancer in front of it. Such a 4xx is no verdict on the request the client could act on (a wrong path,
+    a proxy's own refusal), so it is the gateway's failure, a 502; except a 429, a rate limit whoever sets it,
+    and a 413, the body too large for the way to the upstream, which the client can shorten."""
+    message = f"The gateway answered {status} without an OpenAI error body. {quote}"
+    if status == 429:
+        return APIError(message, code="rate_limited", status=429, type=RATE_LIMIT, headers=retry)
+    if status == 413:
+        return APIError(message, code="request_too_large", status=413, type=INVALID_REQUEST, headers=retry)
+    if status == 408:
+        return APIError(message, code="upstream_timeout", status=504, type=SERVER, headers=retry)
+    return APIError(message, code="upstream_error", status=502, type=SERVER, headers=retry)
 
 
 def _plain_name(value: Any) -> str | None:
@@ -295,7 +315,7 @@ async def forward_json(
     except UpstreamFailure as exc:
         raise unreachable(exc) from None
     if status >= 300:
-        raise upstream_error(status, headers, content, request_id=request_id)
+        raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
@@ -309,6 +329,9 @@ async def forward_json(
             status=502,
             type="server_error",
         )
+    if isinstance(data.get("error"), dict) and "choices" not in data and "output" not in data:
+        # Some upstreams report a failure with status 200: it is a failure all the same, and its words are theirs.
+        raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
     tally.read_usage(data.get("usage"))
     return data
 
@@ -330,7 +353,7 @@ async def open_stream(
             content = b""
         finally:
             response.release()
-        raise upstream_error(response.status, response.headers, content, request_id=request_id)
+        raise upstream_error(response.status, response.headers, content, request_id=request_id, secret=upstream.api_key)
     return response
 
 
@@ -348,6 +371,7 @@ class StreamRelay:
     request_id: str
     # What the stream's last event holds: chat's ``[DONE]``, or a Response's terminal event types.
     terminal: tuple[bytes, ...]
+    secret: str = ""  # the upstream's key, kept out of the log
     _ended: bool = False
     _sequence: int = -1  # a Responses stream's last sequence number
 
@@ -357,20 +381,33 @@ class StreamRelay:
         if self.terminal is not RESPONSE_END:
             return _sse_error(error)
         self._sequence += 1
-        event = {
-            "type": "error",
-            "code": error.code,
-            "message": error.message,
-            "param": error.param,
-            "sequence_number": self._sequence,
-        }
-        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+        return _responses_error(error, self._sequence)
+
+    def _time_limit(self) -> bytes:
+        self.tally.error_code = "stream_time_limit"
+        limit = settings.GATEWAY_STREAM_MAX_SECONDS
+        return self._sse_error(
+            APIError(f"The stream reached its time limit of {limit} s.", code="stream_time_limit", type="server_error")
+        )
 
     async def relay(self, response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         pending = b""
         finished = False
+        chunks = response.content.iter_any()
         try:
-            async for chunk in response.content.iter_any():
+            while True:
+                # Each read waits no longer than the stream has left: an upstream gone silent would otherwise hold
+                # the stream past its limit for as long as the read timeout (GATEWAY_TIMEOUT_SECONDS) allows.
+                try:
+                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.0)) as limit:
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if not limit.expired():
+                        raise  # the read timeout, not the stream's limit
+                    yield self._time_limit()
+                    return
                 if self.tally.first_byte_at is None:
                     self.tally.first_byte_at = time.monotonic()
                 received = pending + chunk
@@ -383,15 +420,7 @@ class StreamRelay:
                 if out:
                     yield out
                 if time.monotonic() > self.deadline:
-                    self.tally.error_code = "stream_time_limit"
-                    limit = settings.GATEWAY_STREAM_MAX_SECONDS
-                    yield self._sse_error(
-                        APIError(
-                            f"The stream reached its time limit of {limit} s.",
-                            code="stream_time_limit",
-                            type="server_error",
-                        )
-                    )
+                    yield self._time_limit()
                     return
             if pending:
                 yield self._event(pending)
@@ -425,67 +454,123 @@ class StreamRelay:
         if self.tally.reported:
             await self.settle(self.tally.input_tokens + self.tally.output_tokens)
 
-    def _error(self, event: bytes) -> bytes | None:
-        """The upstream's error event in the API's words, or None when the event is not one."""
-        found = _upstream_error_event(event)
-        if found is None:
-            return None
-        data, error = found
-        logger.warning("the gateway failed request %s mid-stream: %.2000r", self.request_id, event)
-        code = _plain_name(error.get("code")) or "upstream_error"
-        self.tally.status, self.tally.error_code, self._ended = 502, code, True
-        error["message"] = (
-            f"The gateway failed mid-stream ({code}). Quote the request id {self.request_id} when you report it."
+    def _failed(self, event: bytes, code: str) -> str:
+        """The upstream failed mid-stream with ``code``: logged with its words, recorded, and the words the client
+        gets instead."""
+        logger.warning(
+            "the gateway failed request %s mid-stream: %.2000r", self.request_id, redacted(event, self.secret)
         )
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        if not self.tally.error_code:
+            self.tally.status, self.tally.error_code = 502, code
+        self._ended = True
+        return f"The gateway failed mid-stream ({code}). Quote the request id {self.request_id} when you report it."
+
+    def _error(self, event: bytes, data: dict[str, Any]) -> bytes | None:
+        """The upstream's error event rebuilt in the API's shape and words, or None when the event is not one.
+        Rebuilt, not edited: whatever else the upstream put in it (a provider's raw message) stays behind."""
+        if isinstance(data.get("error"), dict):
+            error = data["error"]
+        elif data.get("type") == "error":
+            error = data
+        else:
+            return None
+        code = _plain_name(error.get("code")) or "upstream_error"
+        kind = error.get("type")
+        replaced = APIError(
+            self._failed(event, code),
+            code=code,
+            status=502,
+            param=_plain_name(error.get("param")),
+            type=kind if isinstance(kind, str) and kind in ERROR_TYPES else SERVER,
+        )
+        if self.terminal is not RESPONSE_END:
+            return _sse_error(replaced)
+        number = data.get("sequence_number")
+        self._sequence = number if isinstance(number, int) and not isinstance(number, bool) else self._sequence + 1
+        return _responses_error(replaced, self._sequence)
+
+    def _hide_failure(self, event: bytes, data: dict[str, Any]) -> bool:
+        """A ``response.failed`` event's error put in the API's words; whether it had one."""
+        response = data.get("response")
+        error = response.get("error") if isinstance(response, dict) else None
+        if not isinstance(response, dict) or not isinstance(error, dict):
+            return False
+        code = _plain_name(error.get("code")) or "upstream_error"
+        response["error"] = {"code": code, "message": self._failed(event, code)}
+        return True
 
     def _event(self, event: bytes) -> bytes:
         """The event as the client gets it (with its separator), or nothing."""
-        if not self._ended and any(marker in event for marker in self.terminal):
-            self._ended = True
-        if self.terminal is RESPONSE_END and (number := _SEQUENCE.search(event)) is not None:
-            self._sequence = int(number[1])
-        if b'"error"' in event and (replaced := self._error(event)) is not None:
-            return replaced
-        if b'"usage"' not in event:
+        others, payload = _sse_parts(event)
+        if payload is None:  # a comment, a keepalive
             return event + b"\n\n"
-        lines = event.split(b"\n")
-        for index, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                data = orjson.loads(line[5:].strip())
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(data, dict):
-                continue
-            response = data.get("response")
-            usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
-            if usage:
-                self.tally.read_usage(usage)
-            if self.hide_usage and "usage" in data:
-                if usage and not data.get("choices"):
-                    return b""  # the chunk that only carries usage, which this client did not ask for
-                del data["usage"]
-                lines[index] = b"data: " + orjson.dumps(data)
-        return b"\n".join(lines) + b"\n\n"
-
-
-def _upstream_error_event(event: bytes) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The upstream's error event (chat's ``{"error": {…}}``, or a Responses ``error`` event) and the error in
-    it, or None."""
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
+        if self.terminal is CHAT_END:
+            if payload == b"[DONE]":
+                self._ended = True
+                return event + b"\n\n"
+        elif (number := _SEQUENCE.search(payload)) is not None:
+            self._sequence = int(number[1])
+        # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
+        # an ending is told by its type, not by its name turning up in a delta's text.
+        markers = (b'"error"', b'"usage"', *(self.terminal if self.terminal is RESPONSE_END else ()))
+        if not any(marker in payload for marker in markers):
+            return event + b"\n\n"
         try:
-            data = orjson.loads(line[5:].strip())
+            data = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return None
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            return data, data["error"]
-        if isinstance(data, dict) and data.get("type") == "error":
-            return data, data
-    return None
+            return event + b"\n\n"
+        if not isinstance(data, dict):
+            return event + b"\n\n"
+        if (replaced := self._error(event, data)) is not None:
+            return replaced
+        changed = False
+        if self.terminal is RESPONSE_END and data.get("type") in RESPONSE_END_TYPES:
+            self._ended = True
+            changed = data["type"] == "response.failed" and self._hide_failure(event, data)
+        response = data.get("response")
+        usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
+        if usage:
+            self.tally.read_usage(usage)
+        if self.hide_usage and "usage" in data:
+            if usage and not data.get("choices"):
+                return b""  # the chunk that only carries usage, which this client did not ask for
+            del data["usage"]
+            changed = True
+        if not changed:
+            return event + b"\n\n"
+        # The data on one line, however many it came in, after the event's other fields (its name).
+        return b"\n".join([*others, b"data: " + orjson.dumps(data)]) + b"\n\n"
+
+
+def _sse_parts(event: bytes) -> tuple[list[bytes], bytes | None]:
+    """An event's lines other than its data, and its data as SSE reads it: each ``data`` line's value (less one
+    leading space) joined by newlines, so that data split over several lines is read whole; None without any
+    (a comment)."""
+    if event.startswith(b"data:") and b"\n" not in event:  # most events: one data line and nothing else
+        value = event[5:]
+        return [], value[1:] if value.startswith(b" ") else value
+    others: list[bytes] = []
+    values: list[bytes] = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            values.append(value[1:] if value.startswith(b" ") else value)
+        elif line == b"data":
+            values.append(b"")
+        else:
+            others.append(line)
+    return others, b"\n".join(values) if values else None
+
+
+def _responses_error(error: APIError, sequence: int) -> bytes:
+    event = {
+        "type": "error",
+        "code": error.code,
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": sequence,
+    }
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def _sse_error(error: APIError) -> bytes:
@@ -536,6 +621,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         settle=grant.settle,
         request_id=caller.request_id,
         terminal=CHAT_END if path == "chat/completions" else RESPONSE_END,
+        secret=upstream.api_key,
     )
     stream = Metered(
         relay.relay(response),

@@ -1,0 +1,621 @@
+"""The gateway route against upstreams and clients that misbehave.
+
+The upstream is a real HTTP server on loopback whose answer to each model is scripted by the test, byte for byte,
+so that it can do what a faulty server does: answer HTML, cut a stream, stall, echo its credentials. The gateway
+runs in this process, so its time limits are set small per test and its accounting read from the admission store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from inference.models import CatalogEntry, UsageRecord
+from inference.serving import gateway
+from inference.usage import records as usage
+from orgs.admission import memory_store
+from orgs.models import Limit, Organization
+from tests.conftest import API, read_stream, sse_data
+
+UPSTREAM_KEY = "sk-upstream-faults-7f3a9c2e"
+CHAT = "/v1/infer/chat/completions"
+RESPONSES = "/v1/infer/responses"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+# --- a scripted upstream ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScriptedUpstream:
+    """An OpenAI-compatible server on loopback, in its own thread and event loop; ``scripts`` say, by model, what
+    it sends back. ``hung_up`` counts the streams whose reader (the gateway) closed the connection on them."""
+
+    url: str = ""
+    scripts: dict[str, Script] = field(default_factory=dict)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    hung_up: int = 0
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {
+                k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)
+            }
+            body = json.loads(await reader.readexactly(int(headers.get("content-length", "0"))))
+            self.requests.append({"path": lines[0].split(" ")[1], "headers": headers, "body": body})
+            await self.scripts[body["model"]](reader, writer)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def start(self) -> None:
+        ready = threading.Event()
+
+        async def serve() -> None:
+            server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+            ready.set()
+            async with server:
+                await server.serve_forever()
+
+        def run() -> None:
+            task = self.loop.create_task(serve())
+            self.loop.run_forever()
+            task.cancel()
+            self.loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+
+        threading.Thread(target=run, daemon=True).start()
+        ready.wait(10)
+
+
+def answer(status: int, body: bytes | Any, *, headers: dict[str, str] | None = None) -> Script:
+    """A whole answer; ``body`` as bytes is sent as it is, anything else as JSON."""
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    kind = "text/html" if payload.lstrip().startswith(b"<") else "application/json"
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            f"HTTP/1.1 {status} Status\r\ncontent-type: {kind}\r\ncontent-length: {len(payload)}\r\n"
+            f"connection: close\r\n{extra}\r\n".encode()
+            + payload
+        )
+
+    return script
+
+
+def events(*parts: bytes, then: str = "end", upstream: ScriptedUpstream | None = None) -> Script:
+    """An event stream of ``parts`` (each sent as its own chunk), then: ``end`` (the chunked body's end), ``cut``
+    (the connection closed mid-body) or ``stall`` (silence until the reader hangs up, counted in ``hung_up``)."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            await writer.drain()
+        if then == "end":
+            writer.write(b"0\r\n\r\n")
+        elif then == "stall":
+            await asyncio.wait_for(reader.read(), 60)  # until the gateway closes the connection
+            if upstream is not None:
+                upstream.hung_up += 1
+
+    return script
+
+
+def silence(upstream: ScriptedUpstream) -> Script:
+    """Takes the request and never answers, until the reader hangs up."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.wait_for(reader.read(), 60)
+        upstream.hung_up += 1
+
+    return script
+
+
+def chat_chunk(content: str) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+        "usage": None,
+    }
+
+
+def data(value: Any) -> bytes:
+    return b"data: " + json.dumps(value).encode() + b"\n\n"
+
+
+CHAT_USAGE = {**chat_chunk(""), "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 8}}
+DONE = b"data: [DONE]\n\n"
+
+
+def response_event(kind: str, number: int, **extra: Any) -> bytes:
+    return f"event: {kind}\n".encode() + data({"type": kind, "sequence_number": number, **extra})
+
+
+RESPONSE: dict[str, Any] = {"id": "resp_1", "object": "response", "status": "in_progress", "output": [], "usage": None}
+COMPLETED = response_event(
+    "response.completed",
+    2,
+    response={**RESPONSE, "status": "completed", "usage": {"input_tokens": 11, "output_tokens": 8}},
+)
+
+
+# --- fixtures -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    server = ScriptedUpstream()
+    server.start()
+    yield server
+    server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+@dataclass
+class Gateway:
+    api: API
+    upstream: ScriptedUpstream
+    organization_id: int
+    entries: dict[str, CatalogEntry] = field(default_factory=dict)
+
+    async def offer(self, model: str, script: Script) -> None:
+        """``model`` offered through the gateway, answered upstream by ``script``."""
+        self.upstream.scripts[model] = script
+        self.entries[model] = await CatalogEntry.objects.acreate(
+            public_id=model,
+            runner="gateway",
+            upstream_base_url=self.upstream.url,
+            upstream_api_key=UPSTREAM_KEY,
+        )
+
+    async def post(self, model: str, *, path: str = CHAT, **extra: Any) -> Any:
+        body = {"model": model, "route": "gateway", **extra}
+        body |= {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"input": "Hi"}
+        return await self.api.post(path, body)
+
+    async def stream(self, model: str, *, path: str = CHAT, **extra: Any) -> tuple[Any, str]:
+        response = await self.post(model, path=path, stream=True, **extra)
+        assert response.status_code == 200, response.content
+        return response, await read_stream(response)
+
+    async def record(self, response: Any) -> UsageRecord:
+        usage.flush()
+        return await UsageRecord.objects.aget(request_id=response["x-request-id"])
+
+    def window(self, model: str) -> tuple[int, int]:
+        """Tokens charged against the minute, and slots in flight, for ``model``."""
+        found = memory_store._windows[f"{self.organization_id}:{self.entries[model].pk}"]
+        return found.token_sum, len(found.slots)
+
+
+@pytest.fixture
+async def gw(api: API, upstream: ScriptedUpstream, organization: Organization, settings: Any) -> AsyncIterator[Gateway]:
+    settings.GATEWAY_TIMEOUT_SECONDS = 1
+    settings.GATEWAY_STREAM_MAX_SECONDS = 30
+    # The pooled session holds the read timeout it was made with.
+    for pooled in list(gateway._sessions.values()):
+        await pooled.close()
+    gateway._sessions.clear()
+    # Limits far off, so that admission keeps the accounting this file reads.
+    await Limit.objects.acreate(organization=organization, tokens_per_minute=10**9, requests_in_flight=1000)
+    yield Gateway(api=api, upstream=upstream, organization_id=organization.pk)
+    for pooled in list(gateway._sessions.values()):
+        await pooled.close()
+    gateway._sessions.clear()
+
+
+def error_of(response: Any) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def last_event(text: str) -> dict[str, Any]:
+    return json.loads(sse_data(text)[-1])
+
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+BOTH = pytest.mark.parametrize("path", [CHAT, RESPONSES], ids=["chat", "responses"])
+
+
+def chat_stream(*middle: bytes) -> tuple[bytes, ...]:
+    return (data(chat_chunk("Hel")), *middle, data(chat_chunk("lo")), data(CHAT_USAGE), DONE)
+
+
+def responses_stream(*middle: bytes) -> tuple[bytes, ...]:
+    created = response_event("response.created", 0, response=RESPONSE)
+    return (created, *middle, response_event("response.output_text.delta", 1, delta="Hi"), COMPLETED)
+
+
+def first_event(path: str) -> bytes:
+    return data(chat_chunk("Hel")) if path == CHAT else response_event("response.created", 0, response=RESPONSE)
+
+
+# --- whole answers ------------------------------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("status", "body", "headers"),
+    [
+        (500, b"<html><body>Internal Server Error</body></html>", {}),
+        (502, b"<html>Bad Gateway</html>", {}),
+        (503, b"<html>busy</html>", {}),
+        (200, b"not json at all", {}),
+        (200, b"[1, 2]", {}),
+        (200, b"", {}),
+        (301, b"", {"Location": "http://elsewhere.example/"}),
+        (500, {"error": "a string, not an object"}, {}),
+    ],
+    ids=["500-html", "502-html", "503-html", "not-json", "not-an-object", "empty", "redirect", "error-string"],
+)
+async def test_a_faulty_upstreams_answer_is_a_502_in_openais_shape_and_is_accounted_once(
+    gw: Gateway, path: str, status: int, body: Any, headers: dict[str, str]
+) -> None:
+    await gw.offer("faulty", answer(status, body, headers=headers))
+
+    response = await gw.post("faulty", path=path)
+
+    assert response.status_code == 502
+    assert error_of(response)["type"] == "server_error"
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.input_tokens, record.output_tokens) == (
+        502,
+        "upstream_error",
+        0,
+        0,
+    )
+    assert gw.window("faulty")[1] == 0  # its slot is free
+
+
+@BOTH
+async def test_an_upstream_key_echoed_in_its_refusal_reaches_neither_the_client_nor_the_log(
+    gw: Gateway, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    refusal = {
+        "message": f"Incorrect API key: {UPSTREAM_KEY}",
+        "type": "invalid_request_error",
+        "code": "invalid_api_key",
+    }
+    await gw.offer("refusing", answer(401, {"error": refusal}))
+
+    response = await gw.post("refusing", path=path)
+
+    assert response.status_code == 502
+    assert UPSTREAM_KEY not in response.content.decode()
+    assert "Incorrect API key" in caplog.text and UPSTREAM_KEY not in caplog.text
+
+
+async def test_an_upstream_key_echoed_in_an_error_event_stays_out_of_the_log(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    failure = {"message": f"key {UPSTREAM_KEY} is over quota", "type": "server_error", "code": "quota"}
+    await gw.offer("echoing", events(data(chat_chunk("Hel")), data({"error": failure})))
+
+    _, text = await gw.stream("echoing")
+
+    assert UPSTREAM_KEY not in text
+    assert "over quota" in caplog.text and UPSTREAM_KEY not in caplog.text
+
+
+@BOTH
+@pytest.mark.parametrize(("given", "expected"), [({}, "1"), ({"Retry-After": "7"}, "7")], ids=["no-retry", "retry"])
+async def test_an_upstream_429_without_an_openai_body_is_a_rate_limit_that_says_when_to_come_back(
+    gw: Gateway, path: str, given: dict[str, str], expected: str
+) -> None:
+    await gw.offer("limited", answer(429, b"<html>Too Many Requests</html>", headers=given))
+
+    response = await gw.post("limited", path=path)
+
+    assert response.status_code == 429
+    assert (error_of(response)["type"], error_of(response)["code"]) == ("rate_limit_error", "rate_limited")
+    assert response["Retry-After"] == expected
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("status", "expected", "kind"),
+    [(404, 502, "server_error"), (400, 502, "server_error"), (413, 413, "invalid_request_error")],
+)
+async def test_an_upstream_4xx_page_without_an_openai_body_is_the_gateways_failure_unless_the_client_can_act_on_it(
+    gw: Gateway, path: str, status: int, expected: int, kind: str
+) -> None:
+    await gw.offer("proxied", answer(status, b"<html><body><h1>nginx</h1></body></html>"))
+
+    response = await gw.post("proxied", path=path)
+
+    assert (response.status_code, error_of(response)["type"]) == (expected, kind)
+
+
+@BOTH
+async def test_an_upstream_503_passes_on_when_to_come_back(gw: Gateway, path: str) -> None:
+    await gw.offer("busy", answer(503, b"<html>busy</html>", headers={"Retry-After": "5"}))
+
+    response = await gw.post("busy", path=path)
+
+    assert response.status_code == 502 and response["Retry-After"] == "5"
+
+
+@BOTH
+async def test_an_openai_error_with_fields_of_its_own_reaches_the_client_in_four_fields(gw: Gateway, path: str) -> None:
+    refusal = {"message": "no", "type": "invalid_request_error", "param": "messages", "code": "bad", "host": "db-7"}
+    await gw.offer("chatty", answer(400, {"error": refusal}))
+
+    response = await gw.post("chatty", path=path)
+
+    assert response.status_code == 400
+    assert error_of(response) | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "bad",
+    }
+
+
+@BOTH
+async def test_an_upstream_that_reports_a_failure_with_status_200_fails_and_its_words_go_to_the_log(
+    gw: Gateway, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    await gw.offer("sly", answer(200, {"error": {"message": "provider at db-7 is down", "code": "provider_down"}}))
+
+    response = await gw.post("sly", path=path)
+
+    assert response.status_code == 502
+    assert error_of(response)["code"] == "provider_down" and "db-7" not in error_of(response)["message"]
+    assert "db-7" in caplog.text
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "provider_down")
+
+
+@BOTH
+async def test_an_answer_without_usage_keeps_admissions_estimate(gw: Gateway, path: str) -> None:
+    answered = {"id": "x", "object": "chat.completion", "choices": []} if path == CHAT else {**RESPONSE, "output": []}
+    await gw.offer("unmetered", answer(200, answered))
+
+    response = await gw.post("unmetered", path=path)
+
+    assert response.status_code == 200
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (200, 0, 0)
+    tokens, slots = gw.window("unmetered")
+    assert tokens > 4096 and slots == 0  # the estimate stands: nothing said it was less
+
+
+# --- streams -----------------------------------------------------------------------------------------------
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "extra",
+    [b": keepalive\n\n", b"data: {not json\n\n", b"retry: 1000\n\n"],
+    ids=["keepalive", "not-json", "no-data"],
+)
+async def test_events_the_gateway_does_not_read_pass_through_and_the_stream_is_metered(
+    gw: Gateway, path: str, extra: bytes
+) -> None:
+    await gw.offer("odd", events(*(chat_stream(extra) if path == CHAT else responses_stream(extra))))
+
+    response, text = await gw.stream("odd", path=path)
+
+    assert extra.decode() in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.input_tokens, record.output_tokens) == (200, "", 11, 8)
+    assert gw.window("odd") == (19, 0)
+
+
+@BOTH
+async def test_an_event_longer_than_any_line_limit_passes_through_whole(gw: Gateway, path: str) -> None:
+    text_of = "x" * 1_500_000
+    long = data(chat_chunk(text_of)) if path == CHAT else response_event("response.output_text.delta", 1, delta=text_of)
+    await gw.offer("long", events(*(chat_stream(long) if path == CHAT else responses_stream(long))))
+
+    response, text = await gw.stream("long", path=path)
+
+    assert text_of in text
+    assert (await gw.record(response)).output_tokens == 8
+
+
+@BOTH
+@pytest.mark.parametrize("then", ["end", "cut"])
+async def test_a_stream_that_stops_before_its_end_ends_with_an_error_and_its_slot_freed(
+    gw: Gateway, path: str, then: str
+) -> None:
+    await gw.offer("short", events(first_event(path), then=then))
+
+    response, text = await gw.stream("short", path=path)
+
+    ended = last_event(text)
+    code = (ended["error"] if path == CHAT else ended)["code"]
+    assert code == ("upstream_error" if then == "end" else "upstream_unavailable")
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, code)
+    assert gw.window("short")[1] == 0
+
+
+@BOTH
+async def test_a_stream_cut_after_a_delta_that_names_its_last_event_still_ends_with_an_error(
+    gw: Gateway, path: str
+) -> None:
+    # A model writing about the protocol: its text names the stream's last event, which has not come.
+    mention = (
+        data(chat_chunk("The stream ends with data: [DONE]"))
+        if path == CHAT
+        else response_event("response.output_text.delta", 0, delta='it ends with "response.completed"')
+    )
+    await gw.offer("meta", events(mention))
+
+    response, text = await gw.stream("meta", path=path)
+
+    ended = last_event(text)
+    assert (ended["error"] if path == CHAT else ended)["code"] == "upstream_error"
+    assert (await gw.record(response)).status == 502
+
+
+def split_over_lines(event: bytes) -> bytes:
+    """The event with its JSON data spread over several ``data:`` lines, as SSE allows."""
+    head, _, payload = event.rpartition(b"data: ")
+    spread = json.dumps(json.loads(payload), indent=1).encode().replace(b"\n", b"\ndata: ")
+    return head + b"data: " + spread + b"\n\n"
+
+
+async def test_usage_split_over_several_data_lines_is_metered_and_kept_from_a_client_that_did_not_ask(
+    gw: Gateway,
+) -> None:
+    await gw.offer("spread", events(data(chat_chunk("Hel")), split_over_lines(data(CHAT_USAGE)), DONE))
+
+    response, text = await gw.stream("spread")
+
+    assert "usage" not in text and sse_data(text)[-1] == "[DONE]"
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (200, 11, 8)
+    assert gw.window("spread") == (19, 0)
+
+
+async def test_a_responses_usage_split_over_several_data_lines_is_metered(gw: Gateway) -> None:
+    await gw.offer("spread-r", events(first_event(RESPONSES), split_over_lines(COMPLETED)))
+
+    response, _ = await gw.stream("spread-r", path=RESPONSES)
+
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (200, 11, 8)
+    assert gw.window("spread-r") == (19, 0)
+
+
+async def test_a_chat_error_event_reaches_the_client_in_the_apis_four_fields_only(gw: Gateway) -> None:
+    failure = {"message": "at db-7", "type": "server_error", "param": None, "code": "overloaded", "raw": "db-7"}
+    await gw.offer("raw", events(data(chat_chunk("Hel")), data({"error": failure})))
+
+    response, text = await gw.stream("raw")
+
+    assert "db-7" not in text
+    error = last_event(text)["error"]
+    assert (set(error), error["code"]) == ({"message", "type", "param", "code"}, "overloaded")
+    assert response["x-request-id"] in error["message"]
+    assert (await gw.record(response)).error_code == "overloaded"
+
+
+async def test_a_chat_error_event_split_over_several_data_lines_is_put_in_the_apis_words(gw: Gateway) -> None:
+    failure = {"message": "at db-7", "type": "server_error", "param": None, "code": "overloaded"}
+    await gw.offer("raw-spread", events(data(chat_chunk("Hel")), split_over_lines(data({"error": failure}))))
+
+    response, text = await gw.stream("raw-spread")
+
+    assert "db-7" not in text
+    assert last_event(text)["error"]["code"] == "overloaded"
+    assert (await gw.record(response)).error_code == "overloaded"
+
+
+async def test_a_responses_error_and_failed_event_reach_the_client_in_the_apis_words_with_their_names(
+    gw: Gateway,
+) -> None:
+    failed = {**RESPONSE, "status": "failed", "error": {"code": "server_error", "message": "at db-7"}}
+    await gw.offer(
+        "raw-r",
+        events(
+            first_event(RESPONSES),
+            response_event("error", 1, message="at db-7", code="overloaded", param=None, raw="db-7"),
+            response_event("response.failed", 2, response=failed),
+        ),
+    )
+
+    response, text = await gw.stream("raw-r", path=RESPONSES)
+
+    assert "db-7" not in text
+    names = [line for line in text.split("\n") if line.startswith("event: ")]
+    assert names == ["event: response.created", "event: error", "event: response.failed"]
+    error, ended = (json.loads(line) for line in sse_data(text)[1:])
+    assert (set(error), error["code"], error["sequence_number"]) == (
+        {"type", "code", "message", "param", "sequence_number"},
+        "overloaded",
+        1,
+    )
+    assert ended["response"]["error"]["code"] == "server_error" and ended["sequence_number"] == 2
+    assert (await gw.record(response)).error_code == "overloaded"
+
+
+@BOTH
+async def test_an_upstream_that_never_begins_its_answer_is_a_504(gw: Gateway, path: str) -> None:
+    await gw.offer("mute", silence(gw.upstream))
+
+    response = await gw.post("mute", path=path, stream=True)
+
+    assert response.status_code == 504
+    assert error_of(response)["code"] == "upstream_timeout"
+    assert (await gw.record(response)).status == 504
+    assert gw.window("mute")[1] == 0
+
+
+@BOTH
+async def test_a_stream_that_stalls_ends_with_a_timeout_and_closes_the_upstream_request(gw: Gateway, path: str) -> None:
+    before = gw.upstream.hung_up
+    await gw.offer("stalling", events(first_event(path), then="stall", upstream=gw.upstream))
+
+    response, text = await gw.stream("stalling", path=path)
+
+    ended = last_event(text)
+    assert (ended["error"] if path == CHAT else ended)["code"] == "upstream_timeout"
+    assert (await gw.record(response)).status == 504
+    assert await until(lambda: gw.upstream.hung_up == before + 1)
+
+
+@BOTH
+async def test_a_stream_that_goes_silent_ends_at_its_time_limit_not_at_the_read_timeout(
+    gw: Gateway, settings: Any, path: str
+) -> None:
+    settings.GATEWAY_STREAM_MAX_SECONDS = 1
+    settings.GATEWAY_TIMEOUT_SECONDS = 5  # longer than the stream may last: its limit comes first
+    await gw.offer("quiet", events(first_event(path), then="stall", upstream=gw.upstream))
+
+    response, text = await gw.stream("quiet", path=path)
+
+    ended = last_event(text)
+    assert (ended["error"] if path == CHAT else ended)["code"] == "stream_time_limit"
+    assert (await gw.record(response)).error_code == "stream_time_limit"
+
+
+async def until(condition: Callable[[], bool]) -> bool:
+    for _ in range(200):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+# --- clients that hang up ----------------------------------------------------------------------------------
+
+
+@BOTH
+async def test_a_client_that_hangs_up_mid_stream_closes_the_upstream_request_frees_its_slot_and_is_recorded_once(
+    gw: Gateway, path: str
+) -> None:
+    before = gw.upstream.hung_up
+    await gw.offer("abandoned", events(first_event(path), then="stall", upstream=gw.upstream))
+    response = await gw.post("abandoned", path=path, stream=True)
+
+    async for _ in response.streaming_content:
+        break  # the client reads the first event and goes
+    await response.source.aclose()  # as the server does for a client gone (config.asgi)
+
+    assert await until(lambda: gw.upstream.hung_up == before + 1)
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (499, "client_disconnected")
+    assert await UsageRecord.objects.filter(request_id=response["x-request-id"]).acount() == 1
+    assert gw.window("abandoned")[1] == 0
