@@ -34,11 +34,21 @@ class JSONBodyParser(BaseParser):
             raise body_too_complex(containers)
         try:
             data = orjson.loads(raw)
-            if _LONG_INTEGER.search(raw):
+            if exact := _LONG_INTEGER.search(raw) is not None:
                 # orjson reads an integer past 64 bits as a float; read exactly, it is refused as the number it is.
                 data = json.loads(raw)
         except (orjson.JSONDecodeError, ValueError) as exc:  # ValueError: past Python's 4,300 digits too
             raise ParseError(str(exc)) from None
+        if exact and isinstance(data, dict | list) and (found := _past_64_bits(data)) is not None:
+            # No parameter takes one, and nothing could write it back out (orjson, the upstream): refused by name.
+            where, value = found
+            side = ("above", "maximum") if value > 0 else ("below", "minimum")
+            raise invalid_request(
+                f"Invalid '{where}': integer {side[0]} {side[1]} value. No parameter takes an integer past 64 bits, "
+                f"but got {value} instead.",
+                param=where,
+                code=f"integer_{side[0]}_{side[1][:3]}_value",
+            )
         # A body with fewer brackets than the limit cannot nest past it: most are never walked.
         if brackets > depth and nested_deeper(data, depth):
             raise invalid_request(f"The request body nests deeper than {depth} levels.", code="invalid_json")
@@ -48,6 +58,22 @@ class JSONBodyParser(BaseParser):
 # Twenty digits or more, not in a fraction or an exponent: an integer orjson may not hold in 64 bits (or digits in a
 # string, read again for nothing).
 _LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{20,}(?![\d.eE])")
+
+
+def _past_64_bits(data: dict[str, Any] | list[Any]) -> tuple[str, int] | None:
+    """Where the first integer past what 64 bits hold (signed below, unsigned above) is, dotted, and the integer."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+                return path, value
+            if isinstance(value, dict | list):
+                stack.append((path, value))
+    return None
+
 
 # A JSON string; its closing quote optional, so that a body whose last string never ends is matched once, not
 # tried again from each quote in it (which would take time with the square of its length).

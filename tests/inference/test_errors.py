@@ -69,6 +69,14 @@ async def test_an_integer_past_64_bits_is_refused_as_the_integer_it_is(api: API,
     assert error["param"] == field and str(2**64 * 10) in error["message"]
 
 
+async def test_an_integer_past_64_bits_anywhere_is_refused_where_it_is_not_written_back_out(api: API) -> None:
+    big = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -(2**70)}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": big}}]
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "route": "gateway"}
+    error = assert_error(await api.post(CHAT, body), 400, "integer_below_min_value")
+    assert error["param"] == "tools.0.function.parameters.properties.a.minimum"
+
+
 async def test_an_integer_of_thousands_of_digits_is_a_400(api: API) -> None:
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "seed": 0})
     body = body.replace('"seed": 0', '"seed": ' + "9" * 5000)
@@ -260,7 +268,37 @@ async def test_a_bad_message_names_its_index(api: API) -> None:
 
 async def test_an_unknown_role_is_refused(api: API) -> None:
     body = {"model": MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}
-    assert_error(await api.post(CHAT, body), 400, "invalid_value")
+    error = assert_error(await api.post(CHAT, body), 400, "invalid_value", "messages.0.role")
+    assert error["message"] == (
+        "Invalid value: 'wizard'. Supported values are: 'system', 'developer', 'user', 'assistant', 'tool', and "
+        "'function'."
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "param"),
+    [
+        ({"messages": [{"content": "hi"}]}, "missing_required_parameter", "messages.0.role"),
+        ({"messages": [{"role": None, "content": "hi"}]}, "invalid_type", "messages.0.role"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "invalid_type", "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "invalid_value",
+            "messages.0.content.0.type",
+        ),
+        ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
+        ({"response_format": {}}, "missing_required_parameter", "response_format.type"),
+    ],
+    ids=["no role", "a null role", "a role that is no string", "an unknown part", "an unknown format", "no format"],
+)
+async def test_the_tag_of_a_message_part_or_format_is_named_where_it_is_wrong_as_openai_names_it(
+    api: API, fields: dict[str, Any], code: str, param: str
+) -> None:
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+    error = assert_error(await api.post(CHAT, body), 400, code, param)
+
+    assert "discriminator" not in error["message"] and "Input tag" not in error["message"]
 
 
 @pytest.mark.parametrize(
