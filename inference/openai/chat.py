@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
@@ -46,15 +46,20 @@ class JSONSchemaFormat(WireModel):
     strict: bool | None = None
 
 
-StopParam = str | list[str] | None
+# One sequence or up to four (OpenAI's ``maxItems``), tagged so that a bad one is named at its own index (``stop.1``).
+StopParam = (
+    Annotated[
+        Annotated[str, Tag("text")] | Annotated[list[str], Field(max_length=4), Tag("list")],
+        Discriminator(text_or_list),
+    ]
+    | None
+)
 
 
 def normalize_stop(stop: StopParam) -> tuple[str, ...]:
     if stop is None:
         return ()
     values = [stop] if isinstance(stop, str) else stop
-    if len(values) > 4:
-        raise invalid_request("stop takes at most 4 sequences.", param="stop", code="invalid_value")
     return tuple(v for v in values if v)
 
 
@@ -124,6 +129,17 @@ class ToolCall(LooseModel):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_function_calls(cls, value: Any) -> Any:
+        """A call of a kind of tool OpenAI knows (``custom``) is refused as unsupported, as that tool is."""
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise PydanticCustomError(
+                UNSUPPORTED, "calls of {kind} tools are not supported; only function tools", {"kind": kind[:40]}
+            )
+        return value
 
 
 class AssistantMessage(WireModel):
@@ -244,9 +260,19 @@ CHAT_UNSUPPORTED = {
     "logit_bias": "logit_bias is not supported on this model",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported on this node",
-    "verbosity": "verbosity is not supported on this model",
     "moderation": "moderation is not supported on this node",
 }
+
+
+def _token_ids(bias: dict[str, int]) -> dict[str, int]:
+    for key in bias:
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(f"invalid key {key[:40]!r}: the keys are token ids, non-negative integers")
+    return bias
+
+
+# OpenAI's ``logit_bias``: token ids to a bias from -100 to 100.
+LogitBias = Annotated[dict[str, Annotated[int, Field(ge=-100, le=100)]], AfterValidator(_token_ids)]
 
 
 class ChatCompletionRequest(WireModel):
@@ -271,7 +297,7 @@ class ChatCompletionRequest(WireModel):
     metadata: Metadata | None = None
     store: bool | None = None
     service_tier: ServiceTier | None = None
-    modalities: list[str] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
     reasoning_effort: ReasoningEffort | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
@@ -282,21 +308,24 @@ class ChatCompletionRequest(WireModel):
     # prefix by itself).
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    # Known but unsupported: accepted by the schema so they can be refused by name below.
-    audio: Any = None
-    functions: Any = None
-    function_call: Any = None
-    logit_bias: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
-    moderation: Any = None
+    # Known but unsupported: accepted by the schema, in OpenAI's shapes (a value OpenAI would refuse is an invalid
+    # one, as for any parameter), so they can be refused by name below.
+    audio: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    logit_bias: LogitBias | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    moderation: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         for name, message in CHAT_UNSUPPORTED.items():
             value = getattr(self, name)
             if value is not None and not (name == "logit_bias" and value == {}):
                 raise unsupported_parameter(name, message)
+        if self.verbosity not in (None, "medium"):  # OpenAI's default, as Responses takes it
+            raise unsupported_parameter("verbosity", "verbosity is not supported on this model")
         if self.n not in (None, 1):
             raise unsupported_parameter("n", "n must be 1 on this model")
         if self.max_tokens is not None and self.max_completion_tokens is not None:

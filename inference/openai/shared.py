@@ -104,6 +104,8 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
         return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
     if kind == UNSUPPORTED:
         return unsupported_parameter(param, first["msg"])
+    if (tagged_error := _tag_error(kind, first, param)) is not None:
+        return tagged_error
     if kind == "missing":
         return invalid_request(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
@@ -114,6 +116,33 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return invalid_request(f"Invalid value for '{param}': {message}.", param=param or None, code="invalid_value")
+
+
+def _tag_error(kind: str, error: Any, param: str) -> APIError | None:
+    """An object of a tagged union (a message by its ``role``, a content part or a format by its ``type``) whose
+    tag is missing or unknown: named, as OpenAI names it, at the tag itself (``messages.0.role``), not at the
+    object, and in OpenAI's words rather than pydantic's."""
+    if kind not in ("union_tag_invalid", "union_tag_not_found"):
+        return None
+    given, field = error.get("input"), str((error.get("ctx") or {}).get("discriminator", "")).strip("'")
+    if not isinstance(given, dict) or not re.fullmatch(r"[a-z_]+", field):
+        return None  # a tag worked out by a function, or a value that is no object: the generic words fit
+    where = f"{param}.{field}" if param else field
+    if field not in given:
+        return invalid_request(
+            f"Missing required parameter: '{where}'.", param=where, code="missing_required_parameter"
+        )
+    tag = given[field]
+    if not isinstance(tag, str):
+        what = "null" if tag is None else next((name for kind_, name in _GIVEN if isinstance(tag, kind_)), "null")
+        return invalid_request(
+            f"Invalid type for '{where}': expected a string, but got {what} instead.", param=where, code="invalid_type"
+        )
+    expected = error["ctx"].get("expected_tags", "").split(", ")
+    supported = " and ".join(expected) if len(expected) < 3 else f"{', '.join(expected[:-1])}, and {expected[-1]}"
+    return invalid_request(
+        f"Invalid value: {tag[:64]!r}. Supported values are: {supported}.", param=where, code="invalid_value"
+    )
 
 
 _BOUNDS = {
@@ -151,7 +180,8 @@ def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
         what = "null" if given is None else next((name for kind_, name in _GIVEN if isinstance(given, kind_)), None)
         expected = _EXPECTED[kind]
         if kind == "list_type" and tuple(error["loc"])[-1:] == ("list",):  # text or parts (``text_or_list``)
-            expected = f"one of a string or array of {'input items' if param == 'input' else 'objects'}"
+            items = {"input": "input items", "stop": "strings"}.get(param, "objects")
+            expected = f"one of a string or array of {items}"
         if what is not None:
             return invalid_request(
                 f"Invalid type for '{param}': expected {expected}, but got {what} instead.",

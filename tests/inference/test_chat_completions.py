@@ -591,6 +591,70 @@ async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, pa
     }
 
 
+@pytest.mark.parametrize(
+    ("param", "value", "code", "where"),
+    [
+        ("logit_bias", {"hello": 5}, "invalid_value", "logit_bias"),
+        ("logit_bias", {"50256": 101}, "integer_above_max_value", "logit_bias.50256"),
+        ("logit_bias", {"50256": -1.5}, "invalid_type", "logit_bias.50256"),
+        ("logit_bias", ["50256"], "invalid_type", "logit_bias"),
+        ("verbosity", "loud", "invalid_value", "verbosity"),
+        ("modalities", ["smell"], "invalid_value", "modalities.0"),
+        ("audio", "alloy", "invalid_type", "audio"),
+        ("functions", {"name": "f"}, "invalid_type", "functions"),
+    ],
+)
+async def test_a_value_openai_would_refuse_for_an_unsupported_parameter_is_refused_as_invalid(
+    api: API, param: str, value: Any, code: str, where: str
+) -> None:
+    response = await api.post(CHAT, body(**{param: value}))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (where, code)
+
+
+async def test_verbosity_at_openais_default_is_accepted_as_responses_accepts_it(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    data = await complete(api, openai_spec, verbosity="medium", max_tokens=2)
+
+    assert data["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "param", "message"),
+    [
+        (
+            ["a", "b", "c", "d", "e"],
+            "array_above_max_length",
+            "stop",
+            "Invalid 'stop': array too long. Expected an array with maximum length 4, but got an array with length 5 "
+            "instead.",
+        ),
+        (
+            ["a", 5],
+            "invalid_type",
+            "stop.1",
+            "Invalid type for 'stop.1': expected a string, but got an integer instead.",
+        ),
+        (
+            5,
+            "invalid_type",
+            "stop",
+            "Invalid type for 'stop': expected one of a string or array of strings, but got an integer instead.",
+        ),
+    ],
+    ids=["five sequences", "a sequence that is no string", "neither a string nor a list"],
+)
+async def test_a_bad_stop_is_refused_in_openais_words(api: API, stop: Any, code: str, param: str, message: str) -> None:
+    response = await api.post(CHAT, body(stop=stop))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["message"]) == (param, code, message)
+
+
 async def test_openais_prompt_caching_hints_are_accepted_and_change_nothing(api: API, openai_spec: OpenAISpec) -> None:
     plain = await complete(api, openai_spec, max_tokens=4)
     hinted = await complete(
@@ -600,11 +664,28 @@ async def test_openais_prompt_caching_hints_are_accepted_and_change_nothing(api:
     assert hinted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
 
 
+async def test_a_custom_tool_call_in_the_conversation_is_refused_as_unsupported_as_the_custom_tool_is(
+    api: API,
+) -> None:
+    call = {"id": "c1", "type": "custom", "custom": {"name": "grep", "input": "river"}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+
+    response = await api.post(CHAT, body(messages=messages))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("messages.1.tool_calls.0", "unsupported_parameter")
+
+
 @pytest.mark.parametrize(
     ("message", "param", "code"),
     [
-        ({"role": "user", "content": [{"type": "video", "video": "x"}]}, "messages.0.content.0", "invalid_value"),
-        ({"role": "user", "content": [{"text": "hi"}]}, "messages.0.content.0", "invalid_value"),
+        ({"role": "user", "content": [{"type": "video", "video": "x"}]}, "messages.0.content.0.type", "invalid_value"),
+        ({"role": "user", "content": [{"text": "hi"}]}, "messages.0.content.0.type", "missing_required_parameter"),
         (
             {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text"}]},
             "messages.0.content.1.text",

@@ -438,7 +438,7 @@ async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
     [
         (
             {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "nope"}]},
-            "input.0.content.1",
+            "input.0.content.1.type",
             "invalid_value",
         ),
         ({"role": "wizard", "content": "hi"}, "input.0.role", "invalid_value"),
