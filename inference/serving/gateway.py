@@ -347,14 +347,44 @@ async def open_stream(
     except UpstreamFailure as exc:
         raise unreachable(exc) from None
     if response.status >= 300:  # an error, or a redirect: the request is not sent on to another address
-        try:
-            content = await read_bounded(response)
-        except UpstreamFailure:
-            content = b""
-        finally:
-            response.release()
+        content = await _drain(response)
         raise upstream_error(response.status, response.headers, content, request_id=request_id, secret=upstream.api_key)
+    if response.content_type != "text/event-stream":
+        content = await _drain(response)
+        raise not_a_stream(response, content, request_id=request_id, secret=upstream.api_key)
     return response
+
+
+async def _drain(response: aiohttp.ClientResponse) -> bytes:
+    """The rest of an answer that will not be relayed (what of it arrives), with its connection released."""
+    try:
+        return await read_bounded(response)
+    except UpstreamFailure:
+        return b""
+    finally:
+        response.release()
+
+
+def not_a_stream(response: aiohttp.ClientResponse, body: bytes, *, request_id: str, secret: str) -> APIError:
+    """A whole answer to a streamed request. An error reported with status 200 is that error; anything else is
+    the gateway's failure, since no client that asked for a stream can read it."""
+    try:
+        detail = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        detail = None
+    if isinstance(detail, dict):
+        return upstream_error(response.status, response.headers, body, request_id=request_id, secret=secret)
+    kind = response.content_type
+    logger.warning(
+        "the gateway answered request %s with %s, not a stream: %r", request_id, kind, redacted(body[:2000], secret)
+    )
+    return APIError(
+        f"The gateway answered a streamed request with {kind}, not an event stream. Quote the request id "
+        f"{request_id} when you report it.",
+        code="upstream_error",
+        status=502,
+        type=SERVER,
+    )
 
 
 @dataclass

@@ -5,8 +5,8 @@ picks a behaviour: ``slow`` waits before answering, ``error-400`` / ``error-429`
 streams a little and then goes silent, ``trickle`` streams ``metadata.chunks`` chunks (120) ``metadata.interval``
 seconds (0.5) apart: a long generation; ``bad-usage`` reports token counts that are not numbers; streams of
 ``crlf`` frame their events with CRLF, ``error-midstream`` sends an error event (naming a secret host) after two
-chunks, ``no-done`` ends without ``[DONE]``; ``redirect`` answers 307 to another path, ``huge`` with a 300 KB
-answer. ``GET /last`` tells what the last request carried.
+chunks, ``no-done`` ends without ``[DONE]`` (a Response's stream without ``response.completed``); ``redirect``
+answers 307 to another path, ``huge`` with a 300 KB answer. ``GET /last`` tells what the last request carried.
 
 Run: ``python -m tests.fakes.openai_upstream --port 9000 [--api-key KEY] [--chunks 8]``
 """
@@ -129,7 +129,10 @@ class Upstream:
                 self.write_json(writer, 200, answer)
             return True
         if path.endswith("/responses"):
-            self.write_json(writer, 200, self.response(model))
+            if data.get("stream"):
+                await self.stream_response(writer, model)
+            else:
+                self.write_json(writer, 200, self.response(model))
             return True
         self.write_json(
             writer,
@@ -234,6 +237,42 @@ class Upstream:
                 return
         if model not in ("no-done", "error-midstream"):
             self.chunk(writer, b"data: [DONE]" + separator)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def stream_response(self, writer: asyncio.StreamWriter, model: str) -> None:
+        """A Response streamed as OpenAI streams one: its events, then ``response.completed`` with its usage."""
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        whole = self.response(model)
+        item, part = whole["output"][0], whole["output"][0]["content"][0]
+        started = {**whole, "status": "in_progress", "output": [], "usage": None}
+        at = {"output_index": 0, "item_id": item["id"]}
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": started},
+            {"type": "response.in_progress", "response": started},
+            {
+                "type": "response.output_item.added",
+                "output_index": 0,
+                "item": {**item, "status": "in_progress", "content": []},
+            },
+            {"type": "response.content_part.added", **at, "content_index": 0, "part": {**part, "text": ""}},
+            *(
+                {"type": "response.output_text.delta", **at, "content_index": 0, "delta": word, "logprobs": []}
+                for word in CHUNK_WORDS
+            ),
+            {"type": "response.output_text.done", **at, "content_index": 0, "text": part["text"], "logprobs": []},
+            {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
+            {"type": "response.output_item.done", "output_index": 0, "item": item},
+        ]
+        if model != "no-done":
+            events.append({"type": "response.completed", "response": whole})
+        for number, event in enumerate(events):
+            self.chunk(
+                writer,
+                f"event: {event['type']}\ndata: ".encode()
+                + json.dumps({**event, "sequence_number": number}).encode()
+                + b"\n\n",
+            )
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 

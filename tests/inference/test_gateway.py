@@ -483,21 +483,39 @@ def test_an_upstream_stream_that_stops_before_its_end_ends_with_an_error(setup: 
     assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
 
 
-def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_error_event(setup: Setup) -> None:
-    # The fake upstream answers a streamed Responses request with one JSON body and no events at all.
+def stream_response(setup: Setup, model: str) -> tuple[httpx.Response, list[tuple[str, dict]]]:
+    """A streamed Response through the gateway, as (event name, data) pairs."""
     with httpx.stream(
         "POST",
         setup.server.url + "/v1/infer/responses",
-        json={"model": "upstream/gpt-x", "route": "gateway", "input": "Hi", "stream": True},
+        json={"model": model, "route": "gateway", "input": "Hi", "stream": True},
         headers={"Authorization": f"Bearer {setup.server.key}"},
         timeout=30,
     ) as response:
-        last = response.read().decode().strip().split("\n\n")[-1]
+        text = response.read().decode()
+    pairs = [event.split("\n") for event in text.split("\n\n") if event.strip()]
+    return response, [(name.removeprefix("event: "), json.loads(data.removeprefix("data: "))) for name, data in pairs]
 
-    name, data = last.split("\n")
-    event = json.loads(data.removeprefix("data: "))
-    assert name == "event: error"
-    assert (event["type"], event["code"], event["sequence_number"]) == ("error", "upstream_error", 0)
+
+def test_a_streamed_response_passes_through_and_is_metered(setup: Setup) -> None:
+    response, events = stream_response(setup, "upstream/gpt-x")
+
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert [name for name, _ in events][-1] == "response.completed"
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    deltas = "".join(data["delta"] for name, data in events if name == "response.output_text.delta")
+    assert deltas == "The Willamette River flows north through Oregon."
+    assert setup.usage(response.headers["x-request-id"])[:5] == ("gateway", 200, "", 11, 8)
+
+
+def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_error_event(setup: Setup) -> None:
+    response, events = stream_response(setup, "no-done")
+
+    (*before, (name, event)) = events
+    assert name == "error"
+    assert (event["type"], event["code"]) == ("error", "upstream_error")
+    assert event["sequence_number"] == before[-1][1]["sequence_number"] + 1
+    assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
 
 
 def test_an_upstream_redirect_is_not_followed(setup: Setup) -> None:

@@ -386,6 +386,34 @@ async def test_an_upstream_that_reports_a_failure_with_status_200_fails_and_its_
 
 
 @BOTH
+async def test_a_whole_answer_to_a_streamed_request_is_a_502_not_a_stream_of_raw_json(gw: Gateway, path: str) -> None:
+    answered = {"id": "x", "object": "chat.completion", "choices": []} if path == CHAT else {**RESPONSE, "output": []}
+    await gw.offer("unstreamed", answer(200, answered))
+
+    response = await gw.post("unstreamed", path=path, stream=True)
+
+    assert response.status_code == 502
+    error = error_of(response)
+    assert error["code"] == "upstream_error" and "application/json, not an event stream" in error["message"]
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "upstream_error")
+    assert gw.window("unstreamed")[1] == 0  # its slot is free
+
+
+@BOTH
+async def test_a_streamed_request_answered_with_an_error_and_status_200_fails_with_that_errors_code(
+    gw: Gateway, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    await gw.offer("sly", answer(200, {"error": {"message": "provider at db-7 is down", "code": "provider_down"}}))
+
+    response = await gw.post("sly", path=path, stream=True)
+
+    assert response.status_code == 502
+    assert error_of(response)["code"] == "provider_down" and "db-7" not in error_of(response)["message"]
+    assert "db-7" in caplog.text
+
+
+@BOTH
 async def test_an_answer_without_usage_keeps_admissions_estimate(gw: Gateway, path: str) -> None:
     answered = {"id": "x", "object": "chat.completion", "choices": []} if path == CHAT else {**RESPONSE, "output": []}
     await gw.offer("unmetered", answer(200, answered))
