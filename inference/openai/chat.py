@@ -13,9 +13,9 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
-    FUNCTION_NAME,
     MAX_TOOLS,
     UNSUPPORTED,
+    FunctionName,
     FunctionParameters,
     JSONSchema,
     LogprobItems,
@@ -33,14 +33,14 @@ from .shared import (
 
 
 class FunctionDefinition(WireModel):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    name: FunctionName
     description: str | None = None
     parameters: FunctionParameters | None = None
     strict: bool | None = None
 
 
 class JSONSchemaFormat(WireModel):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    name: FunctionName
     description: str | None = None
     schema_: JSONSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None

@@ -15,8 +15,8 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
-    FUNCTION_NAME,
     MAX_TOOLS,
+    FunctionName,
     FunctionParameters,
     JSONSchema,
     LooseModel,
@@ -162,7 +162,7 @@ Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("
 
 class FunctionTool(WireModel):
     type: Literal["function"]
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    name: FunctionName
     description: str | None = None
     parameters: FunctionParameters | None = None
     strict: bool | None = None
@@ -254,7 +254,7 @@ class FormatJSONObject(WireModel):
 
 class FormatJSONSchema(WireModel):
     type: Literal["json_schema"]
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    name: FunctionName
     schema_: JSONSchema = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None

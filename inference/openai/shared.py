@@ -25,7 +25,8 @@ from .errors import APIError, invalid_request, unsupported_parameter
 MAX_TOOLS = 128
 # The error type of a validator that refuses something OpenAI's API knows but this one does not serve.
 UNSUPPORTED = "unsupported_parameter"
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+# A function's or a format's name: its length is checked first, so that a long name is reported as too long.
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 LogprobItems = list[tuple[bytes, float, list[tuple[bytes, float]]]]  # token, its logprob, the top alternatives
 
@@ -104,7 +105,7 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
         return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
     if kind == UNSUPPORTED:
         return unsupported_parameter(param, first["msg"])
-    if (tagged_error := _tag_error(kind, first, param)) is not None:
+    if (tagged_error := _tag_error(kind, first, param) or _literal_error(kind, first, param)) is not None:
         return tagged_error
     if kind == "missing":
         return invalid_request(
@@ -138,10 +139,22 @@ def _tag_error(kind: str, error: Any, param: str) -> APIError | None:
         return invalid_request(
             f"Invalid type for '{where}': expected a string, but got {what} instead.", param=where, code="invalid_type"
         )
-    expected = error["ctx"].get("expected_tags", "").split(", ")
-    supported = " and ".join(expected) if len(expected) < 3 else f"{', '.join(expected[:-1])}, and {expected[-1]}"
+    return _not_supported(tag, error["ctx"].get("expected_tags", "").split(", "), param=where)
+
+
+def _literal_error(kind: str, error: Any, param: str) -> APIError | None:
+    """A value outside a fixed set (``reasoning_effort: "extreme"``), with the set, in OpenAI's words."""
+    expected = (error.get("ctx") or {}).get("expected")
+    if kind != "literal_error" or not isinstance(expected, str):
+        return None
+    return _not_supported(error.get("input"), re.split(r", | or ", expected), param=param)
+
+
+def _not_supported(given: Any, supported: list[str], *, param: str) -> APIError:
+    shown = repr(given[:64]) if isinstance(given, str) else orjson.dumps(given).decode()[:64]
+    listed = " and ".join(supported) if len(supported) < 3 else f"{', '.join(supported[:-1])}, and {supported[-1]}"
     return invalid_request(
-        f"Invalid value: {tag[:64]!r}. Supported values are: {supported}.", param=where, code="invalid_value"
+        f"Invalid value: {shown}. Supported values are: {listed}.", param=param or None, code="invalid_value"
     )
 
 

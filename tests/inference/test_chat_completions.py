@@ -740,6 +740,10 @@ async def test_a_reasoning_effort_openai_does_not_know_is_an_invalid_value_even_
     assert response.status_code == 400
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("reasoning_effort", "invalid_value")
+    assert error["message"] == (
+        "Invalid value: 'extreme'. Supported values are: 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', and "
+        "'max'."
+    )
 
 
 async def test_a_seed_past_openais_64_bit_range_is_refused_in_openais_words(api: API) -> None:
@@ -770,6 +774,13 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
             "with length 65 instead.",
         ),
         (
+            {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+            "tools.0.function.name",
+            "string_above_max_length",
+            "Invalid 'tools.0.function.name': string too long. Expected a string with maximum length 64, but got a "
+            "string with length 65 instead.",
+        ),
+        (
             {"tools": [TOOL] * 129},
             "tools",
             "array_above_max_length",
@@ -795,7 +806,14 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
             "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead.",
         ),
     ],
-    ids=["a safety identifier past 64 characters", "129 tools", "no messages", "temperature 3", "max_tokens 0"],
+    ids=[
+        "a safety identifier past 64 characters",
+        "a function name past 64 characters",
+        "129 tools",
+        "no messages",
+        "temperature 3",
+        "max_tokens 0",
+    ],
 )
 async def test_a_value_of_the_wrong_size_is_refused_in_openais_words(
     api: API, fields: dict[str, Any], param: str, code: str, message: str
