@@ -195,8 +195,7 @@ class Topology:
     def migrate(self) -> None:
         """The database, and the gateway models the traffic asks the fake upstream for."""
         self.manage("migrate", "--noinput", "-v0")
-        for model in GATEWAY_MODELS:
-            self.manage("add_gateway_model", model)
+        self.manage("add_gateway_model", *GATEWAY_MODELS)
 
     def organization(self, slug: str, *limits: str) -> str:
         """A new organization's key; ``limits`` are ``manage.py set_limit`` options (``--rpm``, ``50``)."""

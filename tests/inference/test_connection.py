@@ -56,8 +56,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         },
         org="conn",
     )
-    server.manage("add_gateway_model", "upstream/gpt-x")
-    server.manage("add_gateway_model", "trickle")
+    server.manage("add_gateway_model", "upstream/gpt-x", "trickle")
     yield Served(server)
     stop_server(server)
     upstream.terminate()

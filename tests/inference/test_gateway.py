@@ -72,7 +72,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )
     # The upstream's models this node offers through the gateway; the fake upstream's names pick its behaviour.
     server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n")
-    for model in (
+    server.manage(
+        "add_gateway_model",
         "slow",
         "error-400",
         "error-429",
@@ -86,8 +87,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         "no-done",
         "redirect",
         "huge",
-    ):
-        server.manage("add_gateway_model", model)
+    )
     yield Setup(server=server, upstream_url=upstream_url)
     stop_server(server)
     upstream.terminate()

@@ -4,19 +4,22 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
 
 from inference.models import GATEWAY, GATEWAY_PARAMETERS, CatalogEntry
 
 
 class Command(BaseCommand):
     help = (
-        'Offer a model through the gateway ("route": "gateway"): a catalog entry with no local runner, sent to '
+        'Offer models through the gateway ("route": "gateway"): a catalog entry with no local runner, sent to '
         "GATEWAY_BASE_URL or to its own upstream. Run again to change it."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("model", help="The id clients send as 'model', e.g. openai/gpt-4o")
-        parser.add_argument("--upstream-model", default="", help="The model's id at the upstream (default: the id)")
+        parser.add_argument("models", nargs="+", help="The ids clients send as 'model', e.g. openai/gpt-4o")
+        parser.add_argument(
+            "--upstream-model", default="", help="The model's id at the upstream (default: the id); for one model only"
+        )
         parser.add_argument("--upstream-url", default="", help="Its own upstream (default: GATEWAY_BASE_URL)")
         parser.add_argument(
             "--allow",
@@ -27,19 +30,34 @@ class Command(BaseCommand):
         parser.add_argument("--disable", action="store_true", help="Refuse the model without removing it")
 
     def handle(
-        self, *args: Any, model: str, upstream_model: str, upstream_url: str, allow: str, disable: bool, **options: Any
+        self,
+        *args: Any,
+        models: list[str],
+        upstream_model: str,
+        upstream_url: str,
+        allow: str,
+        disable: bool,
+        **options: Any,
     ) -> None:
-        entry = CatalogEntry.objects.filter(public_id=model).first() or CatalogEntry(public_id=model)
-        entry.runner = GATEWAY
-        entry.runner_settings = {}
-        entry.upstream_model = upstream_model
-        entry.upstream_base_url = upstream_url
-        entry.gateway_parameters = [name.strip() for name in allow.split(",") if name.strip()]
-        entry.enabled = not disable
-        try:
-            entry.full_clean()
-        except ValidationError as exc:
-            problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in exc.message_dict.items())
-            raise CommandError(problems) from None
-        entry.save()
-        self.stdout.write(entry.public_id)
+        if upstream_model and len(models) > 1:
+            raise CommandError("--upstream-model names the upstream's id of one model: give one model with it")
+        entries = []
+        for model in models:  # every one checked before any is saved
+            entry = CatalogEntry.objects.filter(public_id=model).first() or CatalogEntry(public_id=model)
+            entry.runner = GATEWAY
+            entry.runner_settings = {}
+            entry.upstream_model = upstream_model
+            entry.upstream_base_url = upstream_url
+            entry.gateway_parameters = [name.strip() for name in allow.split(",") if name.strip()]
+            entry.enabled = not disable
+            try:
+                entry.full_clean()
+            except ValidationError as exc:
+                problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in exc.message_dict.items())
+                raise CommandError(f"{model}: {problems}") from None
+            entries.append(entry)
+        with transaction.atomic():
+            for entry in entries:
+                entry.save()
+        for entry in entries:
+            self.stdout.write(entry.public_id)
