@@ -10,8 +10,11 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' p
 # The Codex CLI release the tests drive against a live server (tests/inference/test_responses_clients.py).
 CODEX_VERSION := 0.171.0
 CODEX_DIR := var/codex
+# The openai Node SDK release the tests drive (tests/inference/test_node_sdk.py).
+OPENAI_NODE_VERSION := 7.59.0
+NODE_CLIENTS_DIR := var/node-clients
 
-.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli bench soak clean
+.PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli node-clients bench soak clean
 
 $(PY):
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Python 3.11 or later is needed: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
@@ -70,13 +73,22 @@ $(CODEX_DIR)/.installed-$(CODEX_VERSION):
 
 codex-cli: $(CODEX_DIR)/.installed-$(CODEX_VERSION)
 
+# The openai Node SDK the tests drive as the API reference's TypeScript examples do (tests/inference/test_node_sdk.py).
+$(NODE_CLIENTS_DIR)/.installed-$(OPENAI_NODE_VERSION):
+	@command -v npm >/dev/null || { echo "npm (Node.js 20 or later) is needed for the openai Node SDK the tests run" >&2; exit 1; }
+	rm -f $(NODE_CLIENTS_DIR)/.installed-*
+	npm install --prefix $(NODE_CLIENTS_DIR) --no-save --no-audit --no-fund --loglevel=error openai@$(OPENAI_NODE_VERSION)
+	touch $@
+
+node-clients: $(NODE_CLIENTS_DIR)/.installed-$(OPENAI_NODE_VERSION)
+
 # Lint (with import order) and type checks come first: they take seconds, the suite minutes.
 lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 # The whole suite on SQLite (the default database), then the tests marked database on a throwaway PostgreSQL cluster.
-test: lint system-test-deps codex-cli
+test: lint system-test-deps codex-cli node-clients
 	$(PY) -m pytest
 	$(PY) -m pytest -p tests.postgres -m database
 

@@ -10,7 +10,7 @@ from rest_framework.response import Response
 
 from core.db import db_task
 from inference.api.base import AsyncAPIView
-from inference.openai.errors import PERMISSION, APIError
+from inference.openai.errors import APIError
 from orgs.models import Organization
 
 from . import protocol, services
@@ -33,7 +33,6 @@ def tenant(request: Request) -> Organization:
             f"The tenant in {TENANT_HEADER} is not the organization of this API key.",
             code="tenant_mismatch",
             status=403,
-            type=PERMISSION,
         )
     return organization
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from core.db import db_task
 from inference.engine import capabilities
 from inference.openai import responses as wire
-from inference.openai.errors import NOT_FOUND, APIError, invalid_request, model_missing
+from inference.openai.errors import APIError, invalid_request, model_missing
 from inference.openai.shared import declared_fields
 from inference.serving import responses
 from inference.serving.caller import (
@@ -398,7 +398,6 @@ def rate_response(
             code="response_not_found",
             status=404,
             param="meta.message_id",
-            type=NOT_FOUND,
         )
     feedback, _ = Feedback.objects.update_or_create(
         response=response,

@@ -17,7 +17,6 @@ from rest_framework import exceptions as drf_exceptions
 
 from core.outages import unavailable_service
 from inference.openai.errors import (
-    PERMISSION,
     APIError,
     ParamNames,
     body_too_large,
@@ -54,7 +53,7 @@ def to_api_error(exc: BaseException, names: ParamNames | None = None) -> APIErro
     if isinstance(exc, drf_exceptions.NotFound):
         return not_found()
     if isinstance(exc, drf_exceptions.PermissionDenied):
-        return APIError(str(exc.detail), code="permission_denied", status=403, type=PERMISSION)
+        return APIError(str(exc.detail), code="permission_denied", status=403)
     if isinstance(exc, drf_exceptions.APIException):
         return APIError(str(exc.detail), code=str(exc.default_code), status=exc.status_code)
     return None

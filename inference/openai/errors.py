@@ -28,12 +28,13 @@ from inference.engine.exceptions import (
 from orgs.exceptions import InvalidAPIKey, LimitExceeded
 
 INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
-NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER = "server_error"
-PERMISSION = "permission_error"
-ERROR_TYPES = frozenset({INVALID_REQUEST, AUTHENTICATION, NOT_FOUND, RATE_LIMIT, SERVER, PERMISSION})
+# Every refusal but a rate limit is an invalid_request_error, as OpenAI's are (a bad key and an unknown model
+# included); an upstream's own types are known too, to pass them through the gateway.
+ERROR_TYPES = frozenset(
+    {INVALID_REQUEST, RATE_LIMIT, SERVER, "authentication_error", "not_found_error", "permission_error"}
+)
 
 
 class APIError(Exception):
@@ -89,7 +90,7 @@ def unsupported_parameter(param: str, message: str | None = None) -> APIError:
 
 def model_missing(message: str, *, code: str = "model_not_available") -> APIError:
     """A 404 naming ``model``: the model the request asked for is not to be had here."""
-    return APIError(message, code=code, status=404, param="model", type=NOT_FOUND)
+    return APIError(message, code=code, status=404, param="model")
 
 
 def model_not_available(model: str) -> APIError:
@@ -104,7 +105,6 @@ def invalid_api_key() -> APIError:
         "Incorrect or missing API key. Send 'Authorization: Bearer <key>' with an active key.",
         code="invalid_api_key",
         status=401,
-        type=AUTHENTICATION,
     )
 
 
@@ -148,7 +148,7 @@ def content_coding_refused(coding: str) -> APIError:
 
 
 def not_found() -> APIError:
-    return APIError("No API endpoint at this path.", code="not_found", status=404, type=NOT_FOUND)
+    return APIError("No API endpoint at this path.", code="not_found", status=404)
 
 
 def method_not_allowed(detail: str = "Method not allowed.") -> APIError:

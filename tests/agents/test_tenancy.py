@@ -79,12 +79,14 @@ async def test_a_request_without_a_tenant_is_refused_with_400(tenant: Tenant, me
 async def test_a_tenant_other_than_the_keys_organization_is_refused_alike_whether_it_exists_or_not(
     tenant: Tenant, other_tenant: Tenant, method: str, path: str, claimed: str
 ) -> None:
-    error = assert_error(await call(tenant, method, path, tenant=claimed), 403, "tenant_mismatch", "permission_error")
+    error = assert_error(
+        await call(tenant, method, path, tenant=claimed), 403, "tenant_mismatch", "invalid_request_error"
+    )
     assert error["message"] == "The tenant in X-Tenant-ID is not the organization of this API key."
 
 
 async def test_a_bad_key_is_refused_before_the_tenant_is_looked_at(tenant: Tenant) -> None:
-    assert_error(await tenant.get("/v1/instances", key="b3os_nope"), 401, "invalid_api_key", "authentication_error")
+    assert_error(await tenant.get("/v1/instances", key="b3os_nope"), 401, "invalid_api_key", "invalid_request_error")
 
 
 # --- instances --------------------------------------------------------------------------------------------
@@ -119,11 +121,11 @@ async def test_another_tenants_instance_is_not_found_as_if_it_did_not_exist(
     theirs = await tenant.post("/v1/responses", {"model": globex_instance.instance_id, "input": "Hi", "stream": True})
     missing = await tenant.post("/v1/responses", {"model": "no.such.agent", "input": "Hi", "stream": True})
 
-    error = assert_error(theirs, 404, "model_not_found", "not_found_error")
+    error = assert_error(theirs, 404, "model_not_found", "invalid_request_error")
     assert error["param"] == "model" and "globex.agent.private" in error["message"]
-    assert assert_error(missing, 404, "model_not_found", "not_found_error")["message"] == error["message"].replace(
-        "globex.agent.private", "no.such.agent"
-    )
+    assert assert_error(missing, 404, "model_not_found", "invalid_request_error")["message"] == error[
+        "message"
+    ].replace("globex.agent.private", "no.such.agent")
 
 
 # --- stored responses --------------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ async def test_feedback_on_another_tenants_response_is_not_found_and_changes_not
 ) -> None:
     response = await tenant.post("/v1/feedback", {"meta": {"message_id": "resp_globex"}, "rating": "negative"})
 
-    error = assert_error(response, 404, "response_not_found", "not_found_error")
+    error = assert_error(response, 404, "response_not_found", "invalid_request_error")
     assert error["param"] == "meta.message_id"
     assert not await Feedback.objects.aexists()
 

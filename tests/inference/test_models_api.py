@@ -32,7 +32,7 @@ async def test_an_unknown_or_disabled_model_is_not_available(api: API, model_id:
     response = await api.get(f"/v1/infer/models/{model_id}")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_available"
-    assert response.json()["error"]["type"] == "not_found_error"
+    assert response.json()["error"]["type"] == "invalid_request_error"  # as OpenAI types an unknown model
 
 
 async def test_a_fresh_install_serves_the_embedded_default(transactional_db: None) -> None:

@@ -25,7 +25,7 @@ def assert_invalid_key(response, raw_key: str | None = None) -> None:
     assert body == {
         "error": {
             "message": body["error"]["message"],
-            "type": "authentication_error",
+            "type": "invalid_request_error",
             "param": None,
             "code": "invalid_api_key",
         }
