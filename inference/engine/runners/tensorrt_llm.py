@@ -15,7 +15,7 @@ The engine is built when the worker process starts (``inference.tasks``), not by
 API surface used, as read in NVIDIA/TensorRT-LLM: ``tensorrt_llm/llmapi/llm.py``,
 ``tensorrt_llm/sampling_params.py``, ``tensorrt_llm/executor/result.py``,
 ``tensorrt_llm/executor/base_worker.py``, ``tensorrt_llm/executor/executor.py``, ``tensorrt_llm/llmapi/tokenizer.py``,
-``tensorrt_llm/_torch/pyexecutor/py_executor.py`` and ``grammar_matcher.py``,
+``tensorrt_llm/_torch/pyexecutor/py_executor.py``, ``grammar_matcher.py`` and ``sampler.py`` (seeds, the end token),
 ``tensorrt_llm/serve/openai_server.py``, ``tensorrt_llm/serve/openai_protocol.py`` (how trtllm-serve
 builds ``SamplingParams`` for chat) and ``docs/source/features/guided-decoding.md`` (structural tags).
 Guides are compiled with xgrammar, the library TensorRT-LLM's guided decoder uses, before anything is
@@ -31,6 +31,7 @@ import json
 import logging
 import queue
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -47,6 +48,7 @@ from .base import (
     PromptRenderer,
     RawEvent,
     RunnerError,
+    Sampling,
     TextChunk,
     TokenLogprob,
     prompt_pieces,
@@ -270,7 +272,7 @@ class _Engine:
             request._abort_in_loop()
         try:
             async for step in output:
-                request.events.put(self._snapshot(step, top_logprobs, job.sampling.stop))
+                request.events.put(self._snapshot(step, top_logprobs, job.sampling.stop, params.end_id))
         except self.api.RequestError as exc:
             request.events.put(_Failed(exc, _refusal_code(exc)))
         except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
@@ -278,16 +280,27 @@ class _Engine:
         else:
             request.events.put(_END)
 
-    def _snapshot(self, step: Any, top_logprobs: int | None, stops: tuple[str, ...]) -> _Step:
+    def _snapshot(self, step: Any, top_logprobs: int | None, stops: tuple[str, ...], end_id: int | None) -> _Step:
         completion = step.outputs[0]
+        token_ids = list(completion.token_ids)
         new_ids = list(completion.token_ids_diff)
+        entries = list(completion.logprobs_diff) if top_logprobs is not None else []
+        if _ended_by_end_token(step, completion, token_ids, end_id):
+            # The PyTorch backend's sampler adds the end-of-sequence token to the output before it ends
+            # the request (sampler.py, TorchSampler.update_requests: add_token, then finish_if_reason);
+            # the C++ sampler never counts it. It is no part of the answer, whose text already leaves it
+            # out (skip_special_tokens): usage and logprobs leave it out too, as the llama.cpp runner's do.
+            token_ids.pop()
+            if new_ids:
+                new_ids.pop()
+                entries = entries[: len(new_ids)]
         logprobs: tuple[TokenLogprob, ...] = ()
         if top_logprobs is not None:
-            logprobs = _token_logprobs(self.llm.tokenizer, new_ids, list(completion.logprobs_diff), top_logprobs)
+            logprobs = _token_logprobs(self.llm.tokenizer, new_ids, entries, top_logprobs)
         return _Step(
             text=_before_first_stop(self._settled_text(step, completion), stops),
             new_tokens=len(new_ids),
-            total_tokens=len(completion.token_ids),
+            total_tokens=len(token_ids),
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             cached_tokens=int(getattr(step, "cached_tokens", 0) or 0),
@@ -322,6 +335,21 @@ class _Engine:
             self._thread.join(timeout=10)
             if not self._thread.is_alive():
                 self.loop.close()
+
+
+def _ended_by_end_token(step: Any, completion: Any, token_ids: list[int], end_id: int | None) -> bool:
+    """Whether the request stopped at the end-of-sequence token and its ids end with it.
+
+    A stop on a stop string or a stop token id names it in ``stop_reason``; the end id (``END_ID``) leaves
+    ``stop_reason`` None (``executor/result.py``, ``_handle_sequence``).
+    """
+    return bool(
+        step.finished
+        and completion.finish_reason == "stop"
+        and completion.stop_reason is None
+        and token_ids
+        and token_ids[-1] == end_id
+    )
 
 
 def _refusal_code(exc: BaseException) -> str:
@@ -567,8 +595,7 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        # The executor's seed is an unsigned 64-bit integer (SamplingConfig's RandomSeedType); OpenAI's is signed.
-        "seed": None if sampling.seed is None else sampling.seed % 2**64,
+        "seed": _seed(sampling),
         "stop": list(sampling.stop) or None,
         "frequency_penalty": sampling.frequency_penalty,
         "presence_penalty": sampling.presence_penalty,
@@ -592,6 +619,28 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         return api.SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="generation_failed") from exc
+
+
+def _seed(sampling: Sampling) -> int | None:
+    """The request's seed for the executor: the client's, a fresh one when a sampled request names none, and none for
+    greedy decoding, which draws nothing (and on releases with per-request seeds, stays off their slower path)."""
+    if sampling.seed is not None:
+        # The executor's seed is an unsigned 64-bit integer (SamplingConfig's RandomSeedType); OpenAI's is signed.
+        return sampling.seed % 2**64
+    return None if sampling.temperature == 0 else _unseeded()
+
+
+def _unseeded() -> int:
+    """A fresh seed for a request that names none, so that its sampling differs from any other's, as OpenAI's does.
+
+    Without one TensorRT-LLM samples from fixed seeds: the C++ sampler gives every such request the
+    runtime's default 0 (``sampling_params.py``: "None means using C++ runtime default 0"), so identical
+    requests get identical answers; the PyTorch sampler draws from one generator seeded 42 at every start
+    (``sampler.py``, ``_global_seed``), and since it reads per-request seeds (``sampler/seed_manager.py``)
+    an unseeded request sampled beside seeded ones takes that seed for its slot. trtllm-serve passes a
+    missing seed on as None.
+    """
+    return secrets.randbits(64)
 
 
 def _before_first_stop(text: str, stops: tuple[str, ...]) -> str:

@@ -50,6 +50,14 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
   in the batch's guided decoder leads to; ``_handle_canceled_requests`` drops cancelled requests
   from the waiting queue (``executor_request_queue.py``, ``update_waiting_queue``) and sends
   ``CANCELLED`` only for active ones.
+- ``tensorrt_llm/_torch/pyexecutor/_util.py`` and ``sampler.py`` (versions of 2025, before the
+  per-request seeds of 2026): ``sampler_type`` "auto" is the ``TorchSampler`` unless beam search is
+  asked for. It samples the whole batch from one generator seeded ``_global_seed = 42`` and never reads
+  a request's seed; it adds every sampled token, the end-of-sequence one too, to the request before it
+  checks the stop criteria (``update_requests``), so ``token_ids`` ends with the end id on an
+  ``END_ID`` stop. ``sampler_type="TRTLLMSampler"`` is the C++ sampler: a request's seed, or 0 without
+  one (``sampling_params.py``: "None means using C++ runtime default 0"), and an end token its
+  sampling kernels never count in the sequence length ("Do not increase seq len when EOS is generated").
 - ``tensorrt_llm/executor/base_worker.py``: ``_deduce_max_tokens`` clamps ``max_tokens``
   to ``max_seq_len - prompt length`` without refusing anything; ``_enqueue_request`` builds the C++
   ``SamplingConfig``, whose checks (``cpp/tensorrt_llm/executor/samplingConfig.cpp``) refuse

@@ -9,8 +9,15 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   with a non-ASCII character is spelled byte by byte instead, as SentencePiece's byte fallback
   spells what is not in its vocabulary (``<0xF0>``): ``decode`` of one such token is ``"\ufffd"``.
   ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true.
-- ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is fixed
-  when it is submitted: the prompt's words echoed. Under a JSON guide (a schema, or ``json_object``)
+- ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is planned
+  when it is submitted: the prompt's words echoed, where a word written as a choice, ``{heads|tails}``,
+  is one the toy model is unsure of. Greedy decoding (``SamplingParams._greedy_decoding``) writes the
+  first alternative; sampling draws one, at the step that writes it, from the sampler's generator:
+  the ``TorchSampler`` (the default) has one for the whole engine, seeded 42 when it is built, and
+  reads no request's seed (``_torch/pyexecutor/sampler.py``: ``_global_seed = 42``, ``get_generator``;
+  ``_request_get_sampling_params`` takes only temperature, top_p and top_k); the C++ sampler
+  (``sampler_type="TRTLLMSampler"``) seeds each request with its seed, 0 when it has none (the C++
+  runtime's default, ``DefaultDecodingParams::getSeed``). Under a JSON guide (a schema, or ``json_object``)
   the echo stays when the guide's grammar, compiled by the real xgrammar as TensorRT-LLM compiles it,
   admits it (a model follows its prompt wherever the mask lets it), and otherwise becomes a minimal
   instance of the schema (``"{}"`` for ``json_object``). Under a ``triggered_tags`` structural tag
@@ -18,6 +25,12 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   "calls the first tool").
   Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
   token for every active request and delivers a response to it.
+- When the plan is written out and ``max_tokens`` is not reached, the next step generates the end of
+  sequence and ends the request with ``END_ID``. The ``TorchSampler`` adds that token to the output, as
+  it adds every sampled token before it checks the stop criteria (``update_requests``: ``add_token``,
+  then ``finish_if_reason``), logprob included; the C++ sampling kernels do not count it in the
+  sequence length ("Seq len should always contain only tokens to be outputted"), so the final
+  response carries no token.
 - Guides are compiled with the real ``xgrammar`` when their request is scheduled, and a guide that
   does not compile fails every active request, not just its own (``py_executor.py``).
 - A request aborted while it waits is dropped without any response; one that is active ends at the
@@ -33,6 +46,7 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 import time
@@ -55,6 +69,10 @@ MAX_POSITION_EMBEDDINGS = 4096
 
 # Alternatives offered as top logprobs besides the token that was "sampled".
 _ALTERNATIVES = ("the", "a", "of", "and", "to")
+# A prompt word the toy model is unsure how to echo: "{heads|tails}".
+_CHOICE = re.compile(r"\{(\w+(?:\|\w+)+)\}")
+# TorchSampler._global_seed: the seed of the one generator every request of the engine draws from.
+TORCH_SAMPLER_SEED = 42
 
 
 class ToyTokenizer:
@@ -256,10 +274,18 @@ class _Slot:
     stop_words: list[list[int]] = field(default_factory=list)
     error: str | None = None
     aborted: bool = False
-    produced: int = 0
     alternatives: list[int] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    # Plan positions where the toy model is unsure: the alternatives' token ids, the first the likeliest.
+    choices: dict[int, list[int]] = field(default_factory=dict)
+    # What sampling draws from; None under greedy decoding.
+    generator: random.Random | None = None
+    end_id: int = 0
+    # Whether the end-of-sequence token joins the output (TorchSampler) or not (the C++ sampler).
+    outputs_end_id: bool = True
+    # The tokens generated so far.
+    output: list[int] = field(default_factory=list)
 
     def step(self) -> EngineResponse:
         response = self._step()
@@ -272,24 +298,39 @@ class _Slot:
             return EngineResponse(self.request_id, [], None, True, error=self.error)
         if self.aborted:
             return EngineResponse(self.request_id, [], CANCELLED, True)
-        if self.produced >= min(len(self.plan), self.max_tokens):
-            return EngineResponse(self.request_id, [], LENGTH if self.max_tokens <= 0 else END_ID, True)
-        token = self.plan[self.produced]
-        self.produced += 1
-        finish = LENGTH if self.produced >= self.max_tokens else END_ID if self.produced == len(self.plan) else None
+        if self.max_tokens <= 0:
+            return EngineResponse(self.request_id, [], LENGTH, True)
+        if len(self.output) == len(self.plan):
+            if not self.outputs_end_id:
+                return EngineResponse(self.request_id, [], END_ID, True)
+            self.output.append(self.end_id)
+            return EngineResponse(self.request_id, [self.end_id], END_ID, True, logprobs=self._logprobs(self.end_id))
+        token = self._next_token()
+        self.output.append(token)
+        finish = LENGTH if len(self.output) >= self.max_tokens else None
         # The runtime looks for stop words in the generated ids after every token.
-        so_far = self.plan[: self.produced]
-        if any(words and so_far[-len(words) :] == words for words in self.stop_words):
+        if any(words and self.output[-len(words) :] == words for words in self.stop_words):
             finish = STOP_WORDS
-        logprobs = None
-        if self.top_logprobs:
-            entry = {token: Logprob(logprob=-0.25, rank=1)}
-            for rank, alternative in enumerate((a for a in self.alternatives if a != token), start=2):
-                if rank > self.top_logprobs:
-                    break
-                entry[alternative] = Logprob(logprob=-0.25 - rank, rank=rank)
-            logprobs = [entry]
-        return EngineResponse(self.request_id, [token], finish, finish is not None, logprobs=logprobs)
+        return EngineResponse(self.request_id, [token], finish, finish is not None, logprobs=self._logprobs(token))
+
+    def _next_token(self) -> int:
+        at = len(self.output)
+        alternatives = self.choices.get(at)
+        if not alternatives:
+            return self.plan[at]
+        if self.generator is None:
+            return alternatives[0]
+        return self.generator.choice(alternatives)
+
+    def _logprobs(self, token: int) -> list[dict[int, Logprob]] | None:
+        if not self.top_logprobs:
+            return None
+        entry = {token: Logprob(logprob=-0.25, rank=1)}
+        for rank, alternative in enumerate((a for a in self.alternatives if a != token), start=2):
+            if rank > self.top_logprobs:
+                break
+            entry[alternative] = Logprob(logprob=-0.25 - rank, rank=rank)
+        return [entry]
 
 
 class ToyExecutor:
@@ -300,8 +341,12 @@ class ToyExecutor:
         max_batch_size: int,
         guided_decoding_backend: str | None,
         enable_block_reuse: bool = True,
+        sampler: str = "TorchSampler",
     ) -> None:
         self._tokenizer = tokenizer
+        self._sampler = sampler
+        # The TorchSampler's generator lives as long as the engine and serves every request in turn.
+        self._torch_generator = random.Random(TORCH_SAMPLER_SEED)
         self._max_batch_size = max_batch_size
         self._guided_decoding_backend = guided_decoding_backend
         self._enable_block_reuse = enable_block_reuse
@@ -322,9 +367,16 @@ class ToyExecutor:
         max_tokens: int,
         deliver: Callable[[EngineResponse], None],
     ) -> int:
-        plan, error = self._plan(prompt_token_ids, params)
+        plan, choices, error = self._plan(prompt_token_ids, params)
         if error is None:
             error = params._sampling_config_error()
+        generator: random.Random | None
+        if params._greedy_decoding:
+            generator = None
+        elif self._sampler == "TRTLLMSampler":
+            generator = random.Random(params.seed if params.seed is not None else 0)
+        else:
+            generator = self._torch_generator
         with self._cond:
             self._last_id += 1
             slot = _Slot(
@@ -337,6 +389,10 @@ class ToyExecutor:
                 stop_words=params._get_stop_words(),
                 error=error,
                 prompt=list(prompt_token_ids),
+                choices=choices,
+                generator=generator,
+                end_id=params.end_id if params.end_id is not None else self._tokenizer.eos_token_id,
+                outputs_end_id=self._sampler == "TorchSampler",
             )
             slot.alternatives = [self._tokenizer._id(" " + word) for word in _ALTERNATIVES]
             self._waiting.append(slot)
@@ -363,28 +419,47 @@ class ToyExecutor:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
 
-    def _plan(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
+    def _plan(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], dict[int, list[int]], str | None]:
+        """The tokens the toy model writes, the positions where it is unsure (their alternatives), and
+        the request's error."""
         words = self._tokenizer.decode(prompt_token_ids, skip_special_tokens=True).split()
         text = " ".join(words)
         guide = params.guided_decoding
-        if guide is not None:
-            if self._guided_decoding_backend is None:
-                return [], "Guided decoding requested, but the LLM was built without guided_decoding_backend."
-            if guide.json_object or guide.json is not None:
-                if not admits(guide, text, self._guided_decoding_backend):
-                    text = "{}"
-                    if not guide.json_object and guide.json is not None:
-                        schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
-                        try:
-                            text = json.dumps(minimal_instance(schema))
-                        except (ValueError, KeyError, TypeError, IndexError):
-                            pass  # xgrammar decides whether the schema compiles, when it is scheduled
-            elif guide.structural_tag is not None:
-                try:
-                    text = _first_tag_instance(json.loads(guide.structural_tag))
-                except (ValueError, KeyError, TypeError, IndexError):
-                    text = ""
-        return self._tokenizer.encode(text, add_special_tokens=False), None
+        if guide is None:
+            plan, choices = self._echo(words)
+            return plan, choices, None
+        if self._guided_decoding_backend is None:
+            return [], {}, "Guided decoding requested, but the LLM was built without guided_decoding_backend."
+        if guide.json_object or guide.json is not None:
+            if not admits(guide, text, self._guided_decoding_backend):
+                text = "{}"
+                if not guide.json_object and guide.json is not None:
+                    schema = json.loads(guide.json) if isinstance(guide.json, str) else guide.json
+                    try:
+                        text = json.dumps(minimal_instance(schema))
+                    except (ValueError, KeyError, TypeError, IndexError):
+                        pass  # xgrammar decides whether the schema compiles, when it is scheduled
+        elif guide.structural_tag is not None:
+            try:
+                text = _first_tag_instance(json.loads(guide.structural_tag))
+            except (ValueError, KeyError, TypeError, IndexError):
+                text = ""
+        return self._tokenizer.encode(text, add_special_tokens=False), {}, None
+
+    def _echo(self, words: list[str]) -> tuple[list[int], dict[int, list[int]]]:
+        plan: list[int] = []
+        choices: dict[int, list[int]] = {}
+        for n, word in enumerate(words):
+            space = " " if n else ""
+            if choice := _CHOICE.fullmatch(word):
+                alternatives = [self._tokenizer._id(space + alternative) for alternative in choice[1].split("|")]
+                choices[len(plan)] = alternatives
+                plan.append(alternatives[0])
+            else:
+                plan += self._tokenizer.encode(space + word, add_special_tokens=False)
+        return plan, choices
 
     def _schedule(self) -> str | None:
         """Move waiting requests into free places; the error of a guide that fails to compile, if any."""
@@ -440,7 +515,7 @@ class ToyExecutor:
                         if response.is_final:
                             self._active.pop(slot.request_id, None)
                             if response.error is None and self._enable_block_reuse:
-                                self._reusable.append(slot.prompt + slot.plan[: slot.produced])
+                                self._reusable.append(slot.prompt + slot.output)
             for slot, response in results:
                 slot.deliver(response)
             time.sleep(STEP_SECONDS)

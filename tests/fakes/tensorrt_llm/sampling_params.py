@@ -4,6 +4,9 @@ The LLM API checks a few ranges itself when the object is built (``_validate``: 
 top_k >= 0, temperature >= 0, a ``ValueError``); the rest, and top_p 0, are checked when the request
 is turned into the C++ runtime's ``SamplingConfig`` (``cpp/tensorrt_llm/executor/samplingConfig.cpp``)
 on the executor's side, so such a value fails the request rather than the constructor.
+
+``seed`` None is documented as "using C++ runtime default 0"; which sampler reads the seed at all is
+the executor's matter (``_toy.py``). ``_greedy_decoding`` is the real property (``params_imply_greedy_decoding``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,18 @@ class SamplingParams:
         # As in the real class: users may pass logprobs=True for top-1 logprobs.
         self.logprobs = self.logprobs and int(self.logprobs)
         self.prompt_logprobs = self.prompt_logprobs and int(self.prompt_logprobs)
+
+    @staticmethod
+    def params_imply_greedy_decoding(*, temperature: float | None, top_p: float | None, top_k: int | None) -> bool:
+        return (
+            (temperature is None and top_p is None and top_k is None) or top_k == 1 or top_p == 0.0 or temperature == 0
+        )
+
+    @property
+    def _greedy_decoding(self) -> bool:
+        return not self.use_beam_search and self.params_imply_greedy_decoding(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
 
     def _setup(self, tokenizer: Any, add_special_tokens: bool = False) -> SamplingParams:
         if self.end_id is None:

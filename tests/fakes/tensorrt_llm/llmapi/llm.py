@@ -68,6 +68,9 @@ class LLM:
             max_batch_size=self.args.max_batch_size,
             guided_decoding_backend=self.args.guided_decoding_backend,
             enable_block_reuse=self.args.kv_cache_config.enable_block_reuse,
+            # _torch/pyexecutor/_util.py: the C++ sampler only when asked for (or for beam search, which
+            # the stand-in has not), the TorchSampler otherwise.
+            sampler="TRTLLMSampler" if self.args.sampler_type == "TRTLLMSampler" else "TorchSampler",
         )
 
     @property

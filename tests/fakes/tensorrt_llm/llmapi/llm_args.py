@@ -98,8 +98,16 @@ MODEL_FIELDS: dict[str, Any] = {
 }
 
 
+# Fields the PyTorch backend's ``TorchLlmArgs`` adds, of those the stand-in models. ``sampler_type`` is a
+# ``SamplerType``: "auto" takes the ``TorchSampler`` unless beam search is requested (``_torch/pyexecutor/_util.py``).
+TORCH_FIELDS: dict[str, Any] = {
+    "sampler_type": "auto",
+}
+SAMPLER_TYPES = ("TRTLLMSampler", "TorchSampler", "auto")
+
+
 class TorchLlmArgs:
-    model_fields = MODEL_FIELDS
+    model_fields = MODEL_FIELDS | TORCH_FIELDS
     # Every MODEL_FIELDS name is set as an attribute; these are the ones the stand-in reads.
     model: str | Path
     max_batch_size: int
@@ -108,9 +116,10 @@ class TorchLlmArgs:
     enable_chunked_prefill: bool
     guided_decoding_backend: str | None
     kv_cache_config: KvCacheConfig
+    sampler_type: str
 
     def __init__(self, **kwargs: Any) -> None:
-        for key, default in MODEL_FIELDS.items():
+        for key, default in self.model_fields.items():
             setattr(self, key, kwargs.get(key, default))
 
     @classmethod
@@ -124,6 +133,11 @@ class TorchLlmArgs:
             raise ValueError(
                 "1 validation error for TorchLlmArgs\nguided_decoding_backend\n"
                 "  Input should be 'xgrammar' or 'llguidance'"
+            )
+        if kwargs.get("sampler_type", "auto") not in SAMPLER_TYPES:
+            raise ValueError(
+                "1 validation error for TorchLlmArgs\nsampler_type\n"
+                "  Input should be 'TRTLLMSampler', 'TorchSampler' or 'auto'"
             )
         kv_cache_config = kwargs.get("kv_cache_config")
         if kv_cache_config is None:

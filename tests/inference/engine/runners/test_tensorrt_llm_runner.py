@@ -151,6 +151,11 @@ def never() -> bool:
     return False
 
 
+def answer(runner: runner_module.TensorRTLLMRunner, job: GenerationJob) -> str:
+    chunks, _ = collect(runner.stream(job, never))
+    return "".join(c.text for c in chunks)
+
+
 def words(count: int, prefix: str = "w") -> str:
     return " ".join(f"{prefix}{i}" for i in range(count))
 
@@ -172,7 +177,24 @@ def test_it_streams_the_generated_text_and_reports_exact_usage(engine: Seen) -> 
     assert engine.llms[0].tokenizer.decode(call.inputs) == "one two three four"
     assert call.streaming is True
     assert finished.prompt_tokens == len(call.output.prompt_token_ids)
-    assert finished.completion_tokens == len(call.output.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("sampler", ["TorchSampler", "TRTLLMSampler"])
+def test_the_end_of_sequence_token_is_no_part_of_the_answer(engine: Seen, sampler: str) -> None:
+    settings = {**SETTINGS, "sampler_type": sampler}
+    runner = runner_module.load(settings)
+    # " four" could begin the stop sequence, so it is held back and goes out with the engine's last output.
+    job = make_job("one two three four", stop=("four five",), settings=settings, logprobs=True, top_logprobs=1)
+
+    chunks, finished = collect(runner.stream(job, never))
+
+    output = engine.calls[0].output.outputs[0]
+    # The PyTorch sampler puts the end token in the output's ids; the C++ sampler leaves it out.
+    assert (output.token_ids[-1] == engine.llms[0].tokenizer.eos_token_id) is (sampler == "TorchSampler")
+    assert "".join(c.text for c in chunks) == "one two three four"
+    assert (finished.reason, finished.completion_tokens) == ("stop", 4)
+    assert sum(c.tokens for c in chunks) == 4
+    assert [lp.token for c in chunks for lp in c.logprobs] == [b"one", b" two", b" three", b" four"]
 
 
 def test_it_reports_the_prompt_tokens_the_engine_found_in_its_kv_cache(engine: Seen) -> None:
@@ -236,6 +258,45 @@ def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
     assert params.add_special_tokens is False
     assert params.logprobs is None
     assert params.guided_decoding is None
+
+
+CHOICES = " ".join(["{heads|tails}"] * 24)  # the toy model draws each word: 2**24 answers
+
+
+@pytest.mark.parametrize("settings", [SETTINGS, {**SETTINGS, "sampler_type": "TRTLLMSampler"}])
+def test_an_unseeded_request_samples_differently_each_time(engine: Seen, settings: dict[str, Any]) -> None:
+    runner = runner_module.load(settings)
+
+    answers = [answer(runner, make_job(CHOICES, settings=settings)) for _ in range(2)]
+
+    assert all(set(text.split()) <= {"heads", "tails"} for text in answers)
+    assert answers[0] != answers[1]
+    first, second = (call.sampling_params.seed for call in engine.calls)
+    assert first is not None and second is not None and first != second
+
+
+def test_a_seed_repeats_its_sample_on_an_engine_that_reads_seeds(engine: Seen) -> None:
+    settings = {**SETTINGS, "sampler_type": "TRTLLMSampler"}
+    runner = runner_module.load(settings)
+
+    def seeded(seed: int) -> str:
+        return answer(runner, make_job(CHOICES, settings=settings, seed=seed))
+
+    assert seeded(7) == seeded(7) != seeded(8)
+
+
+def test_the_stand_ins_default_sampler_ignores_the_seed_as_tensorrt_llm_1_2s_does(engine: Seen) -> None:
+    # The TorchSampler draws every request from one generator for the engine's life, whatever its seed.
+    runner = runner_module.load(SETTINGS)
+
+    assert answer(runner, make_job(CHOICES, seed=7)) != answer(runner, make_job(CHOICES, seed=7))
+
+
+def test_greedy_decoding_writes_the_likeliest_choice(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    assert answer(runner, make_job(CHOICES, temperature=0.0)) == " ".join(["heads"] * 24)
+    assert engine.calls[0].sampling_params.seed is None  # nothing to draw: no seed to send
 
 
 def test_it_finishes_with_length_when_max_tokens_runs_out(engine: Seen) -> None:
