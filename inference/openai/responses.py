@@ -169,6 +169,8 @@ class FunctionTool(WireModel):
     # Codex sends these; the output schema documents what the client will send back.
     output_schema: dict[str, Any] | None = None
     defer_loading: bool | None = None
+    # Who may call the function: the model itself ("direct"), or code OpenAI runs for it ("programmatic").
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
 
 
 class OtherTool(LooseModel):
@@ -275,6 +277,10 @@ class Reasoning(WireModel):
     effort: ReasoningEffort | None = None
     summary: ReasoningSummary | None = None
     generate_summary: ReasoningSummary | None = None
+    # OpenAI's execution modes are open-ended strings ("standard", "pro"…); this node has only the standard one.
+    mode: str | None = None
+    # Which earlier turns' reasoning the model sees: here its chat template decides, which is OpenAI's "auto".
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
 
 
 # OpenAI's ``include`` values: one it does not know is an invalid value, not a parameter this node lacks.
@@ -372,7 +378,24 @@ class ResponseCreateRequest(WireModel):
         for index, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available on this node")
+        self._check_reasoning()
         self._check_tools()
+
+    def _check_reasoning(self) -> None:
+        if self.reasoning is None:
+            return
+        if self.reasoning.mode not in (None, "standard"):
+            raise unsupported_parameter(
+                "reasoning.mode",
+                f"reasoning mode {self.reasoning.mode!r} is not offered: this node has the standard mode only",
+            )
+        if self.reasoning.context not in (None, "auto"):
+            # Replayed reasoning reaches the chat template, whose own rule says which turns' reasoning it renders.
+            raise unsupported_parameter(
+                "reasoning.context",
+                f"reasoning context {self.reasoning.context!r} is not supported: the model's chat template decides "
+                "which turns' reasoning it sees; leave it auto",
+            )
 
     def _check_tools(self) -> None:
         names: set[str] = set()
@@ -382,6 +405,13 @@ class ResponseCreateRequest(WireModel):
             if tool.defer_loading:
                 raise unsupported_parameter(
                     f"tools.{index}.defer_loading", "deferred tools need tool search, which runs on OpenAI's side"
+                )
+            if tool.allowed_callers is not None and "direct" not in tool.allowed_callers:
+                # A function only code may call would be called here by the model or by nobody: neither was asked.
+                raise unsupported_parameter(
+                    f"tools.{index}.allowed_callers",
+                    'allowed_callers leaves out "direct": this node\'s model calls functions itself, and programmatic '
+                    "calls need code that runs on OpenAI's side",
                 )
             if tool.name in names:
                 raise invalid_request("Tool names must be unique.", param=f"tools.{index}.name", code="invalid_value")

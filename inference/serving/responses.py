@@ -91,10 +91,12 @@ def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict
                     code="invalid_value",
                 )
             if part.image_url is None:
+                # Named at the file_id the client sent, when it sent one: that is what cannot be served.
+                given = "image_url" if part.file_id is None else "file_id"
                 raise invalid_request(
                     "input_image needs an image_url: images by file_id need the Files API, "
                     "which this node does not serve.",
-                    param=_at(where, f"content.{index}.image_url"),
+                    param=_at(where, f"content.{index}.{given}"),
                     code="unsupported_content",
                 )
             parts.append({"type": "image", "url": part.image_url})

@@ -606,6 +606,77 @@ async def test_it_refuses_bad_parameters_by_name(api: API, body: dict, code: str
     assert_error(await api.post(RESPONSES, ask(input="hi", **body)), 400, code, param)
 
 
+@pytest.mark.parametrize(
+    "reasoning",
+    [{"mode": "standard"}, {"context": "auto"}, {"effort": "none", "summary": "auto", "mode": None, "context": None}],
+    ids=["standard-mode", "auto-context", "nulls"],
+)
+def test_openais_reasoning_mode_and_context_are_taken_at_what_this_node_does(
+    catalog_model: CatalogEntry, reasoning: dict
+) -> None:
+    params = parse(ResponseCreateRequest, {"model": MODEL_ID, "input": "hi", "reasoning": reasoning})
+
+    assert responses.to_generation_request(params, catalog_model).reasoning is False
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "param"),
+    [
+        ({"mode": "pro"}, "reasoning.mode"),
+        ({"effort": "none", "context": "all_turns"}, "reasoning.context"),
+        ({"context": "current_turn"}, "reasoning.context"),
+    ],
+)
+async def test_a_reasoning_mode_or_context_this_node_cannot_apply_is_refused_as_unsupported_not_unknown(
+    api: API, reasoning: dict, param: str
+) -> None:
+    # OpenAI knows these parameters: "unrecognized" would tell the client its request is wrong, not this node.
+    assert_error(await api.post(RESPONSES, ask(input="hi", reasoning=reasoning)), 400, "unsupported_parameter", param)
+
+
+def test_a_function_the_model_may_call_directly_is_offered_whoever_else_may_call_it(
+    catalog_model: CatalogEntry,
+) -> None:
+    tools = [
+        {**WEATHER, "allowed_callers": ["direct"]},
+        {**WEATHER, "name": "get_forecast", "allowed_callers": ["direct", "programmatic"]},
+        {**WEATHER, "name": "get_tide", "allowed_callers": None},
+    ]
+    params = parse(ResponseCreateRequest, {"model": MODEL_ID, "input": "hi", "tools": tools})
+
+    request = responses.to_generation_request(params, catalog_model)
+    assert [tool.name for tool in request.tools] == ["get_weather", "get_forecast", "get_tide"]
+
+
+async def test_a_function_only_code_may_call_is_refused_at_its_allowed_callers(api: API) -> None:
+    scripted = {**WEATHER, "name": "get_forecast", "allowed_callers": ["programmatic"]}
+
+    error = assert_error(
+        await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, scripted])),
+        400,
+        "unsupported_parameter",
+        "tools.1.allowed_callers",
+    )
+    assert "programmatic" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("image", "param"),
+    [
+        ({"type": "input_image", "file_id": "file_1"}, "input.0.content.1.file_id"),
+        ({"type": "input_image", "image_url": None}, "input.0.content.1.image_url"),
+    ],
+    ids=["by-file-id", "by-nothing"],
+)
+async def test_an_image_it_cannot_fetch_is_refused_at_the_field_the_client_sent(
+    api: API, catalog_model: CatalogEntry, image: dict, param: str
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(image_input=True)
+    message = {"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, image]}
+
+    assert_error(await api.post(RESPONSES, ask(input=[message])), 400, "unsupported_content", param)
+
+
 async def test_it_refuses_capabilities_the_model_lacks(api: API, catalog_model: CatalogEntry) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(json_schema=False, tools=False)
     json_format = {"format": {"type": "json_object"}}
