@@ -303,18 +303,21 @@ def _capability_missing(exc: CapabilityMissing, names: ParamNames) -> APIError:
 
 
 def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> APIError:
+    # In each API's own words: chat's messages and completion, a Response's input and output.
+    prompt = names.prompt
+    answer = "completion" if prompt == "messages" else "output"
     if exc.prompt_too_long or exc.requested_output is None:
         return invalid_request(
-            f"This model's maximum context length is {exc.context_length} tokens. However, your messages resulted "
+            f"This model's maximum context length is {exc.context_length} tokens. However, your {prompt} resulted "
             f"in {'at least ' if exc.at_least else ''}{exc.prompt_tokens} tokens. Please reduce the length of the "
-            "messages.",
-            param=names.prompt,
+            f"{prompt}.",
+            param=prompt,
             code="context_length_exceeded",
         )
     return invalid_request(
         f"This model's maximum context length is {exc.context_length} tokens. However, you requested "
-        f"{exc.prompt_tokens + exc.requested_output} tokens ({exc.prompt_tokens} in the messages, "
-        f"{exc.requested_output} in the completion). Please reduce the length of the messages or completion.",
+        f"{exc.prompt_tokens + exc.requested_output} tokens ({exc.prompt_tokens} in the {prompt}, "
+        f"{exc.requested_output} in the {answer}). Please reduce the length of the {prompt} or {answer}.",
         param=names.output_limit,
         code="context_length_exceeded",
     )

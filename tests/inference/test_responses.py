@@ -704,14 +704,24 @@ def test_it_accepts_the_settings_sdks_send_on_any_model(catalog_model: CatalogEn
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
-    [({"input": "word " * 64}, "input"), ({"input": "hi", "max_output_tokens": 100}, "max_output_tokens")],
+    ("body", "param", "words"),
+    [
+        ({"input": "word " * 64}, "input", "Please reduce the length of the input."),
+        (
+            {"input": "hi", "max_output_tokens": 100},
+            "max_output_tokens",
+            "in the output). Please reduce the length of the input or output.",
+        ),
+    ],
 )
-async def test_it_refuses_what_does_not_fit_the_context(
-    api: API, catalog_model: CatalogEntry, body: dict, param: str
+async def test_it_refuses_what_does_not_fit_the_context_in_the_responses_apis_words(
+    api: API, catalog_model: CatalogEntry, body: dict, param: str, words: str
 ) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64)
-    assert_error(await api.post(RESPONSES, {"model": MODEL_ID, **body}), 400, "context_length_exceeded", param)
+    response = await api.post(RESPONSES, {"model": MODEL_ID, **body})
+
+    error = assert_error(response, 400, "context_length_exceeded", param)
+    assert words in error["message"] and "messages" not in error["message"]
 
 
 async def test_a_get_is_a_405_that_allows_only_post(api: API) -> None:
