@@ -60,6 +60,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 class OpenAISpec:
     def __init__(self, document: dict[str, Any]) -> None:
+        self.document = document
         self._registry = Registry().with_resource(
             "openai", Resource.from_contents(document, default_specification=_dialect())
         )

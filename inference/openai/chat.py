@@ -185,9 +185,10 @@ class ChatTool(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _only_functions(cls, value: Any) -> Any:
-        """A kind of tool OpenAI knows (``custom``) is refused as unsupported, not as a malformed function."""
+        """A kind of tool OpenAI knows (``custom``) is refused as unsupported, not as a malformed function; any other
+        type is an invalid value."""
         kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind != "function":
+        if kind == "custom":
             raise PydanticCustomError(
                 UNSUPPORTED, "the {kind} tool is not supported; only function tools", {"kind": kind[:40]}
             )
@@ -215,10 +216,19 @@ class AllowedToolsChoice(WireModel):
     allowed_tools: AllowedTools
 
 
+def _openai_tool_choice_type(value: str) -> str:
+    """The one kind of tool choice OpenAI knows and this node does not take, ``custom``; any other type is an
+    invalid value, not a feature this node lacks."""
+    if value != "custom":
+        expected = "'function' or 'allowed_tools'"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
+
+
 class OtherToolChoice(LooseModel):
     """A kind of tool choice this node does not take (``custom``); refused by its type."""
 
-    type: str
+    type: Annotated[str, AfterValidator(_openai_tool_choice_type)]
 
 
 ToolChoice = Annotated[

@@ -11,7 +11,8 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
+from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
 from .shared import (
@@ -173,15 +174,6 @@ class FunctionTool(WireModel):
     allowed_callers: list[Literal["direct", "programmatic"]] | None = None
 
 
-class OtherTool(LooseModel):
-    type: str
-
-
-Tool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda value: tagged(value, frozenset({"function"}))),
-]
-
 # Tools that OpenAI runs on its own servers: this node has nothing to run them with.
 SERVER_TOOLS = frozenset(
     {
@@ -202,6 +194,27 @@ SERVER_TOOLS = frozenset(
         "tool_search",
     }
 )
+# Every type of tool and tool choice OpenAI's API knows. One of them this node does not serve is refused as
+# unsupported; any other names no tool at all (a misspelt "functions"), an invalid value.
+OPENAI_TOOL_TYPES = SERVER_TOOLS | {"function", "custom", "namespace", "programmatic_tool_calling", "allowed_tools"}
+
+
+def _openai_tool_type(value: str) -> str:
+    if value not in OPENAI_TOOL_TYPES:
+        raise PydanticCustomError("literal_error", "Input should be 'function'", {"expected": "'function'"})
+    return value
+
+
+class OtherTool(LooseModel):
+    """A tool, or a tool choice, of a type OpenAI knows and this node does not serve; refused by its type."""
+
+    type: Annotated[str, AfterValidator(_openai_tool_type)]
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+    Discriminator(lambda value: tagged(value, frozenset({"function"}))),
+]
 
 
 def _refusal(tool: OtherTool) -> str:

@@ -551,7 +551,30 @@ async def test_a_bad_tool_choice_is_named_as_the_client_wrote_it(api: API) -> No
     response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice={"type": "something_else"}))
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == "tool_choice" and "instance of" not in error["message"]
+    assert (error["param"], error["code"]) == ("tool_choice.type", "invalid_value")
+    assert error["message"] == "Invalid value: 'something_else'. Supported values are: 'function' and 'allowed_tools'."
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "functions", "function": {"name": "f"}}]}, "tools.0.type"),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "functon", "function": {"name": "get_weather"}}},
+            "tool_choice.type",
+        ),
+    ],
+    ids=["a tool", "a tool choice"],
+)
+async def test_a_misspelt_type_is_an_invalid_value_not_a_feature_the_node_lacks(
+    api: API, fields: dict[str, Any], param: str
+) -> None:
+    response = await api.post(CHAT, body(**fields))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+    assert "Supported values are: 'function'" in error["message"]
 
 
 async def test_tool_choice_none_answers_in_text(api: API, openai_spec: OpenAISpec) -> None:

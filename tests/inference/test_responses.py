@@ -23,7 +23,7 @@ from inference.engine import execution
 from inference.engine.generation import Generation
 from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
 from inference.models import CatalogEntry, UsageRecord
-from inference.openai.responses import INCLUDE_LOGPROBS, ResponseCreateRequest
+from inference.openai.responses import INCLUDE_LOGPROBS, OPENAI_TOOL_TYPES, ResponseCreateRequest
 from inference.openai.shared import parse
 from inference.serving import responses
 from inference.usage.records import flush
@@ -538,6 +538,44 @@ async def test_it_refuses_tools_that_openai_runs_on_its_side(api: API, tool: dic
         await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type"
     )
     assert tool["type"] in error["message"] and "OpenAI's side" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "functions", "name": "get_weather"}]}, "tools.0.type"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "web_serch"}}, "tool_choice.type"),
+    ],
+    ids=["a tool", "a tool choice"],
+)
+async def test_a_misspelt_tool_type_is_an_invalid_value_not_a_tool_the_node_lacks(
+    api: API, fields: dict[str, Any], param: str
+) -> None:
+    error = assert_error(await api.post(RESPONSES, ask(input="hi", **fields)), 400, "invalid_value", param)
+
+    assert "Supported values are: 'function'" in error["message"]
+
+
+def test_every_tool_type_in_openais_spec_is_one_the_node_refuses_as_unsupported_not_as_unknown(
+    openai_spec: OpenAISpec,
+) -> None:
+    schemas = openai_spec.document["components"]["schemas"]
+
+    def types(name: str) -> set[str]:
+        """The ``type`` values of the members of a union schema, through nested unions."""
+        found: set[str] = set()
+        for member in schemas[name].get("oneOf", []) + schemas[name].get("anyOf", []):
+            if "$ref" not in member:
+                continue
+            referenced = member["$ref"].rsplit("/", 1)[-1]
+            kind = schemas[referenced].get("properties", {}).get("type")
+            if kind is None:
+                found |= types(referenced)
+            else:
+                found |= set(kind.get("enum", [])) | ({kind["const"]} if "const" in kind else set())
+        return found
+
+    assert types("Tool") | types("ToolChoiceParam") <= OPENAI_TOOL_TYPES
 
 
 @pytest.mark.parametrize("kind", ["item_reference", "web_search_call", "computer_call_output", "mcp_call"])
