@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import unicodedata
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import regex
 from django.conf import settings
 
 from agents.models import COMPILE_ERRORS, Guardrail
@@ -71,8 +73,19 @@ async def _first_match(rules: tuple[Rule, ...], texts: Sequence[str]) -> Rule | 
     return await asyncio.get_running_loop().run_in_executor(_threads, _search, rules, texts)
 
 
+# Characters that show nothing (soft hyphens, zero-width spaces, word joiners): a reader and the model read across them.
+_INVISIBLE = regex.compile(r"\p{Cf}+")
+
+
+def as_read(text: str) -> str:
+    """Text as the guardrails match it: in compatibility form (fullwidth letters are letters, a no-break space is a
+    space), without characters that show nothing. Written so, a blocked word reaches the model whole all the same."""
+    return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+
+
 def _search(rules: tuple[Rule, ...], texts: list[str]) -> Rule | None:
     deadline = time.monotonic() + settings.AGENT_GUARDRAIL_TIMEOUT_MS / 1000
+    texts = [as_read(text) for text in texts]
     for rule in rules:
         if rule.patterns is None:
             return rule

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any, Literal
 
 import regex
@@ -128,6 +129,13 @@ def compile_line(expression: str) -> Any:
     return regex.compile(expression, regex.IGNORECASE)
 
 
+def _term(line: str) -> str:
+    """A word or phrase as a pattern: literal, in the form the guardrails read text in (``guardrails.as_read``), its
+    words apart by any whitespace (a phrase wrapped onto the next line is the same phrase)."""
+    words = unicodedata.normalize("NFKC", line).split()
+    return r"\s+".join(regex.escape(word) for word in words)
+
+
 class Guardrail(models.Model):
     """A rule that blocks a turn: on a match the answer is replaced by the refusal message."""
 
@@ -158,7 +166,7 @@ class Guardrail(models.Model):
         """
         if self.kind == MatchKind.REGEX:
             return tuple(compile_line(line) for line in self.lines())
-        return (compile_line("|".join(rf"(?<!\w){regex.escape(line)}(?!\w)" for line in self.lines())),)
+        return (compile_line("|".join(rf"(?<!\w){_term(line)}(?!\w)" for line in self.lines())),)
 
     def checks(self, stage: Literal["input", "output"]) -> bool:
         return self.enabled and self.applies_to in (stage, Stage.BOTH)

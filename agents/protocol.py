@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
+import orjson
 from pydantic import AfterValidator, Field, model_validator
 
 from inference.openai import responses as wire
@@ -73,9 +74,6 @@ def _storable(value: str) -> str:
     if "\x00" in value:
         raise ValueError("the character U+0000 cannot be stored")
     return value
-
-
-StorableText = Annotated[str, AfterValidator(_storable)]
 
 
 class AgentResponseRequest(wire.ResponseCreateRequest):
@@ -176,6 +174,10 @@ def instance_list(instances: list[dict[str, Any]]) -> dict[str, Any]:
 # --- feedback -------------------------------------------------------------------------------------
 
 
+# What a client adds to a rating's meta is kept with it: bounded, as JSON, like the comment.
+FEEDBACK_META_MAX_BYTES = 16 * 1024
+
+
 class FeedbackMeta(LooseModel):
     """``message_id`` is the rated response's id; anything else the client adds is kept with the rating."""
 
@@ -185,13 +187,18 @@ class FeedbackMeta(LooseModel):
     def _kept_whole(self) -> FeedbackMeta:
         if (where := unstorable_at(self.model_extra, "meta")) is not None:
             raise ValueError(unstorable(where))
+        if (size := len(orjson.dumps(self.model_dump(mode="json")))) > FEEDBACK_META_MAX_BYTES:
+            raise ValueError(
+                f"meta takes {size} bytes as JSON; at most {FEEDBACK_META_MAX_BYTES} are kept with a rating"
+            )
         return self
 
 
 class FeedbackRequest(WireModel):
     meta: FeedbackMeta
     rating: Literal["positive", "negative"]
-    comment: Annotated[StorableText, Field(max_length=4000)] | None = None
+    # The length is checked on the string itself, before U+0000: a long comment is told of as a string too long.
+    comment: Annotated[str, Field(max_length=4000), AfterValidator(_storable)] | None = None
 
 
 def feedback_object(*, message_id: str, rating: str, comment: str, created_at: int) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from inference.engine.generation import Done, Failed, Generation, GenerationRequ
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import APIError, from_exception
+from inference.openai.errors import APIError, from_exception, invalid_request
 from inference.openai.shared import response_usage
 from inference.serving import responses
 from inference.serving.caller import generation_error
@@ -57,6 +57,7 @@ from .models import FirstStep
 from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
 from .tools.knowledge import KNOWLEDGE_SEARCH
 from .tools.registry import ServerTool, Source, ToolContext, ToolOutcome, run_tool
+from .tools.search import query_terms
 
 logger = logging.getLogger("agents.runtime")
 
@@ -94,6 +95,12 @@ def temperature(params: AgentResponseRequest, agent: Agent) -> float | None:
 # --- items to the model's conversation ---------------------------------------------------------------
 
 
+# What the model reads of the arguments a tool ran with: enough to tell one run from another. The search an instance
+# runs first takes the user's whole message as its query, and the message is in the conversation already: read
+# twice, it would take twice its tokens, and a message past half the context would fail once the search had run.
+CONTEXT_ARGUMENTS_CHARACTERS = 200
+
+
 def tool_context(calls: list[dict[str, Any]]) -> str:
     """The server tools' runs of a conversation, as the context block of the system message."""
     if not calls:
@@ -101,7 +108,10 @@ def tool_context(calls: list[dict[str, Any]]) -> str:
     runs = []
     for call in calls:
         result = (call.get("output") or "") if call.get("error") is None else f"Failed: {call['error']}"
-        runs.append(f"{call.get('name')} {call.get('arguments') or '{}'}:\n{result}")
+        arguments = call.get("arguments") or "{}"
+        if len(arguments) > CONTEXT_ARGUMENTS_CHARACTERS:
+            arguments = arguments[:CONTEXT_ARGUMENTS_CHARACTERS] + "…"
+        runs.append(f"{call.get('name')} {arguments}:\n{result}")
     return "Results of the tools run for this conversation:\n" + "\n\n".join(runs)
 
 
@@ -113,12 +123,24 @@ class Transcript:
 
     items: list[responses.LocatedItem] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    _ran: dict[str, str] = field(default_factory=dict)  # a server tool call's call_id: where it is
 
     def add(self, where: str, item: dict[str, Any]) -> None:
         if item.get("type") == AGENT_CALL:
             self.calls.append(item)
-        else:
-            self.items.append((where, wire.input_item(item)))
+            self._ran.setdefault(item["call_id"], where)
+            return
+        typed = wire.input_item(item)
+        if isinstance(typed, wire.FunctionCallOutput) and (ran := self._ran.get(typed.call_id)) is not None:
+            # Told apart from a call_id nobody made: this call was the service's to run, never the client's.
+            at = "in the stored conversation" if ran == "previous_response_id" else f"at {ran}"
+            raise invalid_request(
+                f"call_id {json.dumps(typed.call_id)} is the {AGENT_CALL} {at}: the service ran it itself, and its "
+                "output is in that item. Send a function_call_output only for a function_call.",
+                param=where if where == "previous_response_id" else f"{where}.call_id",
+                code="invalid_value",
+            )
+        self.items.append((where, typed))
 
     def messages(self, *, instructions: str) -> list[Message]:
         """The chat-template messages, checked as the stateless API checks its input."""
@@ -138,12 +160,15 @@ GUARDED_ROLES = frozenset({"user", "system", "developer"})
 
 
 def client_texts(items: list[dict[str, Any]], *, instructions: str | None) -> list[str]:
-    """What the client wrote for the model, for the input guardrails: the request's instructions and the text of
-    every user, system and developer message the model is to read (not only the last), wherever it stands."""
+    """What the client wrote for the model, for the input guardrails: the request's instructions, the text of every
+    user, system and developer message the model is to read (not only the last), wherever it stands, and the outputs
+    of the client's functions, which its application writes (what its user typed into a form, say)."""
     texts = [instructions or ""]
     for item in items:
         if item.get("type", "message") == "message" and item.get("role") in GUARDED_ROLES:
             texts.append(_text(item.get("content")))
+        elif item.get("type") == "function_call_output":
+            texts.append(_text(item.get("output")))
     return [text for text in texts if text.strip()]
 
 
@@ -346,6 +371,7 @@ class AgentTurn:
             # The client hung up: what was produced is kept as a cancelled response it can still continue from.
             # Stored apart from this stream, whose task is going away.
             if not self.finished:
+                self._end_running_calls("The response was cancelled before the tool finished.")
                 self.encoder.cancel()
                 _detached.add(task := asyncio.get_running_loop().create_task(self._keep_quietly()))
                 task.add_done_callback(_detached.discard)
@@ -375,7 +401,15 @@ class AgentTurn:
             yield await self._finish("stop")
             return
         search = self.agent.tool(KNOWLEDGE_SEARCH.name)
-        if self.agent.first_step == FirstStep.SEARCH and search is not None and user_text and not self.tool_calls_spent:
+        # A message of common words only ("Why is it so?") has nothing to search for: searched, it would be shown
+        # as a failed tool, which the runtime and not the model chose to run.
+        searchable = bool(query_terms(user_text))
+        if (
+            self.agent.first_step == FirstStep.SEARCH
+            and search is not None
+            and searchable
+            and not self.tool_calls_spent
+        ):
             arguments = json.dumps({"query": user_text}, ensure_ascii=False)
             async for events in self._run_server_call(search, arguments, new_call_id()):
                 yield events
@@ -494,6 +528,13 @@ class AgentTurn:
         else:
             item = agent_call_item(**call, status="failed", error=outcome.error)
         yield self.encoder.close_item(index, item)
+
+    def _end_running_calls(self, error: str) -> None:
+        """A server tool call the response ends in the middle of is kept failed: continued, the conversation shows
+        how each tool ended, and nothing stays in progress for ever."""
+        for index, item in enumerate(self.encoder.output):
+            if item.get("type") == AGENT_CALL and item.get("status") == "in_progress":
+                self.encoder.output[index] = {**item, "status": "failed", "error": error}
 
     def _citations(self, text: str) -> list[dict[str, Any]]:
         if not text.strip():

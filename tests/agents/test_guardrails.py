@@ -66,6 +66,43 @@ async def test_an_output_guardrail_sees_a_term_split_across_the_deltas_it_is_che
     assert blocked == [False, False, False, False, True]
 
 
+@pytest.mark.parametrize(
+    ("text", "blocked"),
+    [
+        ("my credit\ncard", True),
+        ("my credit  card", True),
+        ("my credit\u00a0card", True),
+        ("my credit\t card", True),
+        ("my credit-card", False),
+        ("credit cards", False),
+    ],
+    ids=["a line break", "two spaces", "a no-break space", "a tab and a space", "a hyphen", "a longer word"],
+)
+async def test_a_phrase_matches_whatever_whitespace_separates_its_words(text: str, blocked: bool) -> None:
+    checked = guardrails("credit card", kind=MatchKind.TERMS)
+
+    assert (await checked.check_input([text]) is not None) is blocked
+
+
+@pytest.mark.parametrize(
+    ("text", "blocked"),
+    [
+        ("What is my \uff30\uff41\uff53\uff53\uff57\uff4f\uff52\uff44?", True),
+        ("What is my pass\u00adword?", True),
+        ("What is my pass\u200bword?", True),
+        ("What is my pass\u2060word?", True),
+        ("What is my passport?", False),
+    ],
+    ids=["fullwidth letters", "a soft hyphen", "a zero-width space", "a word joiner", "another word"],
+)
+async def test_a_term_is_found_through_fullwidth_letters_and_characters_nobody_sees(text: str, blocked: bool) -> None:
+    # The model reads the word all the same; a guardrail that did not would be passed by pasting it so.
+    checked = guardrails("password", kind=MatchKind.TERMS, applies_to=Stage.BOTH)
+
+    assert (await checked.check_input([text]) is not None) is blocked
+    assert (await checked.check_output(text) is not None) is blocked
+
+
 async def test_a_guardrail_that_does_not_compile_refuses_every_text_instead_of_failing_the_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -12,6 +12,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from agents.models import AgentInstance, Feedback, StoredResponse
+from agents.protocol import FEEDBACK_META_MAX_BYTES
 from agents.services import prune_responses
 from orgs.models import Organization
 from tests.agents.conftest import Tenant
@@ -271,3 +272,35 @@ async def test_feedback_names_the_field_that_is_wrong(
     response = await tenant.post("/v1/feedback", body)
 
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+async def test_a_comment_past_its_length_is_refused_in_openais_words(
+    tenant: Tenant, acme_response: StoredResponse
+) -> None:
+    body = {"meta": {"message_id": "resp_acme"}, "rating": "negative", "comment": "x" * 4001}
+
+    response = await tenant.post("/v1/feedback", body)
+
+    error = assert_error(response, 400, "string_above_max_length")
+    assert error["param"] == "comment"
+    assert error["message"] == (
+        "Invalid 'comment': string too long. Expected a string with maximum length 4000, "
+        "but got a string with length 4001 instead."
+    )
+
+
+async def test_what_a_client_adds_to_meta_is_kept_only_up_to_a_bound(
+    tenant: Tenant, acme_response: StoredResponse
+) -> None:
+    body = {
+        "meta": {"message_id": "resp_acme", "transcript": "x" * (FEEDBACK_META_MAX_BYTES + 1)},
+        "rating": "negative",
+    }
+
+    response = await tenant.post("/v1/feedback", body)
+
+    error = assert_error(response, 400, "invalid_value")
+    assert error["param"] == "meta" and str(FEEDBACK_META_MAX_BYTES) in error["message"]
+    assert not await Feedback.objects.aexists()
+    ticket = {"message_id": "resp_acme", "ticket": "T-1", "tags": ["bracket"] * 100}
+    assert (await tenant.post("/v1/feedback", {**body, "meta": ticket})).status_code == 200
