@@ -1,10 +1,15 @@
-"""The agent runtime against a live server, as its clients see it: the openai SDK with X-Tenant-ID, and curl's
-view of the stream (``Accept: text/event-stream``), on the demo instance ``make run`` creates."""
+"""The agent runtime against a live server, as its clients see it: the openai SDK with X-Tenant-ID, the OpenAI
+Agents SDK, and curl's view of the stream (``Accept: text/event-stream``), on the demo instance ``make run``
+creates."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -56,6 +61,82 @@ def test_the_openai_sdk_holds_a_cited_conversation_with_the_demo_instance(
     with pytest.raises(Exception) as refused:
         client.responses.create(model=demo_instance, input=question, max_output_tokens=16)
     assert getattr(refused.value, "status_code", None) == 400
+
+
+# Run apart from the project, whose ``agents`` app would shadow the SDK's package of the same name.
+AGENTS_SDK_SCRIPT = """
+import asyncio, json, os
+import agents
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+
+async def run():
+    client = AsyncOpenAI(
+        api_key=os.environ["B3OS_KEY"],
+        base_url=os.environ["B3OS_BASE_URL"],
+        default_headers={"X-Tenant-ID": os.environ["B3OS_TENANT"]},
+        max_retries=0,
+    )
+    agent = Agent(
+        name="Spare parts",
+        # The instance holds its own instructions and tools: the runtime runs its knowledge search itself.
+        model=OpenAIResponsesModel(model=os.environ["B3OS_INSTANCE"], openai_client=client),
+        model_settings=ModelSettings(max_tokens=48, temperature=0, store=True),
+    )
+    first = Runner.run_streamed(agent, "Which spare parts are compatible with machine 4711?")
+    kinds = [event.type async for event in first.stream_events()]
+    # The runtime answers in event streams only, as its API reference says: the SDK's streamed runs.
+    second = Runner.run_streamed(agent, "How often is its filter changed?", previous_response_id=first.last_response_id)
+    async for _ in second.stream_events():
+        pass
+    return {
+        "sdk": agents.__file__,
+        "kinds": sorted(set(kinds)),
+        "first": first.final_output,
+        "first_id": first.last_response_id,
+        "second": second.final_output,
+        "second_id": second.last_response_id,
+    }
+
+print(json.dumps(asyncio.run(run())))
+"""
+
+
+def test_the_agents_sdk_holds_a_conversation_with_the_demo_instance(
+    node_server: LiveServer, demo_instance: str, tmp_path: Path
+) -> None:
+    env = {
+        **os.environ,
+        "B3OS_KEY": node_server.key,
+        "B3OS_BASE_URL": f"{node_server.url}/v1",
+        "B3OS_TENANT": node_server.org,
+        "B3OS_INSTANCE": demo_instance,
+    }
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert "site-packages" in result["sdk"]  # the SDK, not the project's agents app
+    assert "raw_response_event" in result["kinds"] and "run_item_stream_event" in result["kinds"]
+    assert result["first"] and result["second"]
+    assert result["first_id"].startswith("resp_") and result["second_id"] != result["first_id"]
+    # The second turn went on from the first, stored by the runtime.
+    ((previous,),) = node_server.query(
+        "select p.response_id from agents_storedresponse r join agents_storedresponse p on r.previous_id = p.id "
+        "where r.response_id = ?",
+        result["second_id"],
+    )
+    assert previous == result["first_id"]
 
 
 def test_curl_reads_the_stream_and_rates_the_answer(
