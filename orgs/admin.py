@@ -5,6 +5,8 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.options import BaseModelAdmin
+from django.contrib.admin.widgets import AutocompleteSelect
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
@@ -17,7 +19,7 @@ from django.utils.html import format_html
 
 from core.admin import ModelAdmin, register_auth_admins
 
-from .models import APIKey, Limit, Organization
+from .models import SLUG_RULE, APIKey, Limit, Organization
 
 
 def _one_limit_per_scope(scopes: list[object]) -> str | None:
@@ -30,11 +32,30 @@ def _one_limit_per_scope(scopes: list[object]) -> str | None:
     return None
 
 
-def _names_a_row(model: Any, value: Any) -> bool:
+def _names_a_row(rows: QuerySet[Any], field: str, value: object) -> bool:
     try:
-        return bool(model._default_manager.filter(pk=value).exists())
-    except (ValueError, TypeError, OverflowError):  # not an id at all, or past what the database holds
+        return bool(rows.filter(**{field: value}).exists())
+    except (ValueError, TypeError, OverflowError, ValidationError):  # not an id at all, or past what the database holds
         return False
+
+
+class ReadableAutocompleteSelect(AutocompleteSelect):
+    """Shows a value that names no row (``abc``, an id past what the database holds) as nothing chosen. Django's
+    looks the value up as given to show it chosen, and a value that is no id at all fails that query: a form that
+    said "Select a valid choice", or a page opened with ``?organization=abc``, was a server error."""
+
+    def optgroups(self, name: str, value: list[str], attr: dict[str, Any] | None = None) -> Any:
+        rows, field = self.choices.queryset.using(self.db), getattr(self.field.remote_field, "field_name", "pk")
+        return super().optgroups(name, [choice for choice in value if _names_a_row(rows, field, choice)], attr)
+
+
+class ReadableAutocompletes(BaseModelAdmin):
+    """For every admin and inline with ``autocomplete_fields`` (foreign keys, as all of the project's are)."""
+
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if "widget" not in kwargs and db_field.name in self.get_autocomplete_fields(request):
+            kwargs["widget"] = ReadableAutocompleteSelect(db_field, self.admin_site, using=kwargs.get("using"))
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
 class LimitInlineFormSet(BaseInlineFormSet):  # type: ignore[type-arg]
@@ -59,7 +80,7 @@ class LimitInlineFormSet(BaseInlineFormSet):  # type: ignore[type-arg]
             raise ValidationError(problem)
 
 
-class LimitInline(admin.TabularInline):
+class LimitInline(ReadableAutocompletes, admin.TabularInline):
     model = Limit
     formset = LimitInlineFormSet
     extra = 0
@@ -85,6 +106,8 @@ class OrganizationForm(forms.ModelForm):  # type: ignore[type-arg]
     class Meta:
         model = Organization
         fields = "__all__"
+        # Django's slug check runs first and would say letters of either case do.
+        error_messages = {"slug": {"invalid": SLUG_RULE}}
         help_texts = {
             "active": "Inactive organizations' keys are refused at once. An organization that has used the API is "
             "deactivated, not deleted: deleting it would delete its usage records with it."
@@ -239,7 +262,7 @@ class APIKeyAdmin(ModelAdmin):
 
 
 @admin.register(Limit)
-class LimitAdmin(ModelAdmin):
+class LimitAdmin(ReadableAutocompletes, ModelAdmin):
     list_display = [
         "organization",
         "scope",
@@ -252,15 +275,6 @@ class LimitAdmin(ModelAdmin):
     search_fields = ["organization__slug", "model__public_id"]
     autocomplete_fields = ["organization", "model"]
     list_select_related = ["organization", "model"]
-
-    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
-        """A page opened with ``?organization=...&model=...`` starts with those chosen, when they name rows: the
-        autocomplete widgets look their initial values up as given, and a value that is no id fails that query."""
-        initial = super().get_changeform_initial_data(request)
-        for name, related in (("organization", Organization), ("model", Limit._meta.get_field("model").related_model)):
-            if name in initial and not _names_a_row(related, initial[name]):
-                del initial[name]
-        return initial
 
     @admin.display(description="model")
     def scope(self, obj: Limit) -> str:

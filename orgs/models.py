@@ -6,8 +6,10 @@ import secrets
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
+from django.utils.text import slugify
 
 from . import keycache
 
@@ -35,9 +37,20 @@ class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
         return result
 
 
+SLUG_RULE = "%(value)r is not a valid slug: use lowercase letters, digits and hyphens."
+
+
+def validate_organization_slug(value: str) -> None:
+    """A slug is what ``slugify`` leaves as it is: it is the agent runtime's tenant id, compared exactly, so ``Demo``
+    beside ``demo`` would be two tenants; and it is the rule of ``create_org`` and of the admin's slug filled in from
+    the name."""
+    if slugify(value) != value:
+        raise ValidationError(SLUG_RULE, code="invalid", params={"value": value})
+
+
 class Organization(models.Model):
     name = models.CharField(max_length=200)
-    slug = models.SlugField(max_length=64, unique=True)
+    slug = models.SlugField(max_length=64, unique=True, validators=[validate_organization_slug])
     active = models.BooleanField(default=True, help_text="Inactive organizations' keys are refused.")
     created = models.DateTimeField(auto_now_add=True)
 

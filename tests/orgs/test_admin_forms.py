@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import Sequence
 from datetime import timedelta
+from io import StringIO
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.test import Client
 from django.utils import timezone
 
 from inference.models import CatalogEntry, UsageRecord
 from orgs import admission
 from orgs.models import APIKey, Limit, Organization
+from orgs.services import create_organization
 from tests.conftest import API, MODEL_ID
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
@@ -278,3 +284,57 @@ def test_a_list_filtered_on_a_year_no_date_holds_is_refused_as_a_wrong_filter_no
     page = staff_client.get(changelist)
 
     assert page.status_code == 302 and page["Location"].endswith("?e=1")
+
+
+@pytest.mark.parametrize(
+    ("url", "chosen"),
+    [
+        ("/admin/orgs/limit/add/", {"organization": "abc"}),
+        ("/admin/orgs/limit/add/", {"organization": "99999999999999999999999"}),
+        ("/admin/orgs/limit/add/", {"model": "abc"}),
+        ("/admin/orgs/limit/{limit}/change/", {"organization": "1.5"}),
+        ("/admin/orgs/organization/add/", {"limits-0-model": "abc"}),
+    ],
+    ids=["organization", "huge organization", "model", "organization of a saved limit", "model of an inline row"],
+)
+def test_an_autocomplete_choice_that_is_no_id_is_refused_by_the_form_not_a_server_error(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry, url: str, chosen: dict[str, str]
+) -> None:
+    saved = Limit.objects.create(organization=organization, requests_per_minute=5)
+    form = {"organization": str(organization.pk), "model": str(catalog_model.pk), "tokens_per_minute": "5"}
+    if url.startswith("/admin/orgs/organization/"):
+        form = organization_form(Organization(name="Globex", slug="globex"), [catalog_model])
+
+    page = staff_client.post(url.format(limit=saved.pk), {**form, **chosen})
+
+    assert page.status_code == 200
+    assert "Select a valid choice. That choice is not one of the available choices." in errors(page.content)
+    assert list(Limit.objects.all()) == [saved] and not Organization.objects.filter(slug="globex").exists()
+
+
+@pytest.mark.parametrize("slug", ["Demo", "demo-", "_demo", "de--mo", "de mo", "démo"])
+def test_a_slug_create_org_refuses_is_refused_by_the_admin_and_the_model_with_the_same_message(
+    staff_client: Client, slug: str
+) -> None:
+    """The slug is the agent runtime's tenant id, compared exactly: ``Demo`` beside ``demo`` would be two tenants."""
+    message = f"{slug!r} is not a valid slug: use lowercase letters, digits and hyphens."
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command("create_org", slug, stdout=StringIO(), stderr=StringIO())
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        create_organization(slug=slug)
+
+    page = staff_client.post(
+        "/admin/orgs/organization/add/", organization_form(Organization(name="Demo", slug=slug), [])
+    )
+
+    assert page.status_code == 200 and html.unescape(errors(page.content)).split() == message.split()
+    assert not Organization.objects.exists()
+
+
+@pytest.mark.parametrize("slug", ["demo", "demo-2", "de_mo"])
+def test_a_slug_create_org_accepts_is_accepted_by_the_admin(staff_client: Client, slug: str) -> None:
+    response = staff_client.post(
+        "/admin/orgs/organization/add/", organization_form(Organization(name="Demo", slug=slug), [])
+    )
+
+    assert response.status_code == 302 and Organization.objects.get().slug == slug

@@ -3,8 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.utils.text import slugify
+from django.core.management.base import BaseCommand, CommandParser
 
 from orgs.services import create_organization
 
@@ -19,8 +18,6 @@ class Command(BaseCommand):
         parser.add_argument("--name", default="", help="Display name (defaults to the slug)")
 
     def handle(self, *args: Any, slug: str, name: str, **options: Any) -> None:
-        if slugify(slug) != slug:
-            raise CommandError(f"{slug!r} is not a valid slug: use lowercase letters, digits and hyphens.")
         try:
             org, created = create_organization(slug=slug, name=name)
         except ValidationError as exc:
