@@ -1,4 +1,4 @@
-"""Hostile input, generated: thousands of requests to every endpoint of a live server, built from the node's own
+"""Hostile input, generated: about 1,800 requests to every endpoint of a live server, built from the node's own
 OpenAPI document (``GET /v1/openapi.json``) with Hypothesis, then bent: fields of the wrong type, unknown ones,
 schemas too large to enforce, nesting past the bounds, model names no catalog holds, bodies that are not JSON.
 
@@ -325,7 +325,7 @@ def request_body(fuzzed: Fuzzed, path: str, models: list[str]) -> st.SearchStrat
 # --- the endpoints ----------------------------------------------------------------------------------------
 
 
-@settings(RUN, max_examples=300)
+@settings(RUN, max_examples=200)
 @given(data=st.data())
 def test_chat_completions_on_the_node(fuzzed: Fuzzed, data: st.DataObject) -> None:
     path = "/v1/infer/chat/completions"
@@ -335,7 +335,7 @@ def test_chat_completions_on_the_node(fuzzed: Fuzzed, data: st.DataObject) -> No
     fuzzed.send("chat.completions", "POST", path, body)
 
 
-@settings(RUN, max_examples=150)
+@settings(RUN, max_examples=100)
 @given(
     schema=SCHEMAS,
     how=st.sampled_from(["response_format", "strict tool", "forced tool", "text.format"]),
@@ -369,7 +369,7 @@ def test_chat_completions_through_the_gateway(fuzzed: Fuzzed, data: st.DataObjec
     fuzzed.send("chat.completions (gateway)", "POST", path, body)
 
 
-@settings(RUN, max_examples=300)
+@settings(RUN, max_examples=200)
 @given(data=st.data())
 def test_responses_on_the_node(fuzzed: Fuzzed, data: st.DataObject) -> None:
     path = "/v1/infer/responses"
@@ -389,7 +389,7 @@ def test_responses_through_the_gateway(fuzzed: Fuzzed, data: st.DataObject) -> N
     fuzzed.send("responses (gateway)", "POST", path, body)
 
 
-@settings(RUN, max_examples=250)
+@settings(RUN, max_examples=175)
 @given(data=st.data())
 def test_agent_turns(fuzzed: Fuzzed, data: st.DataObject) -> None:
     body = data.draw(request_body(fuzzed, "/v1/responses", [AGENT]))
@@ -442,7 +442,7 @@ def test_the_server_answered_every_generated_request_below_500_and_answers_still
     print("\nfuzzing:", json.dumps(summary))
     (fuzzed.server.db_path.parent / "fuzz-summary.json").write_text(json.dumps(summary, indent=1))
 
-    assert TALLY.total >= 2000, summary
+    assert TALLY.total >= 1700, summary
     assert all(status < 500 for status in TALLY.by_status()), summary
     assert fuzzed.server.process.poll() is None
     assert fuzzed.client.get("/v1/infer/models", headers={"Authorization": f"Bearer {fuzzed.server.key}"}).is_success
