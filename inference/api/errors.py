@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.defaults import page_not_found
@@ -93,9 +94,16 @@ def is_api_path(path: str) -> bool:
     return path.startswith(API_PATH_PREFIXES)
 
 
-# Django-level handlers for API paths that no DRF view reaches (see config.urls).
+def is_browser_path(path: str) -> bool:
+    """The admin's pages (its reports among them) and their static files: a person in a browser reads their errors,
+    so Django's HTML pages stay there. Any other path is asked by a program (a misspelt route: ``/v1``,
+    ``//v1/...``, ``/V1/...``), which reads errors as JSON, and gets the API's."""
+    return path == "/admin" or path.startswith(("/admin/", settings.STATIC_URL))
+
+
+# Django-level handlers for paths that no DRF view reaches (see config.urls).
 def handler404(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if not is_api_path(request.path):
+    if is_browser_path(request.path):
         return page_not_found(request, exception or Exception())
     return render(not_found())
 

@@ -1,4 +1,6 @@
-"""Request ids, ``Server-Timing``, the body's framing and bound for API paths; ids and timing for operations."""
+"""Request ids, ``Server-Timing``, the body's framing and bound for API paths; ids and timing for operations and
+for paths that nothing answers; and, for every path but the API's, Django's host check made early enough for its
+refusal to carry them too."""
 
 from __future__ import annotations
 
@@ -12,17 +14,27 @@ from contextvars import ContextVar
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import Resolver404, ResolverMatch, get_resolver
 
-from inference.openai.errors import body_too_large, content_coding_refused, not_found, status_error
+from inference.openai.errors import (
+    APIError,
+    body_too_large,
+    content_coding_refused,
+    invalid_request,
+    not_found,
+    status_error,
+)
 
 from .context import RequestContext
-from .errors import is_api_path, render, render_exception
+from .errors import is_api_path, is_browser_path, render, render_exception
 
 # Plain Django views outside the API (no error shape of the API's), timed and numbered like it.
 OPERATIONS_PATHS = frozenset({"/health", "/metrics"})
 
+# Django's own logger for this refusal, so that whoever silences it as Django's docs show still does.
+_host_logger = logging.getLogger("django.security.DisallowedHost")
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -98,6 +110,22 @@ def _ensure_error_shape(response: HttpResponseBase) -> HttpResponseBase:
     return replaced
 
 
+def _disallowed_host(request: HttpRequest) -> DisallowedHost | None:
+    """Django's host check (``ALLOWED_HOSTS``), made before ``CommonMiddleware`` would make it, so that its refusal
+    leaves numbered and timed like any other answer (see ``_host_refused``)."""
+    try:
+        request.get_host()
+    except DisallowedHost as exc:
+        return exc
+    return None
+
+
+def _host_refused(exc: DisallowedHost) -> APIError:
+    """Logged as the client's mistake it is: a warning, not the error with a traceback Django would log."""
+    _host_logger.warning("%s", exc)
+    return invalid_request("The Host header names a host this server does not serve.")
+
+
 @functools.lru_cache(maxsize=1024)
 def _resolve(path: str) -> ResolverMatch:
     """The URLconf never changes while serving: each API path is resolved once (a miss raises, uncached)."""
@@ -124,7 +152,9 @@ async def _call_api_view(request: HttpRequest) -> HttpResponseBase:
 
 class api_envelope:  # noqa: N801 (Django middleware naming)
     """Wraps API requests: request id, timing header, body framing, coding and bound, and the error shape for
-    anything that escapes; operations endpoints get the id and timing. HEAD answers leave without a body."""
+    anything that escapes; operations endpoints get the id and timing, and so do paths outside the API and the
+    admin, with the error shape (nothing but a 404 is there). The admin's pages are Django's, but for a refused
+    host. HEAD answers leave without a body."""
 
     async_capable = True
     sync_capable = False
@@ -135,14 +165,26 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
             markcoroutinefunction(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        api = is_api_path(request.path)
-        if not api and request.path not in OPERATIONS_PATHS:
+        path = request.path
+        api = is_api_path(path)
+        # API paths skip CommonMiddleware and its host check (see ``_call_api_view``), as they always have.
+        disallowed = None if api else _disallowed_host(request)
+        if disallowed is None and is_browser_path(path):
             return await self.get_response(request)
         started = time.perf_counter()
         context = request.api_context = RequestContext(request_id=new_request_id())  # type: ignore[attr-defined]
         token = _request_id.set(context.request_id)
         try:
-            response = await (self._answer_api(request, context) if api else self.get_response(request))
+            if disallowed is not None:
+                response: HttpResponseBase = render(_host_refused(disallowed))
+            elif api:
+                response = await self._answer_api(request, context)
+            elif path in OPERATIONS_PATHS:
+                response = await self.get_response(request)
+                if response.status_code == 405:  # not the 401 of /metrics: Prometheus reads that one as text
+                    response = _ensure_error_shape(response)
+            else:
+                response = _ensure_error_shape(await self.get_response(request))
             if request.method == "HEAD":
                 response = _without_body(response)
             return _finish(context, response, started)

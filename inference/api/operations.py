@@ -11,6 +11,7 @@ import hmac
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_safe
 
 from inference.usage import health as health_checks
@@ -24,6 +25,8 @@ def _bears_metrics_token(request: HttpRequest) -> bool:
     )
 
 
+# Read only, so no CSRF token to check: a POST is refused by method (405), not as a forgery with Django's HTML page.
+@csrf_exempt
 @never_cache
 @require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
@@ -38,6 +41,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
     return HttpResponse(body, content_type=content_type)
 
 
+@csrf_exempt
 @never_cache
 @require_safe
 async def health(request: HttpRequest) -> JsonResponse:

@@ -97,14 +97,18 @@ class FilePart(LooseModel):
 UserPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
 AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
 # Content as text or as parts, tagged so that a bad part is named at its own index (``messages.0.content.1.type``).
+# Parts are at least one (OpenAI's ``minItems: 1``), refused as ``empty_array`` as ``messages: []`` is.
 TextContent = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[TextPart], Tag("list")], Discriminator(text_or_list)
+    Annotated[str, Tag("text")] | Annotated[list[TextPart], Field(min_length=1), Tag("list")],
+    Discriminator(text_or_list),
 ]
 UserContent = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[UserPart], Tag("list")], Discriminator(text_or_list)
+    Annotated[str, Tag("text")] | Annotated[list[UserPart], Field(min_length=1), Tag("list")],
+    Discriminator(text_or_list),
 ]
 AssistantContent = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[AssistantPart], Tag("list")], Discriminator(text_or_list)
+    Annotated[str, Tag("text")] | Annotated[list[AssistantPart], Field(min_length=1), Tag("list")],
+    Discriminator(text_or_list),
 ]
 
 

@@ -848,6 +848,42 @@ async def test_a_value_of_the_wrong_size_is_refused_in_openais_words(
     assert (error["param"], error["code"], error["message"]) == (param, code, message)
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "system", "content": []},
+        {"role": "developer", "content": []},
+        {"role": "user", "content": []},
+        {"role": "assistant", "content": []},
+        {"role": "tool", "content": [], "tool_call_id": "call_1"},
+    ],
+    ids=lambda message: message["role"],
+)
+async def test_a_message_whose_content_is_an_empty_array_is_refused_like_no_messages(
+    api: API, message: dict[str, Any]
+) -> None:
+    response = await api.post(CHAT, body(messages=[*QUESTION, message]))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["message"]) == (
+        "messages.1.content",
+        "empty_array",
+        "Invalid 'messages.1.content': empty array. Expected an array with minimum length 1, but got an empty array "
+        "instead.",
+    )
+
+
+async def test_a_responses_input_message_may_have_an_empty_content_array_as_openais_spec_allows(api: API) -> None:
+    # Unlike chat's content arrays, Responses' ``InputMessageContentList`` has no ``minItems``.
+    empty = {"role": "assistant", "content": []}
+    response = await api.post(
+        "/v1/infer/responses", {"model": MODEL_ID, "input": [*QUESTION, empty, *QUESTION], "max_output_tokens": 16}
+    )
+
+    assert response.status_code == 200, response.content
+
+
 async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
     api: API, catalog_model: CatalogEntry
 ) -> None:

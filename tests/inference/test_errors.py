@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 import pytest
-from django.test import override_settings
+from django.contrib.auth import get_user_model
+from django.test import Client, override_settings
 
 from inference.models import CatalogEntry
 from inference.serving import chat
@@ -46,6 +48,48 @@ async def test_an_unknown_api_path_is_a_json_404(api: API) -> None:
 @override_settings(DEBUG=True)
 async def test_an_unknown_api_path_is_a_json_404_with_debug_on(api: API) -> None:
     assert_error(await api.get("/v1/nothing"), 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["http://testserver//v1/infer/models", "/v1", "/V1/INFER/MODELS", "/", "/favicon.ico"],
+    ids=["a doubled slash", "the api's root without its slash", "capitals", "the root", "a favicon"],
+)
+async def test_a_path_outside_the_api_and_the_admin_is_a_json_404_too(api: API, path: str) -> None:
+    assert_error(await api.get(path), 404, "not_found")
+
+
+@override_settings(DEBUG=True)
+async def test_a_path_outside_the_api_and_the_admin_is_a_json_404_with_debug_on(api: API) -> None:
+    assert_error(await api.get("/v1"), 404, "not_found")
+
+
+def test_a_missing_page_of_the_admin_stays_djangos_html_page_for_the_browser() -> None:
+    client = Client()
+    client.force_login(get_user_model().objects.create_superuser("root", "root@example.com", "a-long-password"))
+    response = client.get("/admin/no-such-page/")
+
+    assert response.status_code == 404
+    assert response["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("path", ["/nothing-here", "/health", "/admin/"])
+def test_a_host_not_allowed_is_a_json_400_with_its_headers_and_only_a_warning_in_the_log(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        response = Client().get(path, headers={"Host": "evil.example"})
+
+    assert_error(response, 400, "invalid_request", None)
+    assert [(r.levelno, r.exc_info) for r in caplog.records if "evil.example" in r.getMessage()] == [
+        (logging.WARNING, None)
+    ]
+
+
+def test_the_api_paths_answer_whatever_the_host_as_they_always_have(api: API) -> None:
+    response = Client().get("/v1/infer/models", headers={"Authorization": f"Bearer {api.key}", "Host": "evil.example"})
+
+    assert response.status_code == 200
 
 
 async def test_a_wrong_method_is_a_json_405_with_allow(api: API) -> None:

@@ -250,3 +250,15 @@ def test_in_distributed_mode_a_model_is_healthy_when_a_worker_consumes_its_queue
 def test_health_and_metrics_answer_get_only() -> None:
     assert Client().post("/health").status_code == 405
     assert Client().post("/metrics").status_code == 405
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+@pytest.mark.parametrize("method", ["post", "delete", "put"])
+def test_a_write_to_health_or_metrics_is_a_405_naming_get_not_a_csrf_page(path: str, method: str) -> None:
+    response = getattr(Client(enforce_csrf_checks=True), method)(path)
+
+    assert response.status_code == 405
+    assert response["Allow"] == "GET, HEAD"
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response["x-request-id"].startswith("req_")
