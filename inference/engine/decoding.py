@@ -13,13 +13,14 @@ and reasoning the ``<think>…</think>`` block of reasoning models.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inference.engine.runners.base import SCHEMA_DATA, SCHEMA_MAPS, TOOL_CLOSE, TOOL_OPEN, Constraint, schema_at
+from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint, rebased, schema_at
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -79,7 +80,11 @@ class DecodePlan:
             return []
         if not self.reads_tool_calls:
             return [(None, self.constraint.schema or {})]
-        return [(tool.name, tool.schema()) for tool in self.tools if self._enforces(tool)]
+        calls: list[tuple[str | None, dict[str, Any]]] = [
+            (tool.name, tool.schema()) for tool in self.tools if self._enforces(tool)
+        ]
+        text = self.constraint.text_schema
+        return [*calls, (None, text)] if text is not None and not self.forced else calls
 
     def _enforces(self, tool: FunctionTool) -> bool:
         if isinstance(self.tool_choice, ForcedFunction):
@@ -96,7 +101,7 @@ def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[
     options = []
     for index, tool in enumerate(tools):
         where = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{index}/properties/arguments"
-        arguments = _rebased(tool.schema(), where) if (tool.strict or not strict_only) else {"type": "object"}
+        arguments = rebased(tool.schema(), where) if (tool.strict or not strict_only) else {"type": "object"}
         options.append(
             {
                 "type": "object",
@@ -106,26 +111,6 @@ def _call_schema(tools: tuple[FunctionTool, ...], *, strict_only: bool) -> dict[
             }
         )
     return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-def _rebased(schema: Any, where: str, *, in_map: bool = False) -> Any:
-    """``schema`` with its local ``$ref``s (``#``, ``#/$defs/…``, ``#/properties/…``) pointing at the same places
-    once the schema sits at ``where``, a JSON pointer fragment into an enclosing schema."""
-    if isinstance(schema, list):
-        return [_rebased(item, where) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if in_map:
-            out[key] = _rebased(value, where)
-        elif key in SCHEMA_DATA:
-            out[key] = value
-        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = where + value[1:]
-        else:
-            out[key] = _rebased(value, where, in_map=key in SCHEMA_MAPS)
-    return out
 
 
 def parameters_problem(schema: dict[str, Any]) -> str | None:
@@ -182,8 +167,15 @@ def plan_decoding(
     response_format: Literal["text", "json_object", "json_schema"] = "text",
     json_schema: dict[str, Any] | None = None,
 ) -> DecodePlan:
-    """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar."""
+    """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar. With tools
+    the model may call, the output is a call or an answer in the asked format: strict tools' arguments and the answer
+    both hold to their schemas."""
     constraint: Constraint | None = None
+    text_schema: dict[str, Any] | None = None
+    if response_format == "json_schema":
+        text_schema = json_schema or {}
+    elif response_format == "json_object":
+        text_schema = {"type": "object"}
     if tools and tool_choice not in ("none", "auto"):
         if isinstance(tool_choice, ForcedFunction):
             chosen = tuple(t for t in tools if t.name == tool_choice.name)
@@ -192,8 +184,9 @@ def plan_decoding(
         constraint = Constraint(
             kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True
         )
-    elif tools and tool_choice == "auto" and any(t.strict for t in tools):
-        constraint = Constraint(kind="tool_calls", schema=_call_schema(tools, strict_only=True))
+    elif tools and tool_choice == "auto" and (text_schema is not None or any(t.strict for t in tools)):
+        calls = _call_schema(tools, strict_only=True)
+        constraint = Constraint(kind="tool_calls", schema=calls, text_schema=text_schema)
     elif response_format == "json_schema":
         constraint = Constraint(kind="json_schema", schema=json_schema or {})
     elif response_format == "json_object":
@@ -249,7 +242,8 @@ class ToolCallPiece:
     call_id: str
     name: str
     arguments: str
-    # False for a forced call the token budget cut short: its arguments are as far as they got, as OpenAI's are.
+    # False for a forced call the token budget cut short, or closed early to stay whole JSON: its arguments are as far
+    # as they got, as OpenAI's are.
     complete: bool = True
 
 
@@ -303,16 +297,18 @@ class StreamDecoder:
         self._buffer += text
         return self._drain(final=False)
 
-    def finish(self) -> list[Piece]:
-        return self._drain(final=True)
+    def finish(self, *, ran_out: bool = False) -> list[Piece]:
+        """The pieces still held back, once the output has ended; ``ran_out``: it ended because the token budget did
+        (a forced call closed early to stay whole JSON is then a call cut short, its arguments not all it meant)."""
+        return self._drain(final=True, ran_out=ran_out)
 
-    def _drain(self, *, final: bool) -> list[Piece]:
+    def _drain(self, *, final: bool, ran_out: bool = False) -> list[Piece]:
         out: list[Piece] = []
         while True:
             before = (self._state, len(self._buffer))
             if self._state == "forced":
                 if final:
-                    out.extend(self._forced_calls(self._buffer))
+                    out.extend(self._forced_calls(self._buffer, ran_out=ran_out))
                     self._buffer = ""
                 return out
             if self._state == "start":
@@ -406,10 +402,14 @@ class StreamDecoder:
         self._calls += 1
         return piece
 
-    def _forced_calls(self, text: str) -> list[Piece]:
+    def _forced_calls(self, text: str, *, ran_out: bool) -> list[Piece]:
         # Output that must be a call and is not one ended before it named its function, among several: it is
         # nothing the client could use, least of all an answer.
-        call = self._parse_call(text) or self._cut_call(text)
+        call = self._parse_call(text)
+        if call is not None and ran_out:
+            self._cut = True
+            return [dataclasses.replace(call, complete=False)]
+        call = call or self._cut_call(text)
         return [call] if call is not None else []
 
     def _cut_call(self, text: str) -> ToolCallPiece | None:

@@ -146,7 +146,7 @@ class Generation:
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
                     elif isinstance(event, Finished):
-                        for piece in decoder.finish():
+                        for piece in decoder.finish(ran_out=event.reason == "length"):
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
                         self.finished = True
@@ -166,7 +166,7 @@ class Generation:
                 if time.monotonic() >= deadline:
                     # The stream's time is up: end it cleanly as a length stop.
                     await job.cancel()
-                    for piece in decoder.finish():
+                    for piece in decoder.finish(ran_out=True):
                         yield piece
                     self.finished = True
                     yield Done("length", self.prompt_tokens, self.completion_tokens, 0, 0)
@@ -219,9 +219,10 @@ def _by_token(chunk: TextChunk) -> list[tuple[str, tuple[TokenLogprob, ...]]]:
 
 
 def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "length", "tool_calls"]:
-    if decoder.tool_calls:
-        return "length" if decoder.cut_call else "tool_calls"
-    return "length" if reason == "length" else "stop"
+    """OpenAI's: ``length`` whenever the token budget ended the output, the calls it holds included."""
+    if reason == "length" or decoder.cut_call:
+        return "length"
+    return "tool_calls" if decoder.tool_calls else "stop"
 
 
 def _reasoning_tokens(reasoning_chars: int, decoder: StreamDecoder, completion_tokens: int) -> int:
@@ -319,7 +320,7 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
             seed=request.seed,
             # Output that must be one whole JSON value (a schema, a JSON object, a forced call) ends where its
             # grammar ends it: a stop sequence would cut it into something that does not parse.
-            stop=request.stop if plan.constraint is None or plan.constraint.kind == "tool_calls" else (),
+            stop=request.stop if plan.constraint is None or plan.constraint.free_text else (),
             frequency_penalty=_or_default(request.frequency_penalty, entry, "frequency_penalty", 0.0),
             presence_penalty=_or_default(request.presence_penalty, entry, "presence_penalty", 0.0),
             logprobs=request.logprobs,

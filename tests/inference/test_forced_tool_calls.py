@@ -232,3 +232,43 @@ async def test_a_forced_responses_call_its_budget_cannot_hold_is_an_incomplete_f
     answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "Nothing to ask."}
     again = await api.post("/v1/infer/responses", {"model": MODEL_ID, "input": [call, answer], "max_output_tokens": 16})
     assert again.status_code == 200, again.content
+
+
+async def greedy_call(api: API, spec: OpenAISpec, max_tokens: int | None = None) -> tuple[dict[str, Any], str, int]:
+    """The forced call of ``get_weather`` greedy decoding writes, its finish reason and its tokens."""
+    body = chat_body(0, stream=False, choice="required", temperature=0)
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    function, _, finish_reason = await chat_call(api, spec, body)
+    response = await api.post("/v1/infer/chat/completions", body)
+    return function, finish_reason, response.json()["usage"]["completion_tokens"]
+
+
+async def test_a_forced_call_that_fits_its_budget_with_a_few_tokens_to_spare_is_written_whole(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    unbounded, _, tokens = await greedy_call(api, openai_spec)
+
+    function, finish_reason, _ = await greedy_call(api, openai_spec, max_tokens=tokens + 8)
+
+    assert function["arguments"] == unbounded["arguments"]
+    assert finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_forced_call_closed_early_by_its_budget_says_length_and_is_an_incomplete_item(
+    api: API, openai_spec: OpenAISpec, stream: bool
+) -> None:
+    unbounded, _, tokens = await greedy_call(api, openai_spec)
+
+    function, finish_reason, _ = await greedy_call(api, openai_spec, max_tokens=tokens - 3)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    body = {"model": MODEL_ID, "input": QUESTION, "tools": [tool], "tool_choice": "required", "temperature": 0}
+    output = await responses_output(api, {**body, "stream": stream, "max_output_tokens": max(16, tokens - 3)})
+
+    # Whole JSON, so that it can go back as history, but not the call the model meant: the budget ended it.
+    jsonschema.validate(json.loads(function["arguments"]), WEATHER)
+    assert function["arguments"] != unbounded["arguments"]
+    assert finish_reason == "length"
+    [call] = output
+    assert call["type"] == "function_call" and call["status"] == "incomplete"

@@ -103,3 +103,56 @@ async def test_a_root_ref_to_an_object_still_keeps_its_recursive_definitions(api
 
     content = response.json()["choices"][0]["message"]["content"]
     assert content.startswith("{") and '"value"' in content
+
+
+# What the grammar would leave out or read as anyOf, refused where the request wrote it, as other such keywords are.
+LEFT_OUT = {
+    "not": ({"type": "string", "not": {"enum": ["Paris"]}}, "its 'not' cannot be enforced by this model's grammar"),
+    "format": ({"type": "string", "format": "uri"}, "its 'format' of 'uri' cannot be enforced by this model's grammar"),
+    "oneOf": (
+        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+        "its 'oneOf' cannot be enforced by this model's grammar where a value may match more than one",
+    ),
+}
+
+
+def with_city(city: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"city": city}, "required": ["city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("city", "says"), LEFT_OUT.values(), ids=LEFT_OUT.keys())
+@pytest.mark.parametrize("place", ["response_format", "strict tool", "text.format"])
+async def test_a_keyword_the_grammar_would_leave_out_is_a_400_naming_where_it_is(
+    api: API, place: str, city: dict[str, Any], says: str
+) -> None:
+    schema = with_city(city)
+    if place == "response_format":
+        path, body, param = CHAT, chat_with_schema(schema), "response_format.json_schema.schema"
+    elif place == "strict tool":
+        tool = {"type": "function", "function": {"name": "visit", "strict": True, "parameters": schema}}
+        body = {key: value for key, value in chat_with_schema(schema).items() if key != "response_format"}
+        path, body, param = CHAT, {**body, "tools": [tool]}, "tools.0.function.parameters"
+    else:
+        text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+        path, body, param = RESPONSES, {"model": MODEL_ID, "input": "Hi", "text": text}, "text.format.schema"
+
+    response = await api.post(path, body)
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value")
+    assert says in error["message"]
+
+
+async def test_a_format_comes_back_as_a_value_of_that_format_whatever_the_question(api: API) -> None:
+    schema = with_city({"type": "string", "format": "ipv4"})
+    body = chat_with_schema(schema)
+    body["messages"] = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+
+    response = await api.post(CHAT, body)
+
+    assert response.status_code == 200, response.content
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    answer = json.loads(choice["message"]["content"])
+    jsonschema.validate(answer, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)

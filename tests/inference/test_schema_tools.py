@@ -80,3 +80,74 @@ async def test_parameters_without_a_type_that_describe_an_object_get_a_call_whos
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+
+
+# An output format asked for beside tools the model may call: what it answers holds to the format.
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+async def test_a_chat_answer_beside_tools_it_may_call_holds_to_the_json_schema_asked_for(
+    api: API, strict: bool
+) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": strict}}
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+        "tools": [tool],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER}},
+        "max_tokens": 60,
+        "temperature": 0,
+    }
+
+    response = await api.post(CHAT, body)
+
+    assert response.status_code == 200, response.content
+    message = response.json()["choices"][0]["message"]
+    if message.get("tool_calls"):
+        [call] = message["tool_calls"]
+        # A tool that is not strict gets arguments that are a JSON object, its schema not enforced (as OpenAI's).
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CITY if strict else {"type": "object"})
+    else:
+        jsonschema.validate(json.loads(message["content"]), ANSWER)
+
+
+async def test_a_responses_answer_beside_a_strict_tool_holds_to_the_text_format_asked_for(api: API) -> None:
+    body = {
+        "model": MODEL_ID,
+        "input": "What is 2+2?",
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY, "strict": True}],
+        "text": {"format": {"type": "json_schema", "name": "answer", "strict": True, "schema": ANSWER}},
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
+
+    response = await api.post(RESPONSES, body)
+
+    assert response.status_code == 200, response.content
+    [item] = response.json()["output"]
+    if item["type"] == "function_call":
+        jsonschema.validate(json.loads(item["arguments"]), CITY)
+    else:
+        jsonschema.validate(json.loads(item["content"][0]["text"]), ANSWER)
+
+
+async def test_an_output_schema_beside_tools_that_cannot_be_enforced_is_a_400_naming_the_format(api: API) -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Pick."}],
+        "tools": [tool],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": bad}},
+    }
+
+    response = await api.post(CHAT, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["param"].startswith("response_format")

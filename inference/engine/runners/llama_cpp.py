@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -58,15 +59,21 @@ from .base import (
     Sampling,
     TextChunk,
     TokenLogprob,
+    keyword_problem,
     prompt_pieces,
+    rebased,
     schema_at,
 )
 from .grammar_costs import grammar_cost_problem
 
 logger = logging.getLogger(__name__)
 
-# Tokens kept at the end of a budget to close a value that must be whole JSON (``Constraint.close_before_limit``).
-CLOSING_RESERVE = 32
+# A value that must be whole JSON (``Constraint.close_before_limit``) starts closing once the budget left is no more
+# than what closing it may take: a token per open quote and bracket, CLOSING_SLACK more (a separator, a number's
+# digit, the end), and PROPERTY_COST for each property its schema requires that it has not written yet (its name and
+# an empty value). Closing sooner cuts calls that would have fit; later, calls that cannot close in time.
+CLOSING_SLACK = 4
+PROPERTY_COST = 6
 # Sampling under a grammar checks these many likeliest tokens first, then the rest of the vocabulary in slices of
 # GRAMMAR_SLICE, until a slice holds a token the grammar allows (``_Sampler._draw_allowed``).
 LIKELIEST = 512
@@ -243,24 +250,25 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
     limits = limits or SchemaLimits.from_settings()
     converter = _converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     if constraint.kind == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
+        converter.visit(converter.resolve_refs({"type": "object"}, "schema"), "")
+    elif constraint.kind == "json_schema":
+        converter.visit(converter.resolve_refs(_prepared(constraint.schema or {}, limits), "schema"), "")
     else:
-        # Checked before anything is built: the converter's own work is what an unbounded schema runs away with.
-        schema = constraint.schema or {}
-        if problem := size_problem(schema, limits) or grammar_cost_problem(
-            schema, leads=limits.leads, ambiguity=limits.ambiguity
-        ):
-            raise SchemaTooLarge(problem)
-        schema = _root_ref_as_all_of(_anchored(constraint.schema or {}))
-    schema = converter.resolve_refs(schema, "schema")
-    if constraint.kind == "tool_calls":
+        # One document holds the call's schema and the answer's, each under its own name, so that the $refs of
+        # one never meet the other's definitions.
+        parts = {"call": constraint.schema or {}}
+        if constraint.text_schema is not None:
+            parts["answer"] = constraint.text_schema
+        whole = {"$defs": {name: rebased(_prepared(part, limits), f"#/$defs/{name}") for name, part in parts.items()}}
+        converter.resolve_refs(whole, "schema")
         # The names the rules got: a definition of the schema may have taken "call" first.
-        call = converter.visit(schema, "call")
-        # Free text (not starting with a tag), or a tool call in the Hermes format.
-        free_text = converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
-        converter._add_rule("root", rf'"<tool_call>\n" {call} "\n</tool_call>" | {free_text}')
-    else:
-        converter.visit(schema, "")
+        call = converter.visit(whole["$defs"]["call"], "call")
+        if "answer" in parts:
+            answer = converter.visit(whole["$defs"]["answer"], "answer")
+        else:  # free text, not starting with a tag
+            answer = converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
+        # A tool call in the Hermes format, or the answer.
+        converter._add_rule("root", rf'"<tool_call>\n" {call} "\n</tool_call>" | {answer}')
     if "char" in converter._rules:
         # A character of a JSON string: the library's rule also lets raw control characters through, which
         # no JSON parser accepts (a raw line break inside a string), so they must be escaped as JSON says.
@@ -283,6 +291,18 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
             f"a pattern's |), more than the {limits.alternatives} allowed"
         )
     return grammar
+
+
+def _prepared(schema: dict[str, Any], limits: SchemaLimits) -> dict[str, Any]:
+    """The schema as the converter reads it; ``SchemaTooLarge`` before any work, since the converter's own work is
+    what an unbounded schema runs away with."""
+    if problem := size_problem(schema, limits) or grammar_cost_problem(
+        schema, leads=limits.leads, ambiguity=limits.ambiguity
+    ):
+        raise SchemaTooLarge(problem)
+    if problem := keyword_problem(schema, formats=frozenset(_FORMAT_PATTERNS)):
+        raise ValueError(problem)
+    return _root_ref_as_all_of(_anchored(schema))
 
 
 def schema_problem(schema: dict[str, Any], *, vocab: Any = None) -> str | None:
@@ -536,12 +556,17 @@ def _converter_class() -> type[Any]:
                 if problem := _unenforceable(schema):
                     raise ValueError(problem)
                 kind = schema.get("type")
-                if isinstance(kind, list) and len(kind) > 1 and schema.keys() - _ANNOTATIONS - {"type"}:
-                    # The converter reads a list of types as those types alone, its other keywords (an enum, a
-                    # maxLength) left out: one branch a type, each with them all (a keyword of another type's
-                    # holds nothing there).
+                if isinstance(kind, list) and kind and schema.keys() - _ANNOTATIONS - {"type"}:
+                    # The converter reads a list of types (of one too) as those types alone, its other keywords (an
+                    # enum, a maxLength, a format) left out: one branch a type, each with them all (a keyword of
+                    # another type's holds nothing there).
                     rest = {key: value for key, value in schema.items() if key != "type"}
                     return str(super().visit({"anyOf": [{**rest, "type": one} for one in kind]}, name))
+                if kind == "string" and isinstance(fmt := schema.get("format"), str) and fmt in _FORMAT_PATTERNS:
+                    # The converter writes a few formats loosely (a 31st of February) and leaves the others out: each
+                    # is its pattern instead (keyword_problem refused what it stands beside).
+                    rest = {key: value for key, value in schema.items() if key != "format"}
+                    return str(super().visit({**rest, "pattern": _FORMAT_PATTERNS[fmt]}, name))
                 if kind in ("integer", "number") and _BOUNDS & schema.keys() and not _COMPOSED & schema.keys():
                     rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
                     if kind == "integer":
@@ -578,6 +603,50 @@ _UNENFORCEABLE = (
     "unevaluatedProperties",
     "unevaluatedItems",
 )
+
+
+def _label(first: str, most: int) -> str:
+    """A pattern for a hostname's label of 1 to ``most`` letters, digits and hyphens, starting with ``first``, not
+    ending with a hyphen."""
+    return f"{first}([A-Za-z0-9-]{{0,{most - 2}}}[A-Za-z0-9])?"
+
+
+# The formats OpenAI's structured outputs enforce, as patterns in what the converter reads of regular expressions
+# (no lookaround; "[.]", as it cannot write "\." in a grammar). Each admits only valid values, not every one: no
+# leap second nor year 0000, at most nine digits of a second's fraction, an address's local part and a hostname's
+# labels short enough that no value is past RFC 5321's or RFC 1123's lengths, a hostname's last label starting with
+# a letter and an email's domain holding a dot, an IPv6 address without an IPv4 one inside.
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][48]|[13579][26]|[2468]0)00)"
+_DATE = (
+    f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+    f"|{_LEAP_YEAR}-02-29)"
+)
+_HOUR_MINUTE = "([01][0-9]|2[0-3]):[0-5][0-9]"
+_TIME = f"{_HOUR_MINUTE}:[0-5][0-9]([.][0-9]{{1,9}})?(Z|[+-]{_HOUR_MINUTE})"
+_DURATION_TIME = "T([0-9]+H([0-9]+M([0-9]+S)?)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
+_LABEL, _LAST_LABEL = _label("[A-Za-z0-9]", 30), _label("[A-Za-z]", 30)
+_HEX = "[0-9a-fA-F]{1,4}"
+_BYTE = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "duration": (
+        f"^P(([0-9]+D|[0-9]+M([0-9]+D)?|[0-9]+Y([0-9]+M([0-9]+D)?)?)({_DURATION_TIME})?|{_DURATION_TIME}|[0-9]+W)$"
+    ),
+    # at most 64 characters before the @ and 154 after it
+    "email": f"^[A-Za-z0-9_%+-]{{1,32}}([.][A-Za-z0-9_%+-]{{1,15}}){{0,2}}@({_LABEL}[.]){{1,4}}{_LAST_LABEL}$",
+    # at most 249 characters
+    "hostname": f"^({_label('[A-Za-z0-9]', 63)}[.])?({_LABEL}[.]){{0,5}}{_LAST_LABEL}$",
+    "ipv4": f"^{_BYTE}([.]{_BYTE}){{3}}$",
+    "ipv6": (
+        f"^(({_HEX}:){{7}}{_HEX}|({_HEX}:){{1,7}}:|({_HEX}:){{1,6}}:{_HEX}|({_HEX}:){{1,5}}(:{_HEX}){{1,2}}"
+        f"|({_HEX}:){{1,4}}(:{_HEX}){{1,3}}|({_HEX}:){{1,3}}(:{_HEX}){{1,4}}|({_HEX}:){{1,2}}(:{_HEX}){{1,5}}"
+        f"|{_HEX}:(:{_HEX}){{1,6}}|:((:{_HEX}){{1,7}}|:))$"
+    ),
+    "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+}
 # Keywords that say what a value is about, not what it may be.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"})
 _LENGTHS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"))
@@ -922,15 +991,39 @@ class _Sampler:
         return closing.pick(candidates.candidates_data.logit)
 
 
-class JsonTail:
-    """How far a JSON text written so far is from whole, as far as its strings and brackets go."""
+def _required(schema: Any, found: set[str] | None = None) -> set[str]:
+    """The names of the properties a schema requires anywhere in it (a bounded schema: its size is checked first)."""
+    found = set() if found is None else found
+    if isinstance(schema, dict):
+        if isinstance(names := schema.get("required"), list):
+            found.update(name for name in names if isinstance(name, str))
+        for value in schema.values():
+            _required(value, found)
+    elif isinstance(schema, list):
+        for value in schema:
+            _required(value, found)
+    return found
 
-    def __init__(self) -> None:
+
+class JsonTail:
+    """How far a JSON text written so far is from whole, as far as its strings and brackets go, and which of the
+    properties it must hold it has not named yet."""
+
+    def __init__(self, required: Iterable[str] = ()) -> None:
         self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
         self.in_string = False
         self.escaped = False
+        self.unnamed = {json.dumps(name) for name in required}
+        self.text = ""
+
+    def missing(self) -> int:
+        """How many required properties the text has not named (a name met in a string counts: a guess, cheap)."""
+        if self.unnamed:
+            self.unnamed = {name for name in self.unnamed if name not in self.text}
+        return len(self.unnamed)
 
     def feed(self, text: str) -> None:
+        self.text += text
         for char in text:
             if self.in_string:
                 if self.escaped:
@@ -1103,9 +1196,9 @@ class _Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.stream_interval = stream_interval
         self.sent_at = -math.inf
-        self.closing_from = max_tokens - min(CLOSING_RESERVE, max(12, max_tokens // 3))
         # A value that must be whole: how far it is from closed, followed as it is written.
-        self.tail = JsonTail() if job.constraint is not None and job.constraint.close_before_limit else None
+        constraint = job.constraint
+        self.tail = JsonTail(_required(constraint.schema)) if constraint and constraint.close_before_limit else None
 
     @property
     def gone(self) -> bool:
@@ -1118,8 +1211,10 @@ class _Sequence:
     def advance(self, logits: np.ndarray, now: float) -> bool:
         """Takes the next token from ``logits`` at time ``now``; true when the sequence is finished."""
         closing = None
-        if self.tail is not None and self.produced >= self.closing_from:
-            closing = Closing(self.vocabulary.closing, self.tail.closers())
+        if self.tail is not None:
+            closers = self.tail.closers()
+            if self.max_tokens - self.produced <= len(closers) + CLOSING_SLACK + PROPERTY_COST * self.tail.missing():
+                closing = Closing(self.vocabulary.closing, closers)
         token = self.sampler.next(logits, closing=closing)
         if self.vocabulary.is_end(token):
             return self.finish("stop" if closing is None else "length")

@@ -51,6 +51,7 @@ from .base import (
     Sampling,
     TextChunk,
     TokenLogprob,
+    keyword_problem,
     prompt_pieces,
 )
 
@@ -498,29 +499,25 @@ def shutdown_all() -> None:
 # -- the runner --------------------------------------------------------------------------------------
 
 
-def _tool_calls_tag(call_schema: dict[str, Any]) -> str:
-    """An xgrammar structural tag: free text, in which every ``<tool_call>`` block holds a valid call.
+def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | None = None) -> str:
+    """An xgrammar structural tag: free text, in which every ``<tool_call>`` block holds a valid call; with
+    ``text_schema``, one such block or else one JSON value matching it (an answer in the format asked for).
 
     The form is the one TensorRT-LLM documents for tool calls (``docs/source/features/guided-decoding.md``):
     text is unconstrained until the trigger appears, then the tag's JSON schema and end are enforced,
     and free text may follow, so one or several calls fit.
     """
-    tag = {
-        "type": "structural_tag",
-        "format": {
-            "type": "triggered_tags",
-            "triggers": [TOOL_OPEN],
-            "tags": [
-                {
-                    "type": "tag",
-                    "begin": TOOL_OPEN + "\n",
-                    "content": {"type": "json_schema", "json_schema": call_schema},
-                    "end": "\n" + TOOL_CLOSE,
-                }
-            ],
-        },
+    call = {
+        "type": "tag",
+        "begin": TOOL_OPEN + "\n",
+        "content": {"type": "json_schema", "json_schema": call_schema},
+        "end": "\n" + TOOL_CLOSE,
     }
-    return json.dumps(tag)
+    if text_schema is None:
+        form: dict[str, Any] = {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": [call]}
+    else:
+        form = {"type": "or", "elements": [call, {"type": "json_schema", "json_schema": text_schema}]}
+    return json.dumps({"type": "structural_tag", "format": form})
 
 
 def _xgrammar() -> Any:
@@ -560,16 +557,43 @@ def _compile_problem(kind: str, guide: str) -> str | None:
     return None
 
 
+# The string formats xgrammar enforces: it compiles any other as a string of any text.
+_XGRAMMAR_FORMATS: Final = frozenset(
+    {
+        "date",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "json-pointer",
+        "relative-json-pointer",
+        "time",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "uuid",
+    }
+)
+
+
 def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why TensorRT-LLM's guided decoder (xgrammar) cannot enforce ``schema``, or None when it can."""
-    return _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
+    """Why TensorRT-LLM's guided decoder (xgrammar) cannot enforce ``schema``, or None when it can. xgrammar compiles
+    a ``not`` and an unknown format as nothing, and a ``oneOf`` as an ``anyOf``: such schemas are refused first."""
+    return keyword_problem(schema, formats=_XGRAMMAR_FORMATS) or _compile_problem(
+        "json_schema", json.dumps(schema, sort_keys=True)
+    )
 
 
 def _constraint_problem(constraint: Constraint | None) -> str | None:
     if constraint is None or constraint.kind == "json_object" or constraint.schema is None:
         return None
     if constraint.kind == "tool_calls":
-        return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema))
+        for schema in (constraint.schema, constraint.text_schema):
+            if schema is not None and (problem := keyword_problem(schema, formats=_XGRAMMAR_FORMATS)):
+                return problem
+        return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema, constraint.text_schema))
     return schema_problem(constraint.schema)
 
 
@@ -584,7 +608,7 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
     if constraint.schema is None:
         raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
     if constraint.kind == "tool_calls":
-        return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema))
+        return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema, constraint.text_schema))
     return api.GuidedDecodingParams(json=constraint.schema)
 
 

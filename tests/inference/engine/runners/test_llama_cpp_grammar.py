@@ -7,10 +7,11 @@ import ctypes
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import numpy as np
+import pydantic
 import pytest
 from llama_cpp import llama_cpp as lib
 
@@ -31,9 +32,11 @@ def vocab() -> Iterator[Any]:
     yield llama_cpp._load_model(llama_cpp.model_path(DEFAULT_MODEL["runner_settings"]), vocab_only=True)
 
 
-def accepts(vocab: Any, schema: dict[str, Any], text: str) -> bool:
-    """Whether llama.cpp's grammar engine lets the model write ``text``, token by token, under ``schema``."""
-    grammar = grammar_for(Constraint(kind="json_schema", schema=schema)).encode()
+def accepts(vocab: Any, schema: dict[str, Any] | Constraint, text: str) -> bool:
+    """Whether llama.cpp's grammar engine lets the model write ``text``, token by token, under ``schema`` (or a whole
+    constraint)."""
+    constraint = schema if isinstance(schema, Constraint) else Constraint(kind="json_schema", schema=schema)
+    grammar = grammar_for(constraint).encode()
     sampler = lib.llama_sampler_init_grammar(vocab.vocab, grammar, b"root")
     one = (lib.llama_token_data * 1)()
     candidates = lib.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
@@ -287,6 +290,158 @@ def test_a_list_of_types_keeps_its_other_keywords(vocab: Any, schema: dict[str, 
         assert accepts(vocab, wrapped, json.dumps({"v": value})) == valid({"v": value}), value
 
 
+# --- not, format and oneOf: enforced where the grammar can, refused by name where it cannot ---------------------
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "not": {"enum": ["Paris"]}},
+        {"not": {"pattern": "^P"}},
+        # the converter reads an allOf's parts for their properties alone, never their other keywords
+        {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["a"]}}]},
+    ],
+    ids=["beside-a-type", "alone", "in-an-allOf-part"],
+)
+def test_a_not_is_refused_rather_than_left_out(schema: dict[str, Any]) -> None:
+    assert "its 'not' cannot be enforced by this model's grammar" in (schema_problem(schema) or "")
+
+
+# Each format OpenAI's structured outputs enforce: values it holds, and values it does not (the first a word, which
+# the converter let through for every format but date, time, date-time and uuid).
+FORMATS = {
+    "date": (
+        ["2024-02-29", "2000-02-29", "2023-12-31", "0001-01-01"],
+        ["Paris", "2023-02-29", "1900-02-29", "2023-04-31", "2023-13-01", "2023-1-01", "0000-01-01"],
+    ),
+    "time": (
+        ["12:00:00Z", "23:59:59+05:30", "08:15:00.5-00:00"],
+        ["Paris", "24:00:00Z", "12:00:00", "12:00:00.Z", "12:60:00Z", "12:00:00+01:60"],
+    ),
+    "date-time": (
+        ["2024-02-29T12:00:00Z", "1999-12-31T23:59:59.123+01:00"],
+        ["Paris", "2023-02-29T12:00:00Z", "2024-01-01 12:00:00Z", "2024-01-01T12:00:00"],
+    ),
+    "duration": (
+        ["P1D", "P1Y2M3DT4H5M6S", "PT1H", "PT30M", "PT5S", "P2W", "P1M"],
+        ["Paris", "P", "PT", "P1H", "P1DT", "P1S", "P1.5D", "P1W1D"],
+    ),
+    "email": (
+        ["a@b.co", "first.last+tag@mail.example.com"],
+        ["Paris", "a@localhost", "a..b@x.com", ".a@x.com", "a@-x.com", "a b@x.com", "a@x.1com"],
+    ),
+    "hostname": (
+        ["localhost", "example.com", "a.b.c.d.example.co.uk", "xn--bcher-kva.example"],
+        ["-x", "x-", "a..b", "a_b.com", "1.2.3.4", "a" * 64 + ".com"],
+    ),
+    "ipv4": (["1.2.3.4", "255.255.255.255", "0.0.0.0"], ["Paris", "256.1.1.1", "01.1.1.1", "1.2.3", "1.2.3.4.5"]),
+    "ipv6": (
+        ["::", "::1", "1::", "2001:db8::1", "1:2:3:4:5:6:7:8", "ABCD:EF01::"],
+        ["Paris", "1:2:3:4:5:6:7:8:9", "1::2::3", ":1", "1:", "12345::", "fe80::1%eth0"],
+    ),
+    "uuid": (
+        ["123e4567-e89b-12d3-a456-426614174000"],
+        ["Paris", "123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("fmt", "valid", "invalid"), [(fmt, *values) for fmt, values in FORMATS.items()], ids=FORMATS)
+def test_each_format_openai_enforces_lets_its_values_through_and_no_others(
+    vocab: Any, fmt: str, valid: list[str], invalid: list[str]
+) -> None:
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}, "required": ["v"]}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    for value in valid:
+        assert accepts(vocab, schema, json.dumps({"v": value})), value
+    for value in invalid:
+        assert not accepts(vocab, schema, json.dumps({"v": value})), value
+
+
+@pytest.mark.parametrize("types", [["string", "null"], ["string"]], ids=["string-or-null", "string-alone"])
+def test_a_format_in_a_list_of_types_is_enforced_on_the_string(vocab: Any, types: list[str]) -> None:
+    schema = {"type": "object", "properties": {"v": {"type": types, "format": "ipv4"}}, "required": ["v"]}
+
+    assert accepts(vocab, schema, '{"v": "1.2.3.4"}')
+    assert accepts(vocab, schema, '{"v": null}') == ("null" in types)
+    assert not accepts(vocab, schema, '{"v": "Paris"}')
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "string", "format": "uri"}, "its 'format' of 'uri' cannot be enforced by this model's grammar"),
+        ({"type": "string", "format": "password"}, "its 'format' of 'password' cannot be enforced"),
+        ({"type": "string", "format": "email", "pattern": "^a"}, "its 'format' beside 'pattern' cannot be enforced"),
+        ({"type": "string", "format": "email", "maxLength": 8}, "its 'format' beside 'maxLength' cannot be enforced"),
+        ({"format": "date"}, "its 'format' can be enforced by this model's grammar where the type is 'string'"),
+    ],
+    ids=["uri", "password", "beside-a-pattern", "beside-a-length", "without-a-type"],
+)
+def test_a_format_the_grammar_would_leave_out_is_refused_by_name(schema: dict[str, Any], says: str) -> None:
+    assert says in (schema_problem({"type": "object", "properties": {"v": schema}}) or "")
+
+
+def test_a_format_of_another_type_than_string_holds_nothing_and_is_let_be() -> None:
+    assert schema_problem({"type": "integer", "format": "int32"}) is None
+
+
+CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}}, "required": ["kind"]}
+DOG = {"type": "object", "properties": {"kind": {"enum": ["dog", "puppy"]}, "barks": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize(
+    "one_of",
+    [
+        [{"type": "integer"}, {"type": "number", "minimum": 0}],
+        [{"type": "string"}, {"type": "string", "maxLength": 3}],
+        [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object"}],
+        [{**CAT, "required": []}, DOG],  # a value without a kind matches both
+        [CAT, {**DOG, "properties": {"kind": {"enum": ["dog", "cat"]}}}],
+        [{"type": "object"}, {}],
+    ],
+    ids=["integer-and-number", "two-strings", "two-objects", "kind-required-by-neither", "a-kind-in-both", "any"],
+)
+def test_a_oneof_whose_branches_may_overlap_is_refused_naming_anyof(one_of: list[dict[str, Any]]) -> None:
+    problem = schema_problem({"type": "object", "properties": {"v": {"oneOf": one_of}}}) or ""
+
+    assert "its 'oneOf' cannot be enforced by this model's grammar where a value may match more than one" in problem
+    assert "write 'anyOf'" in problem
+
+
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog", "puppy"] = "dog"  # not required: Cat's kind is
+    barks: bool
+
+
+class Pet(pydantic.BaseModel):
+    pet: Cat | Dog = pydantic.Field(discriminator="kind")
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid"),
+    [
+        (Pet.model_json_schema(), '{"pet": {"barks": true, "kind": "dog"}}', '{"pet": {"kind": "cat", "barks"'),
+        ({"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}, "3", "3.5"),
+        ({"oneOf": [{"const": 1}, {"enum": [2, 3]}, {"const": True}]}, "true", "4"),
+        ({"oneOf": [{"$ref": "#/$defs/cat"}, DOG], "$defs": {"cat": CAT}}, '{"barks": false}', '{"lives": 9}'),
+    ],
+    ids=["discriminated-union", "types", "values", "kind-required-by-one"],
+)
+def test_a_oneof_whose_branches_cannot_overlap_is_enforced(
+    vocab: Any, schema: dict[str, Any], valid: str, invalid: str
+) -> None:
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, valid)
+    assert not accepts(vocab, schema, invalid)
+
+
 # --- tool calls: every enforced tool's parameters in one call schema ----------------------------------------
 
 ADDRESS = {
@@ -347,9 +502,46 @@ def test_a_strict_recursive_tool_compiles_under_auto(vocab: Any) -> None:
     assert schema_problem(schema, vocab=vocab) is None
 
 
+def test_beside_tools_it_may_call_an_answer_in_a_json_format_holds_to_its_schema_and_a_call_to_its_own(
+    vocab: Any,
+) -> None:
+    postcode = {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}
+    tools = (FunctionTool("Letter", None, person(postcode), True), FunctionTool("lookup", None, None, False))
+    plan = plan_decoding(
+        tools=tools,
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        reasoning=False,
+        response_format="json_schema",
+        json_schema=person(ADDRESS),  # its own "Address", not the tool's
+    )
+    assert plan.constraint is not None
+    call = '<tool_call>\n{"name": "Letter", "arguments": {"name": "Ann", "home": {"zip": 97401}}}\n</tool_call>'
+
+    assert accepts(vocab, plan.constraint, json.dumps({"name": "Ann", "home": {"street": "1 Main", "city": "Eugene"}}))
+    assert accepts(vocab, plan.constraint, call)
+    assert accepts(vocab, plan.constraint, '<tool_call>\n{"name": "lookup", "arguments": {"any": [1]}}\n</tool_call>')
+    assert not accepts(vocab, plan.constraint, "Ann lives in Eugene.")
+    assert not accepts(vocab, plan.constraint, '{"name": "Ann", "home": {"zip"')
+    assert not accepts(
+        vocab, plan.constraint, '<tool_call>\n{"name": "Letter", "arguments": {"name": "Ann", "home": {"street"'
+    )
+    assert (None, person(ADDRESS)) in plan.enforced_schemas()
+
+
+def test_beside_tools_it_may_call_an_answer_in_json_object_format_is_an_object() -> None:
+    tools = (FunctionTool("lookup", None, None, False),)
+    plan = plan_decoding(
+        tools=tools, tool_choice="auto", parallel_tool_calls=True, reasoning=False, response_format="json_object"
+    )
+
+    assert plan.constraint is not None and plan.constraint.text_schema == {"type": "object"}
+    assert not plan.constraint.free_text
+
+
 def test_what_the_converter_cannot_express_is_named() -> None:
     assert "Unsupported pattern syntax" in (schema_problem({"type": "string", "pattern": "^(?=a)a$"}) or "")
-    assert "Unrecognized schema" in (schema_problem({"not": {"type": "null"}}) or "")
+    assert "'not' cannot be enforced" in (schema_problem({"not": {"type": "null"}}) or "")
     assert "remote" in (schema_problem({"$ref": "https://example.com/schema.json"}) or "")
 
 

@@ -651,6 +651,60 @@ def test_a_tool_schema_the_engine_cannot_compile_is_refused_too(engine: Seen) ->
     assert engine.calls == []
 
 
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "string", "not": {"enum": ["Paris"]}}, "its 'not' cannot be enforced by this model's grammar"),
+        ({"type": "string", "format": "password"}, "its 'format' of 'password' cannot be enforced"),
+        ({"type": "string", "format": "email", "pattern": "^a"}, "its 'format' beside 'pattern' cannot be enforced"),
+        ({"type": "string", "format": "email", "maxLength": 8}, "its 'format' beside 'maxLength' cannot be enforced"),
+        ({"format": "email"}, "its 'format' can be enforced by this model's grammar where the type is 'string'"),
+        (
+            {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+            "its 'oneOf' cannot be enforced by this model's grammar where a value may match more than one",
+        ),
+    ],
+    ids=["not", "unknown-format", "beside-a-pattern", "beside-a-length", "without-a-type", "oneOf"],
+)
+def test_a_keyword_xgrammar_compiles_as_nothing_or_as_anyof_is_refused_by_name(
+    schema: dict[str, Any], says: str
+) -> None:
+    # xgrammar compiles each of these, and its grammar lets through a value that breaks the schema.
+    assert isinstance(xgrammar.Grammar.from_json_schema(json.dumps(schema)), xgrammar.Grammar)
+    assert says in (runner_module.schema_problem(schema) or "")
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "format": "uri"},
+        {"type": ["string", "null"], "format": "date-time"},
+        {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+                {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
+            ]
+        },
+    ],
+    ids=["uri", "nullable-date-time", "oneOf-of-types", "discriminated-oneOf"],
+)
+def test_formats_xgrammar_enforces_and_a_oneof_of_branches_apart_are_taken(schema: dict[str, Any]) -> None:
+    assert runner_module.schema_problem(schema) is None
+
+
+def test_a_tool_schema_with_a_keyword_xgrammar_leaves_out_is_refused_in_the_worker_too(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+    arguments = {"type": "object", "properties": {"city": {"type": "string", "not": {"const": "Paris"}}}}
+    call_schema = {**CALL_SCHEMA, "properties": {**CALL_SCHEMA["properties"], "arguments": arguments}}
+
+    with pytest.raises(RunnerError, match="'not' cannot be enforced") as raised:
+        collect(runner.stream(make_job("x", constraint=Constraint(kind="tool_calls", schema=call_schema)), never))
+
+    assert raised.value.code == "invalid_constraint"
+    assert engine.calls == []
+
+
 # -- concurrency -------------------------------------------------------------------------------------
 
 
