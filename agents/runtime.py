@@ -10,7 +10,8 @@ back and runs the model again; when it calls one of the client's tools, the turn
 Server tools' results reach the model as context in its system message, not as tool-call turns of the
 transcript: the client never sees those turns, and small models parrot them (SmolLM2-135M copies a
 ``<tool_response>`` block verbatim, yet answers from the same text given as context). The transcript's
-tool calls are the client's own ``function_call`` items.
+tool calls are the client's own ``function_call`` items. The context holds this turn's runs whole and earlier
+turns' within a share of the model's context, each document once (``tool_context``).
 
 Citations: every document a knowledge search returned in this turn is cited by the message(s) closed
 after it, as a ``url_citation`` over the whole text. The tiny models this runs on cannot be trusted to
@@ -55,7 +56,7 @@ from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
 from .guardrails import Guardrails
 from .models import FirstStep
 from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
-from .tools.knowledge import KNOWLEDGE_SEARCH
+from .tools.knowledge import KNOWLEDGE_SEARCH, found_documents
 from .tools.registry import ServerTool, Source, ToolContext, ToolOutcome, run_tool
 from .tools.search import query_terms
 
@@ -101,18 +102,61 @@ def temperature(params: AgentResponseRequest, agent: Agent) -> float | None:
 CONTEXT_ARGUMENTS_CHARACTERS = 200
 
 
-def tool_context(calls: list[dict[str, Any]]) -> str:
-    """The server tools' runs of a conversation, as the context block of the system message."""
-    if not calls:
+# Earlier turns' runs stay context the model may need ("how often is its filter changed?"), but every turn adds its
+# own: given whole, they grew a conversation's prompt by each turn's results, the same documents again and again,
+# until it no longer fit the model's context. So a document is given once, with the latest run that found it, and
+# earlier turns' runs take at most this share of the context, the latest first: the oldest give way. This turn's
+# runs are given whole, for the answer is written from them.
+EARLIER_RUNS_CONTEXT_SHARE = 0.25
+# Characters that take no more tokens than this many: English averages about four a token, URLs and numbers fewer.
+CHARACTERS_PER_TOKEN = 3
+
+
+def earlier_runs_budget(context_length: int) -> int:
+    """The characters earlier turns' server tool runs may take of a model's context."""
+    return int(context_length * EARLIER_RUNS_CONTEXT_SHARE) * CHARACTERS_PER_TOKEN
+
+
+def _run_context(call: dict[str, Any], given: set[tuple[str, str]]) -> str | None:
+    """A server tool's run as the model reads it, without what ``given`` holds (to which it adds what it gives):
+    a document found before, or the same result of the same run; ``None`` when nothing is left."""
+    name = call.get("name")
+    arguments = call.get("arguments") or "{}"
+    if len(arguments) > CONTEXT_ARGUMENTS_CHARACTERS:
+        arguments = arguments[:CONTEXT_ARGUMENTS_CHARACTERS] + "…"
+    heading = f"{name} {arguments}:\n"
+    parts: list[tuple[str | None, str]]
+    if call.get("error") is not None:
+        parts = [(None, f"Failed: {call['error']}")]
+    elif name == KNOWLEDGE_SEARCH.name:
+        parts = found_documents(call.get("output") or "")
+    else:
+        parts = [(None, call.get("output") or "")]
+    fresh = []
+    for document, text in parts:
+        key = ("document", document) if document is not None else ("run", heading + text)
+        if key not in given:
+            given.add(key)
+            fresh.append(text)
+    return heading + "\n\n".join(fresh) if fresh else None
+
+
+def tool_context(earlier: list[dict[str, Any]], current: list[dict[str, Any]], *, budget: int) -> str:
+    """The server tools' runs of a conversation, as the context block of the system message, in the order they ran:
+    ``current`` (this turn's) whole, and of ``earlier``, the latest that fit in ``budget`` characters; each document
+    once, with the latest run that found it."""
+    given: set[tuple[str, str]] = set()
+    runs = [text for call in reversed(current) if (text := _run_context(call, given)) is not None]
+    for call in reversed(earlier):
+        if (text := _run_context(call, given)) is None:
+            continue
+        budget -= len(text)
+        if budget < 0:
+            break
+        runs.append(text)
+    if not runs:
         return ""
-    runs = []
-    for call in calls:
-        result = (call.get("output") or "") if call.get("error") is None else f"Failed: {call['error']}"
-        arguments = call.get("arguments") or "{}"
-        if len(arguments) > CONTEXT_ARGUMENTS_CHARACTERS:
-            arguments = arguments[:CONTEXT_ARGUMENTS_CHARACTERS] + "…"
-        runs.append(f"{call.get('name')} {arguments}:\n{result}")
-    return "Results of the tools run for this conversation:\n" + "\n\n".join(runs)
+    return "Results of the tools run for this conversation:\n" + "\n\n".join(reversed(runs))
 
 
 @dataclass
@@ -122,12 +166,13 @@ class Transcript:
     tools' runs, which reach the model as context instead."""
 
     items: list[responses.LocatedItem] = field(default_factory=list)
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    earlier_calls: list[dict[str, Any]] = field(default_factory=list)  # the server tools' runs of earlier turns
+    calls: list[dict[str, Any]] = field(default_factory=list)  # and of this turn
     _ran: dict[str, str] = field(default_factory=dict)  # a server tool call's call_id: where it is
 
     def add(self, where: str, item: dict[str, Any]) -> None:
         if item.get("type") == AGENT_CALL:
-            self.calls.append(item)
+            (self.calls if where == "output" else self.earlier_calls).append(item)
             self._ran.setdefault(item["call_id"], where)
             return
         typed = wire.input_item(item)
@@ -142,9 +187,11 @@ class Transcript:
             )
         self.items.append((where, typed))
 
-    def messages(self, *, instructions: str) -> list[Message]:
-        """The chat-template messages, checked as the stateless API checks its input."""
-        system = "\n\n".join(filter(None, [instructions, tool_context(self.calls)]))
+    def messages(self, *, instructions: str, context_length: int) -> list[Message]:
+        """The chat-template messages for a model of ``context_length`` tokens, checked as the stateless API checks
+        its input."""
+        runs = tool_context(self.earlier_calls, self.calls, budget=earlier_runs_budget(context_length))
+        system = "\n\n".join(filter(None, [instructions, runs]))
         return responses.conversation(self.items, instructions=system or None)
 
 
@@ -295,8 +342,8 @@ class AgentTurn:
     def _step_tools(self, step: int) -> tuple[tuple[FunctionTool, ...], ToolChoice]:
         """The tools offered on ``step`` and how the model must use them.
 
-        An instance that must call a server tool first does so on the first step, whatever the client asked.
-        Then a named function is forced on the step where the model speaks. ``required`` with client tools
+        An instance that must call a server tool first does so on the first step, whatever the client asked but
+        ``none``. Then a named function is forced on the step where the model speaks. ``required`` with client tools
         lets server tools run but ends with a client call: the last step offers only the client's tools.
         ``required`` without client tools is met by a server tool call on the first step; the model then
         answers. Server tools are not offered on the last step, nor once ``max_tool_calls`` are spent.
@@ -327,8 +374,9 @@ class AgentTurn:
             self._transcript.add("output", item)
         self._output_seen = len(self.encoder.output)
         instructions = "\n\n".join(filter(None, [self.agent.instructions, self.params.instructions]))
+        messages = self._transcript.messages(instructions=instructions, context_length=self.agent.entry.context_length)
         request = GenerationRequest(
-            messages=self._transcript.messages(instructions=instructions),
+            messages=messages,
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=self.params.parallel_tool_calls is not False,
@@ -408,6 +456,7 @@ class AgentTurn:
             self.agent.first_step == FirstStep.SEARCH
             and search is not None
             and searchable
+            and self.params.tool_choice != "none"  # calls nothing: not even the search the instance runs first
             and not self.tool_calls_spent
         ):
             arguments = json.dumps({"query": user_text}, ensure_ascii=False)
@@ -553,7 +602,7 @@ class AgentTurn:
             cached_tokens=usage.cached_tokens,
             reasoning_tokens=usage.reasoning_tokens,
         )
-        events = self.encoder.finish(done, always_completed=True)
+        events = self.encoder.finish(done, always_completed=True, ends_with_answer=True)
         if self.keep is not None:
             unstored: TurnFailed | None = None
             try:

@@ -458,13 +458,25 @@ class ResponseEncoder:
         events.append(wire.output_item_event("done", output_index=item.output_index, item=finished))
         return self.numbered(events)
 
-    def finish(self, done: Done, *, always_completed: bool = False) -> list[dict[str, Any]]:
+    def finish(
+        self, done: Done, *, always_completed: bool = False, ends_with_answer: bool = False
+    ) -> list[dict[str, Any]]:
         """``always_completed``: a response cut short by ``max_output_tokens`` still ends with
-        ``response.completed`` (its status says ``incomplete``), for clients that know only completed and failed."""
+        ``response.completed`` (its status says ``incomplete``), for clients that know only completed and failed.
+
+        An output that holds nothing gets an empty message. ``ends_with_answer`` (the agent runtime's turns) asks
+        more: the output ends with the answer's message, empty when the model said nothing, unless calls of the
+        client's functions end it (a function_call after the last message). Clients take the last message for the
+        answer, and a turn may otherwise end with a tool the service ran, or with reasoning. Without it, output of
+        reasoning or function calls alone stands, as OpenAI sends it."""
         truncated = done.finish_reason == "length"
         events = self._close("incomplete" if truncated else "completed")
-        if not self.output:
-            # A turn always answers with an item, even when the model said nothing.
+        answered = bool(self.output)
+        if ends_with_answer:
+            last_message = max((i for i, item in enumerate(self.output) if item["type"] == "message"), default=-1)
+            after = [item["type"] for item in self.output[last_message + 1 :]]
+            answered = answered and (not after or "function_call" in after)
+        if not answered:
             events += [*self._open_item("message"), *self._close("incomplete" if truncated else "completed")]
         usage = response_usage(
             input_tokens=done.prompt_tokens,

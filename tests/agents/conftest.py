@@ -204,6 +204,11 @@ def check_stream(spec: OpenAISpec, events: list[dict[str, Any]]) -> dict[str, An
         assert errors == []
     response = events[-1]["response"]
     assert {e["response"]["id"] for e in events if "response" in e} == {response["id"]}
+    if events[-1]["type"] == "response.completed":
+        # A turn ends with its answer, which clients take the last message for, or with calls for the client to run.
+        kinds = [item["type"] for item in response["output"]]
+        after = kinds[len(kinds) - kinds[::-1].index("message") :] if "message" in kinds else kinds
+        assert kinds and (not after or "function_call" in after), f"a turn that ends without its answer: {kinds}"
 
     added = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.added"}
     done = {e["output_index"]: e["item"] for e in events if e["type"] == "response.output_item.done"}

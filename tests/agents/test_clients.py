@@ -1,6 +1,7 @@
 """The agent runtime against a live server, as its clients see it: the openai SDK with X-Tenant-ID, the OpenAI
 Agents SDK, and curl's view of the stream (``Accept: text/event-stream``), on the demo instance ``make run``
-creates."""
+creates; and streams a live server's model cannot be made to send, read by the Agents SDK as it reads them off the
+wire."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.agents.conftest import SeedClient, check_stream
-from tests.conftest import MODEL_ID, LiveServer, OpenAISpec
-from tests.inference.test_responses import parse_events
+from agents.models import AgentInstance, FirstStep
+from inference.models import CatalogEntry
+from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, check_stream, message_text
+from tests.conftest import MODEL_ID, LiveServer, OpenAISpec, read_stream
+from tests.inference.test_responses import parse_events, toy_model  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +141,87 @@ def test_the_agents_sdk_holds_a_conversation_with_the_demo_instance(
         result["second_id"],
     )
     assert previous == result["first_id"]
+
+
+# The same, reading a stream the runtime sent: replayed to the SDK in place of the network.
+AGENTS_SDK_REPLAY_SCRIPT = """
+import asyncio, json, sys
+import httpx
+from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+with open(sys.argv[1], "rb") as sent:
+    stream = sent.read()
+
+def replay(request):
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+async def run():
+    client = AsyncOpenAI(
+        api_key="replayed",
+        base_url="https://runtime.invalid/v1",
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(replay)),
+        max_retries=0,
+    )
+    agent = Agent(name="Spare parts", model=OpenAIResponsesModel(model="support.agent", openai_client=client))
+    result = Runner.run_streamed(agent, "Which belt fits machine 4711?", max_turns=1)
+    async for _ in result.stream_events():
+        pass
+    return {"final": result.final_output, "id": result.last_response_id}
+
+print(json.dumps(asyncio.run(run())))
+"""
+
+
+def read_with_the_agents_sdk(stream: str, folder: Path) -> dict[str, object]:
+    """What the Agents SDK's streamed run makes of ``stream``: its final output and the response id it keeps."""
+    sent = folder / "stream.sse"
+    sent.write_text(stream)
+    env = {**os.environ}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", AGENTS_SDK_REPLAY_SCRIPT, str(sent)],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def speechless_agent(make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry) -> AgentInstance:  # noqa: F811
+    """Searches first, on the toy model given a chat template that leaves it nothing to echo: it says nothing."""
+    mute = CatalogEntry.objects.create(
+        public_id="b3os/toy-mute",
+        runner=toy_model.runner,
+        runner_settings={**toy_model.runner_settings, "chat_template": "</s>"},
+        context_length=toy_model.context_length,
+        max_output_tokens=toy_model.max_output_tokens,
+    )
+    return make_instance(
+        "support.agent.speechless", model=mute, documents=True, tools=["knowledge_search"], first_step=FirstStep.SEARCH
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_agents_sdk_reads_a_turn_whose_model_said_nothing_after_the_search_as_an_empty_answer(
+    tenant: Tenant, speechless_agent: AgentInstance, tmp_path: Path
+) -> None:
+    body = {"model": speechless_agent.instance_id, "input": "Which belt fits machine 4711?", "stream": True}
+    response = await tenant.post("/v1/responses", body, accept="text/event-stream")
+    assert response.status_code == 200, response.content
+    stream = await read_stream(response)
+
+    final = check_stream(tenant.spec, parse_events(stream))
+    assert (final["status"], final["usage"]["output_tokens"]) == ("completed", 0)
+    # The search, then the answer's message, empty: the SDK takes the last message for the answer.
+    assert [item["type"] for item in final["output"]] == [AGENT_CALL, "message"] and message_text(final) == ""
+    read = read_with_the_agents_sdk(stream, tmp_path)
+    assert read == {"final": "", "id": final["id"]}
 
 
 def test_curl_reads_the_stream_and_rates_the_answer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -418,6 +419,59 @@ async def test_max_tool_calls_bounds_the_search_an_instance_runs_first_too(
     assert SeedClient().read(events).activity == [] and response["max_tool_calls"] == 0
 
 
+async def test_tool_choice_none_runs_not_even_the_search_an_instance_runs_first(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    events, response = await tenant.stream(
+        model=spare_parts.instance_id, input=SPARE_PARTS_QUESTION, tool_choice="none", **SHORT
+    )
+
+    assert agent_calls(response) == [] and message_text(response)
+    assert SeedClient().read(events).activity == [] and response["tool_choice"] == "none"
+
+
+def stored_after(response_id: str, *, turns: int, leave_out: str = "") -> str:
+    """``turns`` more turns like the stored ``response_id``, each stored after the one before as the runtime stores
+    them, without the output items of type ``leave_out``; the id of the last."""
+    previous = template = StoredResponse.objects.get(response_id=response_id)
+    output = [item for item in template.output_items if item["type"] != leave_out]
+    for _ in range(turns):
+        previous = StoredResponse.objects.create(
+            response_id=f"resp_{secrets.token_hex(24)}",
+            organization_id=template.organization_id,
+            instance_id=template.instance_id,
+            previous=previous,
+            thread=template.thread,
+            status=template.status,
+            input_items=template.input_items,
+            output_items=output,
+            size=stored_size(template.input_items, output),
+            usage=template.usage,
+        )
+    return previous.response_id
+
+
+async def test_a_long_conversation_gives_the_model_each_document_once_and_goes_on_past_the_context_searches_filled(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    model = spare_parts.instance_id
+    _, first = await tenant.stream(model=model, input=SPARE_PARTS_QUESTION, **SHORT)
+    # Forty turns more like it: each searched and found the same documents (given whole every turn, they took about
+    # 250 tokens each, and the conversation outgrew the model's context by its thirty-second turn).
+    searched = await sync_to_async(stored_after)(first["id"], turns=40)
+    chatted = await sync_to_async(stored_after)(first["id"], turns=40, leave_out=AGENT_CALL)
+
+    _, after_searches = await tenant.stream(
+        model=model, input=SPARE_PARTS_QUESTION, previous_response_id=searched, **SHORT
+    )
+    _, after_chat = await tenant.stream(model=model, input=SPARE_PARTS_QUESTION, previous_response_id=chatted, **SHORT)
+
+    assert after_searches["status"] in ("completed", "incomplete")  # answered, if only in its 16 tokens
+    assert [item["type"] for item in after_searches["output"]] == [AGENT_CALL, "message"]
+    # The forty searches add nothing to the prompt: what they found, this turn's search found again.
+    assert after_searches["usage"]["input_tokens"] == after_chat["usage"]["input_tokens"]
+
+
 async def test_a_server_tool_the_client_hung_up_on_is_kept_failed_not_running_for_ever(
     tenant: Tenant, spare_parts: AgentInstance
 ) -> None:
@@ -480,7 +534,10 @@ async def test_output_holding_u0000_is_stored_with_u_fffd_in_its_place_and_the_c
         "support.agent.labels", tools=["read_label"], first_step=FirstStep.TOOL
     )
 
-    events, response = await tenant.stream(model=instance.instance_id, input="What does the label say?", **SHORT)
+    # Room for the forced call (about 24 tokens): one its budget closes early is cut short, and not run.
+    events, response = await tenant.stream(
+        model=instance.instance_id, input="What does the label say?", max_output_tokens=48
+    )
 
     assert events[-1]["type"] == "response.completed"
     assert response["output"][0]["output"] == "Label: A-104\x00bracket"  # the client sees what the tool said
