@@ -78,13 +78,13 @@ class DecodePlan:
         """The schemas the constraint enforces: ``(tool name, parameters)``, or ``(None, schema)`` for the output."""
         if self.constraint is None or self.constraint.kind == "json_object":
             return []
-        if not self.reads_tool_calls:
+        if self.constraint.kind == "json_schema" and not self.forced:  # the output's format, tools or not
             return [(None, self.constraint.schema or {})]
         calls: list[tuple[str | None, dict[str, Any]]] = [
             (tool.name, tool.schema()) for tool in self.tools if self._enforces(tool)
         ]
         text = self.constraint.text_schema
-        return [*calls, (None, text)] if text is not None and not self.forced else calls
+        return [*calls, (None, text)] if text is not None else calls
 
     def _enforces(self, tool: FunctionTool) -> bool:
         if isinstance(self.tool_choice, ForcedFunction):
@@ -167,9 +167,10 @@ def plan_decoding(
     response_format: Literal["text", "json_object", "json_schema"] = "text",
     json_schema: dict[str, Any] | None = None,
 ) -> DecodePlan:
-    """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar. With tools
-    the model may call, the output is a call or an answer in the asked format: strict tools' arguments and the answer
-    both hold to their schemas."""
+    """Pick the constraint: forced tool calls, strict tools, and JSON output are decoded under a grammar. With strict
+    tools the model may call, the output is a call or an answer in the asked format, each holding to its schema. With
+    tools none of which is strict, a format asked for holds alone: their calls' arguments would be any object, which
+    a small model fills until its budget runs out."""
     constraint: Constraint | None = None
     text_schema: dict[str, Any] | None = None
     if response_format == "json_schema":
@@ -184,7 +185,7 @@ def plan_decoding(
         constraint = Constraint(
             kind="json_schema", schema=_call_schema(chosen, strict_only=False), close_before_limit=True
         )
-    elif tools and tool_choice == "auto" and (text_schema is not None or any(t.strict for t in tools)):
+    elif tools and tool_choice == "auto" and any(t.strict for t in tools):
         calls = _call_schema(tools, strict_only=True)
         constraint = Constraint(kind="tool_calls", schema=calls, text_schema=text_schema)
     elif response_format == "json_schema":

@@ -530,7 +530,7 @@ def test_beside_tools_it_may_call_an_answer_in_a_json_format_holds_to_its_schema
 
 
 def test_beside_tools_it_may_call_an_answer_in_json_object_format_is_an_object() -> None:
-    tools = (FunctionTool("lookup", None, None, False),)
+    tools = (FunctionTool("lookup", None, None, True),)
     plan = plan_decoding(
         tools=tools, tool_choice="auto", parallel_tool_calls=True, reasoning=False, response_format="json_object"
     )
