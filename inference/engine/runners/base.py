@@ -205,8 +205,17 @@ def keyword_problem(schema: Any, *, formats: frozenset[str]) -> str | None:
     output breaking it would pass as valid: a ``not``, a string ``format`` other than ``formats`` (those the runner's
     grammar enforces) or beside what the grammar would leave out for it, a ``oneOf`` whose branches may overlap (a
     grammar lets a value match any number of them, as ``anyOf`` does). The 400's reason, or None."""
-    stack: list[tuple[Any, bool]] = [(schema, False)]  # every subschema (not data), walked without recursion
     kinds: dict[int, frozenset[str] | None] = {}  # each subschema's types, found once (``_kinds``)
+    for node in subschemas(schema):
+        if problem := _node_problem(node, schema, formats, kinds):
+            return problem
+    return None
+
+
+def subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every subschema of ``schema`` (not the data under const, enum, default, examples, nor a map of them such as
+    ``properties`` itself), walked without recursion: a schema's depth is the client's to choose."""
+    stack: list[tuple[Any, bool]] = [(schema, False)]
     while stack:
         node, in_map = stack.pop()
         if isinstance(node, list):
@@ -214,14 +223,13 @@ def keyword_problem(schema: Any, *, formats: frozenset[str]) -> str | None:
             continue
         if not isinstance(node, dict):
             continue
-        if not in_map and (problem := _node_problem(node, schema, formats, kinds)):
-            return problem
+        if not in_map:
+            yield node
         for key, value in node.items():
             if in_map:
                 stack.append((value, False))
             elif key not in SCHEMA_DATA and isinstance(value, dict | list):
                 stack.append((value, key in SCHEMA_MAPS))
-    return None
 
 
 def _node_problem(

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from .base import SCHEMA_DATA, SCHEMA_MAPS, schema_at
+from .base import schema_at, subschemas
 
 
 def grammar_cost_problem(schema: Any, *, leads: int, ambiguity: int) -> str | None:
@@ -28,29 +28,15 @@ def schema_leads_problem(schema: Any, *, most: int) -> str | None:
     counted without following any of them twice."""
     leads: dict[int, int] = {}
     total = 0
-    # every subschema (not the data under const, enum, default, examples), walked without recursion
-    stack: list[tuple[Any, bool]] = [(schema, False)]
-    while stack:
-        node, in_map = stack.pop()
-        if isinstance(node, list):
-            stack.extend((item, False) for item in node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        if not in_map:
-            if isinstance(pattern := node.get("pattern"), str) and (problem := _pattern_problem(pattern)):
-                return problem
-            total += _leads(node, schema, leads, most)
-            if total > most:
-                return (
-                    f"its $refs and anyOf/oneOf branches lead to where a value starts in more than the {most} ways "
-                    "a schema may (a grammar compiler follows every one)"
-                )
-        for key, value in node.items():
-            if in_map:
-                stack.append((value, False))
-            elif key not in SCHEMA_DATA and isinstance(value, dict | list):
-                stack.append((value, key in SCHEMA_MAPS))
+    for node in subschemas(schema):
+        if isinstance(pattern := node.get("pattern"), str) and (problem := _pattern_problem(pattern)):
+            return problem
+        total += _leads(node, schema, leads, most)
+        if total > most:
+            return (
+                f"its $refs and anyOf/oneOf branches lead to where a value starts in more than the {most} ways "
+                "a schema may (a grammar compiler follows every one)"
+            )
     return None
 
 
