@@ -239,6 +239,10 @@ class LiveServer:
     def manage(self, *args: str) -> str:
         return manage(*args, env=self.env)
 
+    def new_key(self, org: str) -> str:
+        """A key of ``org``, made with the organization if it is new."""
+        return new_key(org, env=self.env)
+
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with sqlite3.connect(self.db_path) as conn:
             return conn.execute(sql, params).fetchall()
@@ -250,6 +254,12 @@ from orgs.services import create_api_key, create_organization
 org, _ = create_organization(slug={org!r}, name="")
 print(create_api_key(organization=org, name="live-tests"))
 """
+
+
+
+def new_key(org: str, *, env: dict[str, str]) -> str:
+    return manage("shell", "-v0", "-c", NEW_KEY.format(org=org), env=env).strip()
+
 
 _template_database: Path | None = None
 
@@ -280,7 +290,7 @@ def start_server(var_dir: Path, *, extra_env: dict[str, str] | None = None, org:
         manage("migrate", "--noinput", "-v0", env=env)
     elif not database.exists():
         shutil.copyfile(migrated_database(env), database)
-    key = manage("shell", "-v0", "-c", NEW_KEY.format(org=org), env=env).strip()
+    key = new_key(org, env=env)
     port = free_port()
     log = open(var_dir / "server.log", "wb")
     process = subprocess.Popen(

@@ -137,12 +137,12 @@ def test_redis_stopped_mid_traffic_is_a_503_with_retry_after_until_it_is_back(to
     key = topology.organization("redis-outage", "--rpm", "1000000", "--in-flight", "1000")
     pids = {name: running.pid for name, running in topology.running.items()}
 
-    traffic = Traffic(topology, key, MIXED, clients=8, duration=26)
-    fault_at = traffic.at(6)
+    traffic = Traffic(topology, key, MIXED, clients=8, duration=20)
+    fault_at = traffic.at(4)
     topology.redis.stop()
-    traffic.at(11)
+    traffic.at(9)
     topology.redis.start()
-    repaired_at = traffic.at(11) + 7  # the workers reconnect to the broker within a few seconds
+    repaired_at = traffic.at(9) + 7  # the workers reconnect to the broker within a few seconds
     outcomes = traffic.join()
 
     assert_outage_was_handled(Phases.split(outcomes, fault_at=fault_at, repaired_at=repaired_at), pids, topology)
@@ -156,12 +156,12 @@ def test_postgres_restarted_mid_traffic_is_a_503_with_retry_after_and_keeps_ever
     pids = {name: running.pid for name, running in topology.running.items()}
     dropped_before = sum(sum_samples(topology.metrics(n), "b3os_usage_records_dropped_total") for n in (1, 2))
 
-    traffic = Traffic(topology, key, MIXED, clients=8, duration=26)
-    fault_at = traffic.at(6)
+    traffic = Traffic(topology, key, MIXED, clients=8, duration=20)
+    fault_at = traffic.at(4)
     topology.postgres.stop()
-    traffic.at(12)
+    traffic.at(10)
     topology.postgres.start()
-    repaired_at = traffic.at(12) + 4
+    repaired_at = traffic.at(10) + 4
     outcomes = traffic.join()
 
     assert_outage_was_handled(Phases.split(outcomes, fault_at=fault_at, repaired_at=repaired_at), pids, topology)

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import manage, new_key
 from tests.services import Postgres, Redis, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,12 +186,7 @@ class Topology:
         return {**os.environ, **self.values}
 
     def manage(self, *args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=300
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stderr}")
-        return result.stdout
+        return manage(*args, env=self.env)
 
     def migrate(self) -> None:
         """The database, and the gateway models the traffic asks the fake upstream for."""
@@ -199,10 +195,10 @@ class Topology:
 
     def organization(self, slug: str, *limits: str) -> str:
         """A new organization's key; ``limits`` are ``manage.py set_limit`` options (``--rpm``, ``50``)."""
-        self.manage("create_org", slug)
+        key = new_key(slug, env=self.env)
         if limits:
             self.manage("set_limit", slug, *limits)
-        return self.manage("create_key", slug, "--name", "topology").strip()
+        return key
 
     # --- processes --------------------------------------------------------------------------------
 

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 QUESTION = "What is the weather in Eugene?"
 SEEDS = range(4)
+# Room for any city's name many times over: a model sampling hot may write a string without end, and then the budget
+# closes the call in time (a valid call still), in seconds rather than the minute the model's own limit takes.
+CALL_BUDGET = 256
 # A schema small models ramble in (they repeat list items): the budget, not the model, ends these calls.
 CHOICES = {
     "type": "object",
@@ -38,6 +41,7 @@ def chat_body(
         "tool_choice": choice,
         "seed": seed,
         "stream": stream,
+        "max_tokens": CALL_BUDGET,
         **extra,
     }
 
@@ -139,6 +143,7 @@ def responses_body(seed: int, *, stream: bool, choice: Any) -> dict[str, Any]:
         "tool_choice": choice,
         "stream": stream,
         "temperature": 0.7 + seed / 10,
+        "max_output_tokens": CALL_BUDGET,
     }
 
 

@@ -164,8 +164,7 @@ def test_the_responses_endpoint_forwards_too(setup: Setup) -> None:
 
 
 def test_limits_apply_to_gateway_traffic(setup: Setup) -> None:
-    setup.server.manage("create_org", "gw-limited")
-    key = setup.server.manage("create_key", "gw-limited").strip()
+    key = setup.server.new_key("gw-limited")
     setup.server.manage("set_limit", "gw-limited", "--rpm", "2")
     statuses = [setup.post(chat(), key=key).status_code for _ in range(3)]
     assert statuses == [200, 200, 429]
@@ -371,8 +370,7 @@ def test_a_stream_with_include_usage_passes_the_usage_on(setup: Setup) -> None:
 
 
 def test_the_tokens_per_minute_charge_is_corrected_to_the_upstreams_count(setup: Setup) -> None:
-    setup.server.manage("create_org", "gw-tpm")
-    key = setup.server.manage("create_key", "gw-tpm").strip()
+    key = setup.server.new_key("gw-tpm")
     # Admission charges an estimate: the body's size and the default output limit, 4096 tokens. The upstream then
     # reports 19: were the estimate kept, the second request would not fit the minute.
     setup.server.manage("set_limit", "gw-tpm", "--tpm", "4200")
@@ -425,8 +423,7 @@ def test_usage_the_upstream_reports_in_words_is_not_trusted_and_the_answer_still
 
 
 def test_admission_estimates_the_whole_body_not_only_its_messages(setup: Setup) -> None:
-    setup.server.manage("create_org", "gw-estimate")
-    key = setup.server.manage("create_key", "gw-estimate").strip()
+    key = setup.server.new_key("gw-estimate")
     setup.server.manage("set_limit", "gw-estimate", "--tpm", "20000")
     body = {"model": "upstream/gpt-x", "route": "gateway", "input": "hi", "instructions": "x" * 400_000}
 

@@ -24,8 +24,7 @@ class TwoServers:
     worker: Worker
 
     def key_for(self, org: str) -> str:
-        self.servers[0].manage("create_org", org)
-        return self.servers[0].manage("create_key", org).strip()
+        return self.servers[0].new_key(org)
 
 
 @pytest.fixture(scope="module")

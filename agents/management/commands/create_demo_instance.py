@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
 from agents.models import AgentInstance, Document, FirstStep, Guardrail, MatchKind, Stage
+from core.commands import OperatorCommand
 from inference.models import CatalogEntry
 from orgs.models import Organization
 
@@ -44,7 +45,7 @@ GUARDRAIL = {
 }
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Create or update the demo agent instance (a few documents, the knowledge-search tool, one guardrail), "
         "let the organization use it, and print its id alone on stdout."

@@ -3,12 +3,12 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
 
 from agents.services import prune_responses
+from core.commands import OperatorCommand
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Delete stored agent conversations whose last turn is older than AGENT_RESPONSE_RETENTION_DAYS "
         "(with their feedback). Celery beat runs this hourly in distributed mode."

@@ -3,13 +3,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
+from core.commands import OperatorCommand
 from inference.models import GATEWAY, GATEWAY_PARAMETERS, CatalogEntry
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         'Offer models through the gateway ("route": "gateway"): a catalog entry with no local runner, sent to '
         "GATEWAY_BASE_URL or to its own upstream. Run again to change it."

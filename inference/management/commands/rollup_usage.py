@@ -4,12 +4,13 @@ from datetime import date
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from core.commands import OperatorCommand
 from inference.usage import reports
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Roll raw usage records up into daily rollups (re-runnable: a day is recomputed, never counted twice), "
         "then delete raw records older than USAGE_RETENTION_DAYS."

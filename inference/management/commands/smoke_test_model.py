@@ -5,8 +5,9 @@ import threading
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from core.commands import OperatorCommand
 from inference.engine.exceptions import EngineError
 from inference.engine.execution import JobFailed, get_runner, run_job
 from inference.engine.generation import GenerationRequest, prepare
@@ -14,7 +15,7 @@ from inference.engine.runners.base import Finished, RunnerError, TextChunk
 from inference.models import GATEWAY, CatalogEntry
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Load a catalog model in this process, as its worker does, and stream one completion from it: "
         "the smoke test of a model host. Exits non-zero when the model does not load or generate."

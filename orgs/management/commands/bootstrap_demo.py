@@ -6,8 +6,8 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
 
+from core.commands import OperatorCommand
 from orgs.exceptions import InvalidAPIKey
 from orgs.models import Organization
 from orgs.services import authenticate_key, create_api_key, create_organization
@@ -24,7 +24,7 @@ def _remember(path: Path, value: str) -> None:
     path.chmod(0o600)
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Make sure the demo organization, a working demo key and an admin login exist, and print them. "
         "For local use: the demo key and admin password are kept in var/ so that each run prints the same ones."

@@ -3,15 +3,16 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from core.commands import OperatorCommand
 from orgs.models import Organization
 from orgs.services import create_api_key
 
 from ._problems import refused
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Create an API key for an organization and print the key alone on stdout (it is not shown again)."
 
     def add_arguments(self, parser: CommandParser) -> None:

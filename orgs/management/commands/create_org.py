@@ -3,14 +3,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import CommandParser
 
+from core.commands import OperatorCommand
 from orgs.services import create_organization
 
 from ._problems import refused
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = "Create an organization (or leave an existing one as it is) and print its slug."
 
     def add_arguments(self, parser: CommandParser) -> None:

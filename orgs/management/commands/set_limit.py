@@ -3,8 +3,9 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from core.commands import OperatorCommand
 from inference.models import CatalogEntry
 from orgs.models import Organization
 from orgs.services import set_limit
@@ -22,7 +23,7 @@ def _limit(value: str) -> int | None:
     return number
 
 
-class Command(BaseCommand):
+class Command(OperatorCommand):
     help = (
         "Set an organization's limits: its default for every model, or an override for MODEL_ID. "
         "Omitted limits are unlimited; 'none' also means unlimited."
