@@ -87,10 +87,18 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# The whole suite on SQLite (the default database), then the tests marked database on a throwaway PostgreSQL cluster.
+# The whole suite on SQLite (the default database) and, beside it, the tests marked database on a throwaway
+# PostgreSQL cluster. The PostgreSQL stage runs at a lower priority on the CPU the live servers' tests leave idle while
+# they wait on processes and clocks; its report follows the SQLite stage's.
 test: lint system-test-deps codex-cli node-clients
-	$(PY) -m pytest
-	$(PY) -m pytest -p tests.postgres -m database
+	@mkdir -p $(VAR_DIR)
+	@nice -n 10 $(PY) -m pytest -p tests.postgres -m database -p no:cacheprovider > $(VAR_DIR)/test-postgres.log 2>&1 & \
+	postgres=$$!; \
+	$(PY) -m pytest; sqlite=$$?; \
+	wait $$postgres; pg=$$?; \
+	echo "== The tests marked database, on PostgreSQL (-p tests.postgres -m database) =="; \
+	cat $(VAR_DIR)/test-postgres.log; \
+	test $$sqlite -eq 0 && test $$pg -eq 0
 
 $(VENV)/.installed-bench: pyproject.toml | $(VENV)/.installed-test
 	$(PY) -m pip install -q -e ".[test,bench]"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -64,11 +65,19 @@ def _secret_key() -> str:
     key = os.environ.get("SECRET_KEY")
     if key:
         return key
-    # A persistent generated key for local use, so sessions and key hashes survive restarts.
+    # A persistent generated key for local use, so sessions and key hashes survive restarts. Written whole under
+    # another name and linked in place: of processes starting at once, the first to link wins and all read its key.
     path = VAR_DIR / "secret_key"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
+        handle, written = tempfile.mkstemp(dir=VAR_DIR, prefix=".secret_key.")  # readable by its owner only
+        with os.fdopen(handle, "w") as file:
+            file.write(secrets.token_urlsafe(50))
+        try:
+            os.link(written, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(written)
     return path.read_text().strip()
 
 

@@ -210,6 +210,22 @@ def manage(*args: str, env: dict[str, str]) -> str:
     return result.stdout
 
 
+def run_sdk_script(script: str, *args: str, folder: Path, **env: str) -> dict[str, Any]:
+    """The JSON a client program printed last, run as its users run it: a fresh interpreter that imports the
+    installed SDKs, never the project's own ``agents`` app (``-P``, no PYTHONPATH)."""
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"} | env
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", script, *args],
+        cwd=folder,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def wait_for_http(url: str, timeout: float = 60.0, process: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -254,7 +270,6 @@ from orgs.services import create_api_key, create_organization
 org, _ = create_organization(slug={org!r}, name="")
 print(create_api_key(organization=org, name="live-tests"))
 """
-
 
 
 def new_key(org: str, *, env: dict[str, str]) -> str:

@@ -108,3 +108,19 @@ def test_a_duration_or_a_bound_of_zero_or_less_is_named_by_the_checks(tmp_path: 
 
     assert result.returncode != 0 and result.stderr.count("config.E052") == len(wrong), result.stderr
     assert all(f"{name}={value} is" in result.stderr for name, value in wrong.items())
+
+
+def test_processes_starting_at_once_without_a_secret_key_generate_one_and_all_use_it(tmp_path: Path) -> None:
+    environment = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
+    environment.update(B3OS_VAR_DIR=str(tmp_path), DATABASE_URL="")
+    show = "from config import settings; print(settings.SECRET_KEY)"
+    starting = [
+        subprocess.Popen([sys.executable, "-c", show], cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    keys = {process.communicate(timeout=120)[0].strip() for process in starting}
+
+    (key,) = keys
+    assert len(key) > 50 and (tmp_path / "secret_key").read_text() == key
+    assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
+    assert [path.name for path in tmp_path.iterdir()] == ["secret_key"]

@@ -6,9 +6,6 @@ wire."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +17,7 @@ from openai import OpenAI
 from agents.models import AgentInstance, FirstStep
 from inference.models import CatalogEntry
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, check_stream, message_text
-from tests.conftest import MODEL_ID, LiveServer, OpenAISpec, read_stream
+from tests.conftest import MODEL_ID, LiveServer, OpenAISpec, read_stream, run_sdk_script
 from tests.inference.test_responses import parse_events, toy_model  # noqa: F401 (a fixture)
 
 
@@ -111,24 +108,14 @@ print(json.dumps(asyncio.run(run())))
 def test_the_agents_sdk_holds_a_conversation_with_the_demo_instance(
     node_server: LiveServer, demo_instance: str, tmp_path: Path
 ) -> None:
-    env = {
-        **os.environ,
-        "B3OS_KEY": node_server.key,
-        "B3OS_BASE_URL": f"{node_server.url}/v1",
-        "B3OS_TENANT": node_server.org,
-        "B3OS_INSTANCE": demo_instance,
-    }
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run(
-        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_sdk_script(
+        AGENTS_SDK_SCRIPT,
+        folder=tmp_path,
+        B3OS_KEY=node_server.key,
+        B3OS_BASE_URL=f"{node_server.url}/v1",
+        B3OS_TENANT=node_server.org,
+        B3OS_INSTANCE=demo_instance,
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
 
     assert "site-packages" in result["sdk"]  # the SDK, not the project's agents app
     assert "raw_response_event" in result["kinds"] and "run_item_stream_event" in result["kinds"]
@@ -178,18 +165,7 @@ def read_with_the_agents_sdk(stream: str, folder: Path) -> dict[str, object]:
     """What the Agents SDK's streamed run makes of ``stream``: its final output and the response id it keeps."""
     sent = folder / "stream.sse"
     sent.write_text(stream)
-    env = {**os.environ}
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run(
-        [sys.executable, "-P", "-c", AGENTS_SDK_REPLAY_SCRIPT, str(sent)],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_sdk_script(AGENTS_SDK_REPLAY_SCRIPT, str(sent), folder=folder)
 
 
 @pytest.fixture

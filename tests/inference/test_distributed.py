@@ -131,7 +131,7 @@ class Cluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     var_dir = tmp_path_factory.mktemp("distributed")
     redis = Redis(var_dir).start()  # on a port it can be started again on
-    extra = {"REDIS_URL": redis.url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "15"}
+    extra = {"REDIS_URL": redis.url, "WORKER_SILENCE_TIMEOUT_SECONDS": "3", "JOB_START_TIMEOUT_SECONDS": "8"}
     server = start_server(var_dir, extra_env=extra, org="dist")
     env = {**server.env}
     worker = start_worker(env, var_dir / "worker.log")

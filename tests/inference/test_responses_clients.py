@@ -8,7 +8,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -17,7 +16,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from tests.conftest import MODEL_ID, LiveServer, OpenAISpec
+from tests.conftest import MODEL_ID, LiveServer, OpenAISpec, run_sdk_script
 from tests.inference.test_responses import check_stream, parse_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,18 +126,13 @@ print(json.dumps(asyncio.run(run())))
 
 
 def test_the_agents_sdk_runs_a_function_tool(node_server: LiveServer, tmp_path: Path) -> None:
-    env = {**os.environ, "B3OS_KEY": node_server.key, "B3OS_BASE_URL": node_server.base_url, "B3OS_MODEL": MODEL_ID}
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run(
-        [sys.executable, "-P", "-c", AGENTS_SDK_SCRIPT],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_sdk_script(
+        AGENTS_SDK_SCRIPT,
+        folder=tmp_path,
+        B3OS_KEY=node_server.key,
+        B3OS_BASE_URL=node_server.base_url,
+        B3OS_MODEL=MODEL_ID,
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
 
     assert "site-packages" in result["sdk"]  # the SDK, not the project's agents app
     assert result["calls"] and result["final_output"] == "52F and raining"
