@@ -105,6 +105,31 @@ async def test_a_root_ref_to_an_object_still_keeps_its_recursive_definitions(api
     assert content.startswith("{") and '"value"' in content
 
 
+# Patterns as Pydantic and clients write them, with escapes (each failed to compile into a grammar: a 400).
+ESCAPED_PATTERNS = {
+    "zip": r"^\d{5}$",
+    "version": r"^v\d+\.\d+$",
+    "phone": r"^\(\d{3}\) \d{3}-\d{4}$",
+    "handle": r"^@\w{2,12}$",
+}
+
+
+async def test_string_patterns_with_escapes_come_back_as_values_they_match(api: API) -> None:
+    schema = {
+        "type": "object",
+        "properties": {name: {"type": "string", "pattern": pattern} for name, pattern in ESCAPED_PATTERNS.items()},
+        "required": list(ESCAPED_PATTERNS),
+        "additionalProperties": False,
+    }
+
+    response = await api.post(CHAT, {**chat_with_schema(schema), "max_tokens": 80})
+
+    assert response.status_code == 200, response.content
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
 # What the grammar would leave out or read as anyOf, refused where the request wrote it, as other such keywords are.
 LEFT_OUT = {
     "not": ({"type": "string", "not": {"enum": ["Paris"]}}, "its 'not' cannot be enforced by this model's grammar"),

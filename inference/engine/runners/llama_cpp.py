@@ -34,6 +34,7 @@ import os
 import queue
 import re
 import secrets
+import string
 import sys
 import threading
 import time
@@ -460,6 +461,84 @@ def _pattern_size(pattern: str, limits: SchemaLimits) -> tuple[str | None, int]:
     return None, cost
 
 
+# A pattern's escapes, written as what the converter reads: it copies "\d" or "\." into the grammar as they are,
+# and llama.cpp's grammars know no such escape (a pattern of "^\d{5}$" did not compile). Inside a JSON string, so
+# that output stays JSON: sets hold no quote, backslash or control character, and a control character written as an
+# escape is JSON's escape of it. A set of ASCII digits, word characters or spaces is what JSON Schema's regular
+# expressions (ECMA-262) mean by \d and \w, and holds the spaces that need no escape of its \s.
+_JSON_UNSAFE = r'"\\\x7F\x00-\x1F'
+_ESCAPED_SETS = {
+    "d": "0-9",
+    "w": "0-9A-Za-z_",
+    "s": r" \u00A0\u1680\u2000-\u200A\u2028\u2029\u202F\u205F\u3000\uFEFF",
+}
+_JSON_ESCAPES = {"t": "t", "n": "n", "r": "r", "f": "f", '"': r"\x22", "\\": r"\x5C"}
+
+
+def _readable_pattern(pattern: str) -> str:
+    """``pattern`` with every escape the converter would copy as it is written as a set, a code or JSON's escape;
+    ``ValueError`` naming one that no grammar of this model can enforce (a word boundary, a back-reference)."""
+    written: list[str] = []
+    in_set = negated = False
+    index = 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char != "\\":
+            if char == "[" and not in_set:
+                in_set, negated = True, pattern.startswith("^", index + 1)
+                written.append("[^" if negated else "[")
+                index += 2 if negated else 1
+                continue
+            if char == "]" and in_set:
+                in_set = False
+                if negated:  # what JSON writes escaped is no member of a string's set
+                    written.append(_JSON_UNSAFE)
+            written.append(char)
+            index += 1
+            continue
+        escaped = pattern[index + 1 : index + 2]
+        index += 2
+        if not escaped:
+            raise ValueError("its pattern ends with a lone backslash")
+        if (members := _ESCAPED_SETS.get(escaped.lower())) is not None:
+            if escaped.islower():
+                written.append(members if in_set else f"[{members}]")
+            elif in_set:
+                raise ValueError(f"its pattern's \\{escaped} inside [...] cannot be enforced by this model's grammar")
+            else:
+                written.append(f"[^{members}{_JSON_UNSAFE}]")
+        elif escaped in _JSON_ESCAPES:
+            if in_set and not negated:
+                raise ValueError(f"its pattern's \\{escaped} inside [...] cannot be enforced by this model's grammar")
+            # Left out of a negated set, as every character JSON writes escaped is.
+            written.append("" if in_set else f"([\\x5C][{_JSON_ESCAPES[escaped]}])")
+        elif escaped in "xu" and (code := _escaped_code(pattern, index, 2 if escaped == "x" else 4)) is not None:
+            index += 2 if escaped == "x" else 4
+            if (code < 0x20 or code in (0x22, 0x5C, 0x7F)) and not (in_set and negated):
+                raise ValueError(
+                    f"its pattern's character U+{code:04X} is written escaped in JSON: this model's grammar cannot "
+                    "enforce it"
+                )
+            written.append(_code(code) if in_set else f"[{_code(code)}]")
+        elif escaped.isalnum() or escaped.isspace() and escaped != " " or not escaped.isprintable():
+            raise ValueError(f"its pattern's \\{escaped} cannot be enforced by this model's grammar")
+        else:  # a character that would mean something else unescaped: itself
+            written.append(_code(ord(escaped)) if in_set else f"[{_code(ord(escaped))}]")
+    return "".join(written)
+
+
+def _escaped_code(pattern: str, start: int, digits: int) -> int | None:
+    hexits = pattern[start : start + digits]
+    if len(hexits) != digits or not all(char in string.hexdigits for char in hexits):
+        return None
+    return int(hexits, 16)
+
+
+def _code(code: int) -> str:
+    """A character as llama.cpp's grammars write its code."""
+    return f"\\x{code:02X}" if code < 0x100 else f"\\u{code:04X}" if code < 0x10000 else f"\\U{code:08X}"
+
+
 def _group_depth(grammar: str) -> int:
     """How deeply the grammar's groups nest (outside its literals and character classes): llama.cpp's parser
     recurses once per level."""
@@ -575,6 +654,9 @@ def _converter_class() -> type[Any]:
                         rule = number_range(*_number_bounds(schema))
                     return str(self._add_rule(rule_name, f"{rule} space"))
             return str(super().visit(schema, name))
+
+        def _visit_pattern(self, pattern: str, name: str) -> str:
+            return str(super()._visit_pattern(_readable_pattern(pattern), name))
 
         def _format_literal(self, literal: str) -> str:
             """A GBNF literal. The library escapes quotes but not backslashes, so the escaped quote of a JSON string

@@ -83,6 +83,62 @@ def test_an_anchored_pattern_stays_anchored() -> None:
     assert "[^" not in rules(schema)["zip"]
 
 
+@pytest.mark.parametrize(
+    ("pattern", "matching", "not_matching"),
+    [
+        (r"^\d{5}$", ["97401"], ["9740a", "974011"]),
+        (r"^v\d+\.\d+\.\d+$", ["v1.20.3"], ["v1x20.3", "v1.20"]),
+        (r"^\w+@\w+\.com$", ["ann_1@example.com"], ["ann@example,com", "a-n@example.com"]),
+        (r"^\(\d{3}\) \d{3}-\d{4}$", ["(541) 555-0199"], ["541 555-0199"]),
+        (r"^\$\d+(\.\d{2})?$", ["$12", "$12.50"], ["12", "$12.5"]),
+        (r"^[\w.\-]+$", ["a.b-c_d"], ["a b", "a/b"]),
+        (r"^https?:\/\/\S+$", ["https://example.com/a?b=c"], ["https://example.com/a b", "ftp://x"]),
+        (r"^\D\W\s$", ["a- ", "a!\u00a0"], ["1- ", "aa ", "a-x", "a-\n"]),
+        (r"^[^\s,]+$", ["Eugene"], ["Eugene, Oregon", "Eu gene"]),
+        (r"^a\tb$", ["a\tb"], ["a b", "atb"]),
+    ],
+)
+def test_a_patterns_escapes_mean_what_json_schemas_regular_expressions_say(
+    vocab: Any, pattern: str, matching: list[str], not_matching: list[str]
+) -> None:
+    # llama.cpp's grammars know none of these escapes: the converter copied them, and the grammar did not compile.
+    schema = {"type": "string", "pattern": pattern}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    for text in matching:
+        assert accepts(vocab, schema, json.dumps(text, ensure_ascii=False)), text
+        jsonschema.validate(text, schema)
+    for text in not_matching:
+        assert not accepts(vocab, schema, json.dumps(text, ensure_ascii=False)), text
+
+
+def test_a_negated_set_in_a_pattern_holds_nothing_json_writes_escaped(vocab: Any) -> None:
+    schema = {"type": "string", "pattern": "^[^a]+$"}
+
+    assert accepts(vocab, schema, '"bcd"')
+    assert not accepts(vocab, schema, '"b"c"')
+    assert not accepts(vocab, schema, '"b\nc"')
+    assert not accepts(vocab, schema, '"b\\c"')
+
+
+@pytest.mark.parametrize(
+    ("pattern", "named"),
+    [
+        (r"^\bword$", r"\b"),
+        (r"^(a)\1$", r"\1"),
+        (r"^\p{L}+$", r"\p"),
+        (r"^[\D]$", r"\D inside [...]"),
+        (r"^[\t ]$", r"\t inside [...]"),
+        (r"^[a\"]$", r"\" inside [...]"),
+        (r"^\x0a$", "U+000A"),
+    ],
+)
+def test_a_pattern_escape_no_grammar_can_enforce_is_named(vocab: Any, pattern: str, named: str) -> None:
+    problem = schema_problem({"type": "string", "pattern": pattern}, vocab=vocab)
+
+    assert problem is not None and named in problem and "compile" not in problem
+
+
 def test_a_property_called_pattern_is_a_property_not_a_regex() -> None:
     schema = {"type": "object", "properties": {"pattern": {"type": "string"}}, "required": ["pattern"]}
 
