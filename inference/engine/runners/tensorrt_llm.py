@@ -53,6 +53,7 @@ from .base import (
     TokenLogprob,
     keyword_problem,
     prompt_pieces,
+    subschemas,
 )
 
 logger = logging.getLogger(__name__)
@@ -578,11 +579,37 @@ _XGRAMMAR_FORMATS: Final = frozenset(
 )
 
 
+# Keywords xgrammar compiles as nothing, so that output breaking them passes as valid (its grammar for each lets such
+# output through: tests/inference/engine/runners/test_tensorrt_llm_runner.py); with them, "uniqueItems": true.
+_XGRAMMAR_LEAVES_OUT: Final = (
+    "multipleOf",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "if",
+)
+
+
+def _xgrammar_problem(schema: Any) -> str | None:
+    for node in subschemas(schema):
+        for keyword in _XGRAMMAR_LEAVES_OUT:
+            if keyword in node:
+                return f"its {keyword!r} cannot be enforced by this model's guided decoding"
+        if node.get("uniqueItems") is True:
+            return "its 'uniqueItems' cannot be enforced by this model's guided decoding"
+    return None
+
+
 def schema_problem(schema: dict[str, Any]) -> str | None:
     """Why TensorRT-LLM's guided decoder (xgrammar) cannot enforce ``schema``, or None when it can. xgrammar compiles
-    a ``not`` and an unknown format as nothing, and a ``oneOf`` as an ``anyOf``: such schemas are refused first."""
-    return keyword_problem(schema, formats=_XGRAMMAR_FORMATS) or _compile_problem(
-        "json_schema", json.dumps(schema, sort_keys=True)
+    a ``not``, an unknown format, a ``multipleOf`` and the like as nothing, and a ``oneOf`` as an ``anyOf``: such
+    schemas are refused first."""
+    return (
+        keyword_problem(schema, formats=_XGRAMMAR_FORMATS)
+        or _xgrammar_problem(schema)
+        or _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
     )
 
 
@@ -591,7 +618,9 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
         return None
     if constraint.kind == "tool_calls":
         for schema in (constraint.schema, constraint.text_schema):
-            if schema is not None and (problem := keyword_problem(schema, formats=_XGRAMMAR_FORMATS)):
+            if schema is None:
+                continue
+            if problem := keyword_problem(schema, formats=_XGRAMMAR_FORMATS) or _xgrammar_problem(schema):
                 return problem
         return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema, constraint.text_schema))
     return schema_problem(constraint.schema)

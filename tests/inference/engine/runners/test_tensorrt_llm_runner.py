@@ -675,6 +675,37 @@ def test_a_keyword_xgrammar_compiles_as_nothing_or_as_anyof_is_refused_by_name(
 
 
 @pytest.mark.parametrize(
+    ("schema", "breaking", "says"),
+    [
+        ({"type": "integer", "multipleOf": 5}, "7", "its 'multipleOf' cannot be enforced"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "'uniqueItems'"),
+        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1, 2]", "'contains'"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "dependentRequired": {"a": ["b"]},
+            },
+            '{"a": 1}',
+            "'dependentRequired'",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": False},
+            '{"a": 1}',
+            "its 'if' cannot be enforced",
+        ),
+    ],
+    ids=["multipleOf", "uniqueItems", "contains", "dependentRequired", "if"],
+)
+def test_a_keyword_xgrammar_leaves_out_is_refused_by_name(
+    toy: types.ModuleType, trtllm: types.ModuleType, schema: dict[str, Any], breaking: str, says: str
+) -> None:
+    # xgrammar compiles each, and lets through a value that breaks it.
+    assert toy.admits(trtllm.llmapi.GuidedDecodingParams(json=schema), breaking)
+    assert says in (runner_module.schema_problem(schema) or "")
+
+
+@pytest.mark.parametrize(
     "schema",
     [
         {"type": "string", "format": "uri"},
