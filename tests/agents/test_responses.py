@@ -521,8 +521,10 @@ async def test_a_server_tool_the_client_hung_up_on_is_kept_failed_not_running_fo
 async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the_agent_goes_on(
     tenant: Tenant, make_instance: Callable[..., AgentInstance], broken_stock_tool: ServerTool
 ) -> None:
+    # Greedy: sampling hot, the forced call's arguments (any object) may outrun the budget, and a call cut short is
+    # not run.
     instance = await sync_to_async(make_instance)(
-        "support.agent.stock", tools=["check_stock"], first_step=FirstStep.TOOL
+        "support.agent.stock", tools=["check_stock"], first_step=FirstStep.TOOL, temperature=0
     )
 
     events, response = await tenant.stream(
@@ -554,7 +556,7 @@ async def test_output_holding_u0000_is_stored_with_u_fffd_in_its_place_and_the_c
     )
     monkeypatch.setitem(REGISTRY, tool.name, tool)
     instance = await sync_to_async(make_instance)(
-        "support.agent.labels", tools=["read_label"], first_step=FirstStep.TOOL
+        "support.agent.labels", tools=["read_label"], first_step=FirstStep.TOOL, temperature=0
     )
 
     # Room for the forced call (about 24 tokens): one its budget closes early is cut short, and not run.
