@@ -717,8 +717,14 @@ def test_a_keyword_xgrammar_leaves_out_is_refused_by_name(
                 {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]},
             ]
         },
+        {
+            "type": "object",
+            "properties": {"if": {"type": "string"}, "contains": {"type": "integer"}},
+            "required": ["if"],
+            "enum": [{"if": "x", "contains": 1}, {"if": "y"}],
+        },
     ],
-    ids=["uri", "nullable-date-time", "oneOf-of-types", "discriminated-oneOf"],
+    ids=["uri", "nullable-date-time", "oneOf-of-types", "discriminated-oneOf", "properties-named-as-keywords"],
 )
 def test_formats_xgrammar_enforces_and_a_oneof_of_branches_apart_are_taken(schema: dict[str, Any]) -> None:
     assert runner_module.schema_problem(schema) is None
