@@ -104,6 +104,10 @@ class AgentResponseRequest(wire.ResponseCreateRequest):
             )
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
             raise unsupported_parameter("text.format", "agents answer in text, with citations")
+        if self.truncation == "auto":
+            raise unsupported_parameter(
+                "truncation", "truncation: auto is not supported by the agent runtime; use disabled"
+            )
         if isinstance(self.tool_choice, wire.ToolChoiceAllowed):
             raise unsupported_parameter(
                 "tool_choice", "allowed_tools is not supported by the agent runtime: send only the tools it may call"

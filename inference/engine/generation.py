@@ -12,7 +12,7 @@ import codecs
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,9 +32,16 @@ from .decoding import (
     plan_decoding,
 )
 from .dispatch import Job, start_job
-from .exceptions import ChatTemplateRefused, ModelUnavailable, Overloaded, SchemaNotEnforceable, TooManyTopLogprobs
+from .exceptions import (
+    ChatTemplateRefused,
+    ContextLengthExceeded,
+    ModelUnavailable,
+    Overloaded,
+    SchemaNotEnforceable,
+    TooManyTopLogprobs,
+)
 from .execution import Accepted, JobEvent, JobFailed, get_renderer
-from .prompting import Message, check_context, render_prompt
+from .prompting import Message, RenderedPrompt, check_context, render_prompt
 from .runners.base import Finished, GenerationJob, PromptRenderer, RunnerError, Sampling, TextChunk, TokenLogprob
 
 logger = logging.getLogger("inference.engine.generation")
@@ -253,6 +260,8 @@ class GenerationRequest:
     presence_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # Responses' ``truncation: auto``: a conversation past the context loses its oldest turns instead of a 400.
+    truncate: bool = False
 
 
 async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generation:
@@ -269,21 +278,56 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
     return await sync_to_async(_prepare, thread_sensitive=False)(entry=entry, request=request, renderer=renderer)
 
 
+def truncated(
+    messages: list[Message], fitting: Callable[[list[Message]], tuple[RenderedPrompt, int]]
+) -> tuple[RenderedPrompt, int]:
+    """What ``fitting`` makes of ``messages``, or of the fewest of their oldest turns left out that fit (OpenAI's
+    ``truncation: auto``). The instructions before the conversation stay, and a cut comes only before a user
+    message, so that no call loses its output; ``ContextLengthExceeded`` when even the last turn alone is too long."""
+    try:
+        return fitting(messages)
+    except ContextLengthExceeded as exc:
+        overflow = exc
+    head = 0
+    while head < len(messages) and messages[head]["role"] in ("system", "developer"):
+        head += 1
+    cuts = [index for index in range(head + 1, len(messages)) if messages[index]["role"] == "user"]
+    # The fewer turns left out, the longer the prompt: the first cut that fits, found by halving.
+    low, high, found = 0, len(cuts) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        try:
+            found = fitting(messages[:head] + messages[cuts[middle] :])
+            high = middle - 1
+        except ContextLengthExceeded as exc:
+            overflow = exc
+            low = middle + 1
+    if found is None:
+        raise overflow
+    return found
+
+
 def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: PromptRenderer) -> Generation:
     describe_tools = bool(request.tools) and request.tool_choice != "none"
-    try:
-        prompt = render_prompt(
-            renderer=renderer,
-            messages=request.messages,
-            tools=request.tools,
-            describe_tools=describe_tools,
-            context_length=entry.context_length,
+
+    def fitting(messages: list[Message]) -> tuple[RenderedPrompt, int]:
+        """The prompt of ``messages`` and the room it leaves for output; ``ContextLengthExceeded`` when none."""
+        try:
+            prompt = render_prompt(
+                renderer=renderer,
+                messages=messages,
+                tools=request.tools,
+                describe_tools=describe_tools,
+                context_length=entry.context_length,
+            )
+        except TemplateError as exc:
+            raise ChatTemplateRefused(str(exc)) from None
+        room = check_context(
+            prompt_tokens=prompt.tokens, max_output=request.max_output_tokens, context_length=entry.context_length
         )
-    except TemplateError as exc:
-        raise ChatTemplateRefused(str(exc)) from None
-    room = check_context(
-        prompt_tokens=prompt.tokens, max_output=request.max_output_tokens, context_length=entry.context_length
-    )
+        return prompt, room
+
+    prompt, room = truncated(request.messages, fitting) if request.truncate else fitting(request.messages)
     max_tokens = min(request.max_output_tokens or entry.max_output_tokens, entry.max_output_tokens, room)
     plan = plan_decoding(
         tools=request.tools,

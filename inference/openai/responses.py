@@ -378,8 +378,6 @@ class ResponseCreateRequest(WireModel):
         for name, message in self.REFUSED.items():
             if getattr(self, name) not in (None, False):
                 raise unsupported_parameter(name, message)
-        if self.truncation == "auto":
-            raise unsupported_parameter("truncation", "truncation: auto is not supported; use disabled")
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")
         if self.stream_options is not None and not self.stream:
@@ -579,7 +577,7 @@ def request_echo(request: ResponseCreateRequest, *, tool_choice: str | dict[str,
         "text": {"format": text_format_echo(request.text_format), "verbosity": "medium"},
         "tool_choice": tool_choice,
         "tools": [function_tool_echo(tool) for tool in request.function_tools],
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
         "safety_identifier": request.safety_identifier,
         "prompt_cache_key": request.prompt_cache_key,
         "prompt_cache_retention": request.prompt_cache_retention,

@@ -298,6 +298,7 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
         top_p=request.top_p,
         logprobs=request.wants_logprobs,
         top_logprobs=(request.top_logprobs or 0) if request.wants_logprobs else 0,
+        truncate=request.truncation == "auto",
     )
 
 

@@ -1188,6 +1188,17 @@ async def test_allowed_tools_is_refused_by_name(tenant: Tenant, plain_agent: Age
     )
 
 
+async def test_truncation_auto_is_refused_by_name(tenant: Tenant, plain_agent: AgentInstance) -> None:
+    body = {"model": plain_agent.instance_id, "input": "Hi", "stream": True, "truncation": "auto"}
+
+    response = await tenant.post("/v1/responses", body)
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("truncation", "unsupported_parameter")
+    assert "agent runtime" in error["message"]
+
+
 @pytest.mark.database
 async def test_admission_limits_apply_to_agent_requests(
     tenant: Tenant, plain_agent: AgentInstance, organization: Organization

@@ -510,7 +510,6 @@ async def test_it_names_the_missing_field_of_an_object_whose_type_is_also_one_of
         ("conversation", "conv_123"),
         ("prompt", {"id": "pmpt_123"}),
         ("background", True),
-        ("truncation", "auto"),
         ("context_management", [{"type": "compaction"}]),
     ],
 )
@@ -760,6 +759,44 @@ async def test_it_refuses_what_does_not_fit_the_context_in_the_responses_apis_wo
 
     error = assert_error(response, 400, "context_length_exceeded", param)
     assert words in error["message"] and "messages" not in error["message"]
+
+
+def remembered_turns(count: int) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = []
+    for number in range(count):
+        turns.append({"role": "user", "content": f"Remember the number {number} and the river Willamette."})
+        turns.append({"role": "assistant", "content": f"I will remember {number}."})
+    return turns
+
+
+async def test_truncation_auto_leaves_out_the_oldest_turns_that_do_not_fit_and_no_more(
+    api: API, catalog_model: CatalogEntry, openai_spec: OpenAISpec
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=256)
+    body = ask(
+        instructions="Answer in one word.",
+        input=[*remembered_turns(12), {"role": "user", "content": "Say hi."}],
+        max_output_tokens=16,
+    )
+    assert_error(await api.post(RESPONSES, body), 400, "context_length_exceeded", "input")
+
+    response = await api.post(RESPONSES, {**body, "truncation": "auto"})
+
+    assert response.status_code == 200, response.content
+    result = response.json()
+    openai_spec.validate("Response", result)
+    assert result["truncation"] == "auto" and result["status"] in ("completed", "incomplete")
+    # The prompt fits with the output asked for, and less than one more turn of room is left unused.
+    assert 256 - 16 - 40 < result["usage"]["input_tokens"] <= 256 - 16
+
+
+async def test_truncation_auto_still_refuses_a_last_turn_that_alone_does_not_fit(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=64)
+    body = ask(input=[*remembered_turns(2), {"role": "user", "content": "river " * 80}], truncation="auto")
+
+    assert_error(await api.post(RESPONSES, body), 400, "context_length_exceeded", "input")
 
 
 async def test_a_get_is_a_405_that_allows_only_post(api: API) -> None:
