@@ -87,14 +87,17 @@ lint: install-test
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-# The whole suite on SQLite (the default database) and, beside it, the tests marked database on a throwaway
-# PostgreSQL cluster. The PostgreSQL stage runs at a lower priority on the CPU the live servers' tests leave idle while
-# they wait on processes and clocks; its report follows the SQLite stage's.
+# The whole suite on SQLite (the default database), its test files spread over TEST_PROCESSES processes, and beside
+# it the tests marked database on a throwaway PostgreSQL cluster. Much of the suite waits on processes and clocks (live
+# servers starting, outages, deadlines), so the processes fill each other's idle time; each runs the model on one
+# thread, so that together they do not ask for more cores than there are. The PostgreSQL stage runs at a lower
+# priority; its report follows the SQLite stage's.
+TEST_PROCESSES ?= 2
 test: lint system-test-deps codex-cli node-clients
 	@mkdir -p $(VAR_DIR)
-	@nice -n 10 $(PY) -m pytest -p tests.postgres -m database -p no:cacheprovider > $(VAR_DIR)/test-postgres.log 2>&1 & \
+	@CPU_RUNNER_THREADS=1 nice -n 10 $(PY) -m pytest -p tests.postgres -m database -p no:cacheprovider > $(VAR_DIR)/test-postgres.log 2>&1 & \
 	postgres=$$!; \
-	$(PY) -m pytest; sqlite=$$?; \
+	CPU_RUNNER_THREADS=1 $(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile; sqlite=$$?; \
 	wait $$postgres; pg=$$?; \
 	echo "== The tests marked database, on PostgreSQL (-p tests.postgres -m database) =="; \
 	cat $(VAR_DIR)/test-postgres.log; \

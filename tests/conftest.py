@@ -113,7 +113,10 @@ def openai_spec() -> OpenAISpec:
         document = json.loads(cache.read_text())
     else:
         document = _honour_nullable(yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
-        cache.write_text(json.dumps(document, default=str))
+        # Written whole and moved in place: test processes running side by side may read it as it is made.
+        with tempfile.NamedTemporaryFile("w", dir=DATA, suffix=".part", delete=False) as part:
+            part.write(json.dumps(document, default=str))
+        os.replace(part.name, cache)
     return OpenAISpec(document)
 
 

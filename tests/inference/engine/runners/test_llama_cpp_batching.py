@@ -330,6 +330,7 @@ def test_a_wrong_number_in_the_settings_is_refused_by_name_before_anything_loads
 
 def test_the_hosts_thread_count_comes_before_the_catalog_entrys(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {**SETTINGS, "n_threads": 4}
+    monkeypatch.delenv("CPU_RUNNER_THREADS", raising=False)
     assert llama_cpp.RunnerSettings.of(settings).threads == 4
 
     monkeypatch.setenv("CPU_RUNNER_THREADS", "1")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -72,7 +71,6 @@ def subject(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     yield Subject("tensorrt_llm", module.load(TRT_SETTINGS), TRT_SETTINGS, prompt, 40)
     module.shutdown_all()
     _drop_tensorrt_llm_modules()
-    sys.modules.pop("inference.engine.runners.tensorrt_llm", None)
 
 
 def run(subject: Subject, job: GenerationJob, cancel_after: int | None = None) -> tuple[list[TextChunk], Finished]:
