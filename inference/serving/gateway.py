@@ -7,8 +7,10 @@ upstream's model id), streams pass through event by event, and upstream failures
 
 A streamed chat always asks the upstream for its usage (``stream_options.include_usage``), so that the request is
 metered; the usage chunk is passed on only to a client that asked for it. The tokens-per-minute charge made at
-admission, an estimate, is corrected to the upstream's count when it comes. A stream ends after
-``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
+admission, an estimate, is corrected to the upstream's count when it comes. An answer that comes without a count
+(a stream cut by its client, its time limit or the upstream, or usage that is not counts) is recorded with estimates:
+the body's bytes over four for its input, a token for each piece of text streamed (four bytes a token of a whole
+answer) for its output. A stream ends after ``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
 
 One pooled aiohttp session per process (per event loop) keeps connections to the upstream warm; aiohttp's client
 costs a fraction of httpx's per request, which is most of what this hop adds.
@@ -22,7 +24,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import orjson
@@ -153,12 +155,34 @@ def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
             )
 
 
-def estimate_tokens(body: dict[str, Any]) -> int:
-    """Admission's charge without the upstream's tokenizer: about four bytes a token of the whole body (its
-    instructions and tools are read too), plus the output cap."""
-    size = len(orjson.dumps(body))
+def estimate_input_tokens(body: dict[str, Any]) -> int:
+    """What the upstream reads, without its tokenizer: about four bytes a token of the whole body (its instructions
+    and tools are read too)."""
+    return len(orjson.dumps(body)) // 4
+
+
+def output_cap(body: dict[str, Any]) -> int:
+    """The most the answer may hold: the body's cap, or the gateway's default."""
     cap = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-    return size // 4 + (cap if isinstance(cap, int) and cap > 0 else settings.GATEWAY_DEFAULT_MAX_TOKENS)
+    return cap if isinstance(cap, int) and cap > 0 else settings.GATEWAY_DEFAULT_MAX_TOKENS
+
+
+# A piece of generated text in a streamed event: chat's content, tool call arguments or reasoning, a Responses delta.
+# Upstreams send about a token a piece. A key spelled inside a string is escaped (\"content\") and never matches.
+_TEXT_PIECE: Final = re.compile(rb'"(?:content|arguments|reasoning_content|reasoning|delta)"\s*:\s*"[^"]')
+_ANSWER_TEXT_KEYS: Final = frozenset({"content", "text", "arguments", "reasoning_content", "refusal"})
+
+
+def _answer_text_size(value: Any) -> int:
+    """Characters of generated text in a whole answer's ``choices`` or ``output``."""
+    if isinstance(value, list):
+        return sum(_answer_text_size(item) for item in value)
+    if isinstance(value, dict):
+        return sum(
+            len(item) if key in _ANSWER_TEXT_KEYS and isinstance(item, str) else _answer_text_size(item)
+            for key, item in value.items()
+        )
+    return 0
 
 
 MAX_REPORTED_TOKENS = 10**9
@@ -183,6 +207,8 @@ class UpstreamUsage:
     """What the upstream reported using, and how its answer went; filled in as the response passes through."""
 
     started: float
+    input_estimate: int = 0  # what the body is reckoned to hold, for an answer that comes without a count
+    output_seen: int = 0  # tokens reckoned from the text that went by, likewise
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
@@ -214,13 +240,15 @@ class UpstreamUsage:
         self.input_tokens, self.output_tokens, self.reasoning_tokens, self.cached_tokens = (c or 0 for c in counts)
 
     def outcome(self, *, ran_to_end: bool = True) -> StreamOutcome:
-        """The request's usage record: what the upstream reported, or with the client gone, what it had so far."""
+        """The request's usage record: what the upstream reported or, without its count (the client gone, the
+        stream cut, usage that is not counts), the estimates of what it read and what had gone by."""
         ttft = None if self.first_byte_at is None else int((self.first_byte_at - self.started) * 1000)
+        reported = self.reported
         return StreamOutcome(
             status=self.status if ran_to_end else CLIENT_DISCONNECTED,
             error_code=self.error_code if ran_to_end else "client_disconnected",
-            input_tokens=self.input_tokens,
-            output_tokens=self.output_tokens,
+            input_tokens=self.input_tokens if reported else self.input_estimate,
+            output_tokens=self.output_tokens if reported else self.output_seen,
             reasoning_tokens=self.reasoning_tokens,
             cached_tokens=self.cached_tokens,
             time_to_first_token_ms=ttft,
@@ -333,6 +361,8 @@ async def forward_json(
         # Some upstreams report a failure with status 200: it is a failure all the same, and its words are theirs.
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
     tally.read_usage(data.get("usage"))
+    if not tally.reported:
+        tally.output_seen = -(-_answer_text_size([data.get("choices"), data.get("output")]) // 4)
     return data
 
 
@@ -540,6 +570,7 @@ class StreamRelay:
                 return event + b"\n\n"
         elif (number := _SEQUENCE.search(payload)) is not None:
             self._sequence = int(number[1])
+        self.tally.output_seen += len(_TEXT_PIECE.findall(payload))
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
         # an ending is told by its type, not by its name turning up in a delta's text.
         markers = (b'"error"', b'"usage"', *(self.terminal if self.terminal is RESPONSE_END else ()))
@@ -625,8 +656,10 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     if streamed_chat:
         forwarded["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
     meter = meter_for(caller, model=model, endpoint=endpoint, route=ROUTE)
-    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=estimate_tokens(body))
-    tally = UpstreamUsage(started=meter.started)
+    # Admission's charge, corrected to the upstream's count when it comes.
+    reads = estimate_input_tokens(body)
+    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=reads + output_cap(body))
+    tally = UpstreamUsage(started=meter.started, input_estimate=reads)
     try:
         if not body.get("stream"):
             data = await forward_json(

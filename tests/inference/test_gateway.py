@@ -215,12 +215,25 @@ def test_an_upstream_that_is_down_is_a_502(setup: Setup) -> None:
     assert_no_upstream_secret(response)
 
 
-def test_a_client_that_hangs_up_closes_the_upstream_request(setup: Setup) -> None:
+def read_estimate(body: dict) -> int:
+    """What the gateway reckons a body it forwards to hold without the upstream's count: four bytes a token."""
+    return len(json.dumps(body, separators=(",", ":"))) // 4
+
+
+def pieces_of_text(lines: list[str]) -> int:
+    """The streamed chat chunks that carried text."""
+    return sum(
+        1 for line in lines if line != "[DONE]" and any(c["delta"].get("content") for c in json.loads(line)["choices"])
+    )
+
+
+def test_a_client_that_hangs_up_closes_the_upstream_request_and_is_recorded_with_what_it_got(setup: Setup) -> None:
     before = setup.last().get("abandoned_streams", 0)
+    body = chat(model="stall", stream=True)
     with httpx.stream(
         "POST",
         setup.server.url + "/v1/infer/chat/completions",
-        json=chat(model="stall", stream=True),
+        json=body,
         headers={"Authorization": f"Bearer {setup.server.key}"},
         timeout=30,
     ) as response:
@@ -232,7 +245,8 @@ def test_a_client_that_hangs_up_closes_the_upstream_request(setup: Setup) -> Non
     while time.monotonic() < deadline and setup.last().get("abandoned_streams", 0) == before:
         time.sleep(0.1)
     assert setup.last()["abandoned_streams"] == before + 1
-    assert setup.usage(request_id)[1:3] == (499, "client_disconnected")
+    # The upstream never said what it used: the record holds the body's estimate and the two pieces of text it sent.
+    assert setup.usage(request_id)[1:5] == (499, "client_disconnected", read_estimate(body), 2)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -381,11 +395,12 @@ def test_the_tokens_per_minute_charge_is_corrected_to_the_upstreams_count(setup:
 
 def test_a_gateway_stream_ends_at_its_time_limit(setup: Setup) -> None:
     started = time.monotonic()
-    lines, request_id = stream_lines(setup, chat(model="trickle", stream=True))
+    body = chat(model="trickle", stream=True)
+    lines, request_id = stream_lines(setup, body)
 
     assert time.monotonic() - started < 10  # the upstream would go on for a minute
     assert json.loads(lines[-1])["error"]["code"] == "stream_time_limit"
-    assert setup.usage(request_id)[1:3] == (200, "stream_time_limit")
+    assert setup.usage(request_id)[1:5] == (200, "stream_time_limit", read_estimate(body), pieces_of_text(lines[:-1]))
 
 
 def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setup) -> None:
@@ -414,11 +429,13 @@ def test_bodies_are_asked_for_uncompressed_as_they_are_relayed_undecoded(setup: 
 
 
 def test_usage_the_upstream_reports_in_words_is_not_trusted_and_the_answer_still_arrives(setup: Setup) -> None:
-    response = setup.post(chat(model="bad-usage", max_tokens=7))
+    body = chat(model="bad-usage", max_tokens=7)
+    response = setup.post(body)
 
     assert response.status_code == 200
     route, status, error_code, input_tokens, output_tokens, _ = setup.usage(response.headers["x-request-id"])
-    assert (route, status, error_code, input_tokens, output_tokens) == ("gateway", 200, "", 0, 0)
+    # Recorded with estimates instead: the body's bytes and the answer's 48 characters, four a token.
+    assert (route, status, error_code, input_tokens, output_tokens) == ("gateway", 200, "", read_estimate(body), 12)
     assert "not token counts" in setup.log()
 
 
@@ -512,7 +529,9 @@ def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_erro
     assert name == "error"
     assert (event["type"], event["code"]) == ("error", "upstream_error")
     assert event["sequence_number"] == before[-1][1]["sequence_number"] + 1
-    assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
+    deltas = sum(1 for name, _ in before if name == "response.output_text.delta")
+    body = {"model": "no-done", "route": "gateway", "input": "Hi", "stream": True}  # as stream_response sends it
+    assert setup.usage(response.headers["x-request-id"])[1:5] == (502, "upstream_error", read_estimate(body), deltas)
 
 
 def test_an_upstream_redirect_is_not_followed(setup: Setup) -> None:
