@@ -167,22 +167,44 @@ def output_cap(body: dict[str, Any]) -> int:
     return cap if isinstance(cap, int) and cap > 0 else settings.GATEWAY_DEFAULT_MAX_TOKENS
 
 
-# A piece of generated text in a streamed event: chat's content, tool call arguments or reasoning, a Responses delta.
-# Upstreams send about a token a piece. A key spelled inside a string is escaped (\"content\") and never matches.
-_TEXT_PIECE: Final = re.compile(rb'"(?:content|arguments|reasoning_content|reasoning|delta)"\s*:\s*"[^"]')
-_ANSWER_TEXT_KEYS: Final = frozenset({"content", "text", "arguments", "reasoning_content", "refusal"})
+# A piece of generated text in a streamed event, and the string that holds it: chat's content, refusal, tool call
+# arguments or reasoning; a Responses delta event's delta. A key spelled inside a string is escaped (\"content\") and
+# never matches.
+_TEXT_PIECE: Final = re.compile(
+    rb'"(content|refusal|arguments|reasoning_content|reasoning|delta)"\s*:\s*"((?:[^"\\]|\\.)+)"'
+)
+_DELTA_EVENT: Final = re.compile(rb'"type"\s*:\s*"response\.[a-z_.]+\.delta"')
+# Generated text in a whole answer's choices or output.
+_ANSWER_TEXT_KEYS: Final = frozenset({"content", "refusal", "text", "arguments", "reasoning_content", "reasoning"})
+
+
+def _text_tokens(size: int) -> int:
+    """Tokens reckoned for a piece of text of ``size`` characters: four a token, at least one."""
+    return max(1, -(-size // 4))
+
+
+def _streamed_tokens(payload: bytes, *, responses: bool) -> int:
+    """Tokens reckoned for the generated text an event carries: none in a Responses event that is no delta (those
+    repeat the text the deltas brought, or the request's own fields)."""
+    if responses and not _DELTA_EVENT.search(payload):
+        return 0
+    pieces = _TEXT_PIECE.findall(payload)
+    keys = {key for key, _ in pieces}
+    # Some servers send a model's reasoning twice in one delta, under both names.
+    skip = b"reasoning" if b"reasoning_content" in keys else None
+    return sum(_text_tokens(len(text)) for key, text in pieces if key != skip)
 
 
 def _answer_text_size(value: Any) -> int:
     """Characters of generated text in a whole answer's ``choices`` or ``output``."""
     if isinstance(value, list):
         return sum(_answer_text_size(item) for item in value)
-    if isinstance(value, dict):
-        return sum(
-            len(item) if key in _ANSWER_TEXT_KEYS and isinstance(item, str) else _answer_text_size(item)
-            for key, item in value.items()
-        )
-    return 0
+    if not isinstance(value, dict):
+        return 0
+    keys = _ANSWER_TEXT_KEYS - {"reasoning"} if "reasoning_content" in value else _ANSWER_TEXT_KEYS
+    return sum(
+        len(item) if key in keys and isinstance(item, str) else _answer_text_size(item) for key, item in value.items()
+    )
 
 
 MAX_REPORTED_TOKENS = 10**9
@@ -207,8 +229,11 @@ class UpstreamUsage:
     """What the upstream reported using, and how its answer went; filled in as the response passes through."""
 
     started: float
-    input_estimate: int = 0  # what the body is reckoned to hold, for an answer that comes without a count
-    output_seen: int = 0  # tokens reckoned from the text that went by, likewise
+    # For an answer that comes without the upstream's count: what the body is reckoned to hold, whether the upstream
+    # answered at all (then it read the body), and tokens reckoned from the text that went by.
+    input_estimate: int = 0
+    answered: bool = False
+    output_seen: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
@@ -240,15 +265,15 @@ class UpstreamUsage:
         self.input_tokens, self.output_tokens, self.reasoning_tokens, self.cached_tokens = (c or 0 for c in counts)
 
     def outcome(self, *, ran_to_end: bool = True) -> StreamOutcome:
-        """The request's usage record: what the upstream reported or, without its count (the client gone, the
-        stream cut, usage that is not counts), the estimates of what it read and what had gone by."""
+        """The request's usage record: what the upstream reported or, for a count it did not give (the client gone,
+        the stream cut, usage that is not counts), the estimate of what it read once it answered and of what had
+        gone by."""
         ttft = None if self.first_byte_at is None else int((self.first_byte_at - self.started) * 1000)
-        reported = self.reported
         return StreamOutcome(
             status=self.status if ran_to_end else CLIENT_DISCONNECTED,
             error_code=self.error_code if ran_to_end else "client_disconnected",
-            input_tokens=self.input_tokens if reported else self.input_estimate,
-            output_tokens=self.output_tokens if reported else self.output_seen,
+            input_tokens=self.input_tokens or (self.input_estimate if self.answered else 0),
+            output_tokens=self.output_tokens or self.output_seen,
             reasoning_tokens=self.reasoning_tokens,
             cached_tokens=self.cached_tokens,
             time_to_first_token_ms=ttft,
@@ -360,9 +385,10 @@ async def forward_json(
     if isinstance(data.get("error"), dict) and "choices" not in data and "output" not in data:
         # Some upstreams report a failure with status 200: it is a failure all the same, and its words are theirs.
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
+    tally.answered = True
     tally.read_usage(data.get("usage"))
-    if not tally.reported:
-        tally.output_seen = -(-_answer_text_size([data.get("choices"), data.get("output")]) // 4)
+    if size := _answer_text_size([data.get("choices"), data.get("output")]):
+        tally.output_seen = _text_tokens(size)
     return data
 
 
@@ -470,6 +496,7 @@ class StreamRelay:
                     return
                 if self.tally.first_byte_at is None:
                     self.tally.first_byte_at = time.monotonic()
+                    self.tally.answered = True
                 received = pending + chunk
                 if b"\r" in received:  # events framed with CRLF, as SSE allows
                     received = received.replace(b"\r\n", b"\n")
@@ -570,7 +597,7 @@ class StreamRelay:
                 return event + b"\n\n"
         elif (number := _SEQUENCE.search(payload)) is not None:
             self._sequence = int(number[1])
-        self.tally.output_seen += len(_TEXT_PIECE.findall(payload))
+        self.tally.output_seen += _streamed_tokens(payload, responses=self.terminal is RESPONSE_END)
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
         # an ending is told by its type, not by its name turning up in a delta's text.
         markers = (b'"error"', b'"usage"', *(self.terminal if self.terminal is RESPONSE_END else ()))
@@ -659,7 +686,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     # Admission's charge, corrected to the upstream's count when it comes.
     reads = estimate_input_tokens(body)
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=reads + output_cap(body))
-    tally = UpstreamUsage(started=meter.started, input_estimate=reads)
+    # An upstream reads no more than its context (a body's inline images and files would count as text).
+    tally = UpstreamUsage(started=meter.started, input_estimate=min(reads, entry.context_length))
     try:
         if not body.get("stream"):
             data = await forward_json(

@@ -15,6 +15,7 @@ import pytest
 
 from inference.models import CatalogEntry
 from tests.conftest import API, MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from tests.fakes.openai_upstream import CHUNK_WORDS
 
 UPSTREAM_KEY = "upstream-secret-123456"
 QUESTION = [{"role": "user", "content": "Hi"}]
@@ -220,11 +221,15 @@ def read_estimate(body: dict) -> int:
     return len(json.dumps(body, separators=(",", ":"))) // 4
 
 
-def pieces_of_text(lines: list[str]) -> int:
-    """The streamed chat chunks that carried text."""
-    return sum(
-        1 for line in lines if line != "[DONE]" and any(c["delta"].get("content") for c in json.loads(line)["choices"])
-    )
+def text_tokens(texts: list[str]) -> int:
+    """What the gateway reckons streamed pieces of text to hold without the upstream's count: four characters a
+    token, at least one a piece."""
+    return sum(max(1, -(-len(text) // 4)) for text in texts if text)
+
+
+def streamed_texts(lines: list[str]) -> list[str]:
+    """The text of each streamed chat chunk."""
+    return [c["delta"].get("content") or "" for line in lines if line != "[DONE]" for c in json.loads(line)["choices"]]
 
 
 def test_a_client_that_hangs_up_closes_the_upstream_request_and_is_recorded_with_what_it_got(setup: Setup) -> None:
@@ -246,7 +251,12 @@ def test_a_client_that_hangs_up_closes_the_upstream_request_and_is_recorded_with
         time.sleep(0.1)
     assert setup.last()["abandoned_streams"] == before + 1
     # The upstream never said what it used: the record holds the body's estimate and the two pieces of text it sent.
-    assert setup.usage(request_id)[1:5] == (499, "client_disconnected", read_estimate(body), 2)
+    assert setup.usage(request_id)[1:5] == (
+        499,
+        "client_disconnected",
+        read_estimate(body),
+        text_tokens(CHUNK_WORDS[:2]),
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -400,7 +410,12 @@ def test_a_gateway_stream_ends_at_its_time_limit(setup: Setup) -> None:
 
     assert time.monotonic() - started < 10  # the upstream would go on for a minute
     assert json.loads(lines[-1])["error"]["code"] == "stream_time_limit"
-    assert setup.usage(request_id)[1:5] == (200, "stream_time_limit", read_estimate(body), pieces_of_text(lines[:-1]))
+    assert setup.usage(request_id)[1:5] == (
+        200,
+        "stream_time_limit",
+        read_estimate(body),
+        text_tokens(streamed_texts(lines[:-1])),
+    )
 
 
 def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setup) -> None:
@@ -529,7 +544,7 @@ def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_erro
     assert name == "error"
     assert (event["type"], event["code"]) == ("error", "upstream_error")
     assert event["sequence_number"] == before[-1][1]["sequence_number"] + 1
-    deltas = sum(1 for name, _ in before if name == "response.output_text.delta")
+    deltas = text_tokens([event["delta"] for name, event in before if name == "response.output_text.delta"])
     body = {"model": "no-done", "route": "gateway", "input": "Hi", "stream": True}  # as stream_response sends it
     assert setup.usage(response.headers["x-request-id"])[1:5] == (502, "upstream_error", read_estimate(body), deltas)
 

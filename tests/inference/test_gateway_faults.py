@@ -185,9 +185,12 @@ class Gateway:
         )
 
     async def post(self, model: str, *, path: str = CHAT, **extra: Any) -> Any:
+        return await self.api.post(path, self.body(model, path=path, **extra))
+
+    @staticmethod
+    def body(model: str, *, path: str = CHAT, **extra: Any) -> dict[str, Any]:
         body = {"model": model, "route": "gateway", **extra}
-        body |= {"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"input": "Hi"}
-        return await self.api.post(path, body)
+        return body | ({"messages": [{"role": "user", "content": "Hi"}]} if path == CHAT else {"input": "Hi"})
 
     async def stream(self, model: str, *, path: str = CHAT, **extra: Any) -> tuple[Any, str]:
         response = await self.post(model, path=path, stream=True, **extra)
@@ -414,17 +417,35 @@ async def test_a_streamed_request_answered_with_an_error_and_status_200_fails_wi
 
 
 @BOTH
-async def test_an_answer_without_usage_keeps_admissions_estimate(gw: Gateway, path: str) -> None:
-    answered = {"id": "x", "object": "chat.completion", "choices": []} if path == CHAT else {**RESPONSE, "output": []}
+async def test_an_answer_without_usage_keeps_admissions_estimate_and_is_recorded_with_its_own(
+    gw: Gateway, path: str
+) -> None:
+    text = "The Willamette flows north."  # 27 characters: 7 tokens at four a token
+    if path == CHAT:
+        answered = {"id": "x", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": text}}]}
+    else:
+        answered = {**RESPONSE, "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
     await gw.offer("unmetered", answer(200, answered))
 
     response = await gw.post("unmetered", path=path)
 
     assert response.status_code == 200
     record = await gw.record(response)
-    assert (record.status, record.input_tokens, record.output_tokens) == (200, 0, 0)
+    reads = gateway.estimate_input_tokens(gw.body("unmetered", path=path))
+    assert (record.status, record.input_tokens, record.output_tokens) == (200, reads, 7)
     tokens, slots = gw.window("unmetered")
     assert tokens > 4096 and slots == 0  # the estimate stands: nothing said it was less
+
+
+@BOTH
+async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(gw: Gateway, path: str) -> None:
+    await gw.offer("mute", silence(gw.upstream))
+
+    response = await gw.post("mute", path=path)
+
+    assert response.status_code == 504
+    record = await gw.record(response)
+    assert (record.input_tokens, record.output_tokens) == (0, 0)
 
 
 # --- streams -----------------------------------------------------------------------------------------------
@@ -494,7 +515,21 @@ async def test_a_stream_cut_after_a_delta_that_names_its_last_event_still_ends_w
 
     ended = last_event(text)
     assert (ended["error"] if path == CHAT else ended)["code"] == "upstream_error"
-    assert (await gw.record(response)).status == 502
+    record = await gw.record(response)
+    assert record.status == 502
+    assert record.output_tokens == 9  # the 33 characters of text that went by, four a token
+
+
+async def test_a_stream_cut_after_usage_that_counted_only_its_input_is_recorded_with_the_output_that_went_by(
+    gw: Gateway,
+) -> None:
+    early = {**chat_chunk("Hello there"), "usage": {"prompt_tokens": 11, "completion_tokens": 0}}  # 11 characters
+    await gw.offer("early-usage", events(data(early)))
+
+    response, _ = await gw.stream("early-usage")
+
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (502, 11, 3)
 
 
 def split_over_lines(event: bytes) -> bytes:
@@ -645,5 +680,8 @@ async def test_a_client_that_hangs_up_mid_stream_closes_the_upstream_request_fre
     assert await until(lambda: gw.upstream.hung_up == before + 1)
     record = await gw.record(response)
     assert (record.status, record.error_code) == (499, "client_disconnected")
+    # Without the upstream's count: the body's estimate, and the one token of text (chat's "Hel") that went by.
+    reads = gateway.estimate_input_tokens(gw.body("abandoned", path=path, stream=True))
+    assert (record.input_tokens, record.output_tokens) == (reads, 1 if path == CHAT else 0)
     assert await UsageRecord.objects.filter(request_id=response["x-request-id"]).acount() == 1
     assert gw.window("abandoned")[1] == 0
