@@ -264,6 +264,11 @@ class UpstreamUsage:
             return
         self.input_tokens, self.output_tokens, self.reasoning_tokens, self.cached_tokens = (c or 0 for c in counts)
 
+    def counted(self) -> int:
+        """The tokens-per-minute charge once the upstream has reported: its counts, an estimate for one it left out."""
+        outcome = self.outcome()
+        return outcome.input_tokens + outcome.output_tokens
+
     def outcome(self, *, ran_to_end: bool = True) -> StreamOutcome:
         """The request's usage record: what the upstream reported or, for a count it did not give (the client gone,
         the stream cut, usage that is not counts), the estimate of what it read once it answered and of what had
@@ -539,7 +544,7 @@ class StreamRelay:
             else:
                 response.close()  # drop the connection: the upstream stops sending to a client that is gone
         if self.tally.reported:
-            await self.settle(self.tally.input_tokens + self.tally.output_tokens)
+            await self.settle(self.tally.counted())
 
     def _failed(self, event: bytes, code: str) -> str:
         """The upstream failed mid-stream with ``code``: logged with its words, recorded, and the words the client
@@ -696,7 +701,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
             extra = data.get("b3os")
             data["b3os"] = {**(extra if isinstance(extra, dict) else {}), "route": ROUTE}
             if tally.reported:
-                await grant.settle(tally.input_tokens + tally.output_tokens)
+                await grant.settle(tally.counted())
             grant.release()
             tally.outcome().record(meter)
             return Result(headers=grant.headers, body=data, route=ROUTE)

@@ -530,6 +530,7 @@ async def test_a_stream_cut_after_usage_that_counted_only_its_input_is_recorded_
 
     record = await gw.record(response)
     assert (record.status, record.input_tokens, record.output_tokens) == (502, 11, 3)
+    assert gw.window("early-usage")[0] == 14  # the minute's charge corrected to the same
 
 
 def split_over_lines(event: bytes) -> bytes:
