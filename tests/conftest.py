@@ -115,7 +115,11 @@ def openai_spec() -> OpenAISpec:
         document = _honour_nullable(yaml.load(source.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
         # Written whole and moved in place: test processes running side by side may read it as it is made.
         with tempfile.NamedTemporaryFile("w", dir=DATA, suffix=".part", delete=False) as part:
-            part.write(json.dumps(document, default=str))
+            try:
+                part.write(json.dumps(document, default=str))
+            except BaseException:
+                os.unlink(part.name)
+                raise
         os.replace(part.name, cache)
     return OpenAISpec(document)
 
