@@ -55,6 +55,7 @@ from .base import (
     prompt_pieces,
     subschemas,
 )
+from .llama_cpp import grammar_for
 
 logger = logging.getLogger(__name__)
 
@@ -551,6 +552,8 @@ def _compile_problem(kind: str, guide: str) -> str | None:
     try:
         if kind == "structural_tag":
             xgrammar.Grammar.from_structural_tag(guide)
+        elif kind == "grammar":
+            xgrammar.Grammar.from_ebnf(guide)
         else:
             xgrammar.Grammar.from_json_schema(guide)
     except Exception as exc:  # noqa: BLE001  (xgrammar raises RuntimeError, ValueError and its own errors)
@@ -626,6 +629,27 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
     return schema_problem(constraint.schema)
 
 
+# xgrammar's JSON-schema conversion misjudges numeric bounds (0.1.34): a maximum of 150 admits 151 to 159, -180 to 180
+# admits 181, a minimum of 5 alone admits 3, a number from 0 to 1 admits 1.5, and a minimum of -12 refuses -1.
+_BOUNDS: Final = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+@functools.lru_cache(maxsize=256)
+def _bounded_grammar(schema: str) -> str | None:
+    """For a JSON schema (as JSON) with numeric bounds, the grammar the CPU runner builds for it, which spells each
+    bounded number out digit by digit and holds it exactly, for xgrammar to compile as EBNF (its dialect is
+    llama.cpp's); None for a schema without bounds, or one that grammar cannot express (then xgrammar converts the
+    schema itself, as before). The same tools and formats come with every request of a conversation, hence the cache."""
+    parsed = json.loads(schema)
+    if not any(keyword in node for node in subschemas(parsed) for keyword in _BOUNDS):
+        return None
+    try:
+        grammar = grammar_for(Constraint(kind="json_schema", schema=parsed))
+    except Exception:  # noqa: BLE001  (too large for it, or a keyword it refuses: the converter raises what it trips on)
+        return None
+    return grammar if _compile_problem("grammar", grammar) is None else None
+
+
 def _guide(constraint: Constraint | None, api: _API) -> Any:
     if constraint is None:
         return None
@@ -638,6 +662,8 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
         raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
     if constraint.kind == "tool_calls":
         return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema, constraint.text_schema))
+    if (grammar := _bounded_grammar(json.dumps(constraint.schema, sort_keys=True))) is not None:
+        return api.GuidedDecodingParams(grammar=grammar)
     return api.GuidedDecodingParams(json=constraint.schema)
 
 

@@ -20,9 +20,11 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   runtime's default, ``DefaultDecodingParams::getSeed``). Under a JSON guide (a schema, or ``json_object``)
   the echo stays when the guide's grammar, compiled by the real xgrammar as TensorRT-LLM compiles it,
   admits it (a model follows its prompt wherever the mask lets it), and otherwise becomes a minimal
-  instance of the schema (``"{}"`` for ``json_object``). Under a ``triggered_tags`` structural tag
-  the output is its first tag wrapped around a minimal instance of the tag's schema (the toy model
-  "calls the first tool").
+  instance of the schema (``"{}"`` for ``json_object``). Under an EBNF grammar the echo is kept as far as the
+  grammar admits it, then the first characters that keep it admissible (quotes, closing brackets and separators
+  first, then opening brackets, then digits) are written until the grammar is done with it. Under a
+  ``triggered_tags`` structural tag the output is its first tag wrapped around a minimal instance of the
+  tag's schema (the toy model "calls the first tool").
   Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
   token for every active request and delivers a response to it.
 - When the plan is written out and ``max_tokens`` is not reached, the next step generates the end of
@@ -53,7 +55,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
@@ -239,6 +241,33 @@ def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> xgr
     if guide.structural_tag is not None:
         return xgrammar.Grammar.from_structural_tag(guide.structural_tag)
     raise ValueError(f"Unsupported guide type: {guide}.")
+
+
+# The characters the toy model tries, in order, to finish what an EBNF guide cut short.
+_FINISHING: Final = '"}],:{[0123456789 .-abcdefghijklmnopqrstuvwxyz'
+
+
+def grammar_instance(guide: GuidedDecodingParams, text: str, backend: str = "xgrammar") -> str:
+    """What the toy model writes under an EBNF guide: ``text`` as far as the grammar admits it, then, a character at
+    a time, the first of ``_FINISHING`` that the grammar admits, until it accepts the whole (at most 256 more)."""
+    grammar = compile_guide(guide, backend)
+
+    def viable(prefix: str) -> bool:
+        return bool(_is_grammar_accept_string(grammar, prefix, require_termination=False))
+
+    written = ""
+    for character in text:
+        if not viable(written + character):
+            break
+        written += character
+    for _ in range(256):
+        if _is_grammar_accept_string(grammar, written):
+            break
+        following = next((c for c in _FINISHING if viable(written + c)), None)
+        if following is None:
+            break
+        written += following
+    return written
 
 
 def admits(guide: GuidedDecodingParams, text: str, backend: str = "xgrammar") -> bool:
@@ -441,6 +470,8 @@ class ToyExecutor:
                         text = json.dumps(minimal_instance(schema))
                     except (ValueError, KeyError, TypeError, IndexError):
                         pass  # xgrammar decides whether the schema compiles, when it is scheduled
+        elif guide.grammar is not None:
+            text = grammar_instance(guide, text, self._guided_decoding_backend)
         elif guide.structural_tag is not None:
             try:
                 text = _first_tag_instance(json.loads(guide.structural_tag))
