@@ -507,19 +507,23 @@ def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | N
 
     The form is the one TensorRT-LLM documents for tool calls (``docs/source/features/guided-decoding.md``):
     text is unconstrained until the trigger appears, then the tag's JSON schema and end are enforced,
-    and free text may follow, so one or several calls fit.
+    and free text may follow, so one or several calls fit. A schema with numeric bounds is enforced as its grammar
+    (``_schema_format``).
     """
-    call = {
-        "type": "tag",
-        "begin": TOOL_OPEN + "\n",
-        "content": {"type": "json_schema", "json_schema": call_schema},
-        "end": "\n" + TOOL_CLOSE,
-    }
+    call = {"type": "tag", "begin": TOOL_OPEN + "\n", "content": _schema_format(call_schema), "end": "\n" + TOOL_CLOSE}
     if text_schema is None:
         form: dict[str, Any] = {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": [call]}
     else:
-        form = {"type": "or", "elements": [call, {"type": "json_schema", "json_schema": text_schema}]}
+        form = {"type": "or", "elements": [call, _schema_format(text_schema)]}
     return json.dumps({"type": "structural_tag", "format": form})
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    """A structural tag's format for one JSON value matching ``schema``: the schema, or its grammar when it has
+    numeric bounds (``_bounded_grammar``)."""
+    if (grammar := _bounded_grammar(json.dumps(schema, sort_keys=True))) is not None:
+        return {"type": "grammar", "grammar": grammar}
+    return {"type": "json_schema", "json_schema": schema}
 
 
 def _xgrammar() -> Any:

@@ -24,7 +24,7 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   grammar admits it, then the first characters that keep it admissible (quotes, closing brackets and separators
   first, then opening brackets, then digits) are written until the grammar is done with it. Under a
   ``triggered_tags`` structural tag the output is its first tag wrapped around a minimal instance of the
-  tag's schema (the toy model "calls the first tool").
+  tag's schema, or what its grammar admits, written as above (the toy model "calls the first tool").
   Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
   token for every active request and delivers a response to it.
 - When the plan is written out and ``max_tokens`` is not reached, the next step generates the end of
@@ -205,7 +205,10 @@ def minimal_instance(schema: Any, root: Any = None) -> Any:
 def _first_tag_instance(structural_tag: dict[str, Any]) -> str:
     """What the toy model writes under a ``triggered_tags`` structural tag: its first tag, filled in."""
     first = structural_tag["format"]["tags"][0]
-    return first["begin"] + json.dumps(minimal_instance(first["content"]["json_schema"])) + first["end"]
+    content = first["content"]
+    if content["type"] == "grammar":
+        return first["begin"] + grammar_instance(xgrammar.Grammar.from_ebnf(content["grammar"])) + first["end"]
+    return first["begin"] + json.dumps(minimal_instance(content["json_schema"])) + first["end"]
 
 
 def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> xgrammar.Grammar:
@@ -247,10 +250,9 @@ def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> xgr
 _FINISHING: Final = '"}],:{[0123456789 .-abcdefghijklmnopqrstuvwxyz'
 
 
-def grammar_instance(guide: GuidedDecodingParams, text: str, backend: str = "xgrammar") -> str:
-    """What the toy model writes under an EBNF guide: ``text`` as far as the grammar admits it, then, a character at
-    a time, the first of ``_FINISHING`` that the grammar admits, until it accepts the whole (at most 256 more)."""
-    grammar = compile_guide(guide, backend)
+def grammar_instance(grammar: xgrammar.Grammar, text: str = "") -> str:
+    """What the toy model writes under an EBNF grammar: ``text`` as far as the grammar admits it, then, a character
+    at a time, the first of ``_FINISHING`` that the grammar admits, until it accepts the whole (at most 256 more)."""
 
     def viable(prefix: str) -> bool:
         return bool(_is_grammar_accept_string(grammar, prefix, require_termination=False))
@@ -471,7 +473,7 @@ class ToyExecutor:
                     except (ValueError, KeyError, TypeError, IndexError):
                         pass  # xgrammar decides whether the schema compiles, when it is scheduled
         elif guide.grammar is not None:
-            text = grammar_instance(guide, text, self._guided_decoding_backend)
+            text = grammar_instance(compile_guide(guide, self._guided_decoding_backend), text)
         elif guide.structural_tag is not None:
             try:
                 text = _first_tag_instance(json.loads(guide.structural_tag))

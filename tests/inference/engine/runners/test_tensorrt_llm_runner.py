@@ -609,6 +609,47 @@ def test_the_structural_tag_it_sends_is_one_the_real_xgrammar_compiles(engine: S
     assert isinstance(xgrammar.Grammar.from_structural_tag(guide), xgrammar.Grammar)
 
 
+def test_a_tool_whose_arguments_have_bounds_xgrammar_misjudges_is_called_within_them(
+    engine: Seen, toy: types.ModuleType, trtllm: types.ModuleType
+) -> None:
+    degrees = {"type": "integer", "minimum": -180, "maximum": 180}
+    call_schema = {
+        **CALL_SCHEMA,
+        "properties": {
+            "name": {"const": "locate"},
+            "arguments": {
+                "type": "object",
+                "properties": {"longitude": degrees},
+                "required": ["longitude"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    breaking = '<tool_call>\n{"name": "locate", "arguments": {"longitude": 181}}\n</tool_call>'
+    # The tag with the schema for xgrammar to convert lets the call through.
+    as_schema = {
+        "type": "tag",
+        "begin": "<tool_call>\n",
+        "content": {"type": "json_schema", "json_schema": call_schema},
+    }
+    tag = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [{**as_schema, "end": "\n</tool_call>"}]}
+    assert toy.admits(
+        trtllm.llmapi.GuidedDecodingParams(structural_tag=json.dumps({"type": "structural_tag", "format": tag})),
+        breaking,
+    )
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(
+        runner.stream(make_job("x", constraint=Constraint(kind="tool_calls", schema=call_schema)), never)
+    )
+
+    guide = engine.calls[0].sampling_params.guided_decoding
+    assert not toy.admits(guide, breaking)
+    text = "".join(c.text for c in chunks)
+    call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    jsonschema.validate(call, call_schema)
+
+
 UNENFORCEABLE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}},
