@@ -313,18 +313,39 @@ def start_server(var_dir: Path, *, extra_env: dict[str, str] | None = None, org:
     elif not database.exists():
         shutil.copyfile(migrated_database(env), database)
     key = new_key(org, env=env)
-    port = free_port()
-    log = open(var_dir / "server.log", "wb")
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    process, url = _serve(var_dir / "server.log", env)
     wait_for_http(url + "/v1/infer/models", process=process)
     return LiveServer(url=url, key=key, org=org, env=env, db_path=var_dir / "b3os.sqlite3", process=process)
+
+
+def _serve(log_path: Path, env: dict[str, str], attempts: int = 3) -> tuple[subprocess.Popen[bytes], str]:
+    """``manage.py serve`` on a free port, once it says it listens there. Test processes running side by side each
+    pick free ports: one may take the port another picked before that one's server binds it, so a server that finds
+    its port taken starts again on another, and one is taken as started only on its own word (an answer on the port
+    could be the other process's server)."""
+    for _ in range(attempts):
+        port = free_port()
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "manage.py", "serve", "--port", str(port)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 60
+        while process.poll() is None and f"Serving on http://127.0.0.1:{port}" not in log_path.read_text(
+            errors="replace"
+        ):
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"the server on port {port} did not start within 60 s")
+            time.sleep(0.1)
+        if process.poll() is None:
+            return process, f"http://127.0.0.1:{port}"
+        if "Address already in use" not in log_path.read_text(errors="replace"):
+            raise RuntimeError(f"server exited with {process.returncode}")
+    raise RuntimeError(f"no free port for the server in {attempts} attempts")
 
 
 def stop_server(server: LiveServer) -> None:
