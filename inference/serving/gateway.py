@@ -9,8 +9,8 @@ A streamed chat always asks the upstream for its usage (``stream_options.include
 metered; the usage chunk is passed on only to a client that asked for it. The tokens-per-minute charge made at
 admission, an estimate, is corrected to the upstream's count when it comes. An answer that comes without a count
 (a stream cut by its client, its time limit or the upstream, or usage that is not counts) is recorded with estimates:
-the body's bytes over four for its input, a token for each piece of text streamed (four bytes a token of a whole
-answer) for its output. A stream ends after ``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
+the body's bytes over four for its input, four characters a token of the generated text that went by for its
+output. A stream ends after ``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
 
 One pooled aiohttp session per process (per event loop) keeps connections to the upstream warm; aiohttp's client
 costs a fraction of httpx's per request, which is most of what this hop adds.
@@ -196,18 +196,25 @@ def _streamed_tokens(payload: bytes, *, responses: bool) -> int:
 
 
 def _answer_text_size(value: Any) -> int:
-    """Characters of generated text in a whole answer's ``choices`` or ``output``."""
-    if isinstance(value, list):
-        return sum(_answer_text_size(item) for item in value)
-    if not isinstance(value, dict):
-        return 0
-    keys = _ANSWER_TEXT_KEYS - {"reasoning"} if "reasoning_content" in value else _ANSWER_TEXT_KEYS
-    return sum(
-        len(item) if key in keys and isinstance(item, str) else _answer_text_size(item) for key, item in value.items()
-    )
+    """Characters of generated text in a whole answer's ``choices`` or ``output``, walked without recursion (the
+    upstream's JSON may nest as deep as the parser allows)."""
+    size, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            keys = _ANSWER_TEXT_KEYS - {"reasoning"} if "reasoning_content" in node else _ANSWER_TEXT_KEYS
+            for key, item in node.items():
+                if key in keys and isinstance(item, str):
+                    size += len(item)
+                else:
+                    stack.append(item)
+    return size
 
 
 MAX_REPORTED_TOKENS = 10**9
+_WRITABLE_DEPTH: Final = 255  # the deepest nesting orjson writes
 
 
 def _count(value: Any) -> int | None:
@@ -387,6 +394,18 @@ async def forward_json(
             status=502,
             type="server_error",
         )
+    # orjson reads JSON nested up to 1,024 levels but writes only 255: an answer nested deeper could not be passed on
+    # (more brackets than that in all is the cheap sign to look).
+    if content.count(b"[") + content.count(b"{") > _WRITABLE_DEPTH:
+        try:
+            orjson.dumps(data)
+        except orjson.JSONEncodeError:
+            raise APIError(
+                f"The gateway answered with a body nested more than {_WRITABLE_DEPTH} levels deep.",
+                code="upstream_error",
+                status=502,
+                type="server_error",
+            ) from None
     if isinstance(data.get("error"), dict) and "choices" not in data and "output" not in data:
         # Some upstreams report a failure with status 200: it is a failure all the same, and its words are theirs.
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
@@ -632,7 +651,11 @@ class StreamRelay:
         if not changed:
             return event + b"\n\n"
         # The data on one line, however many it came in, after the event's other fields (its name).
-        return b"\n".join([*others, b"data: " + orjson.dumps(data)]) + b"\n\n"
+        try:
+            rewritten = orjson.dumps(data)
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes: passed on as it came
+            return event + b"\n\n"
+        return b"\n".join([*others, b"data: " + rewritten]) + b"\n\n"
 
 
 def _sse_parts(event: bytes) -> tuple[list[bytes], bytes | None]:

@@ -438,6 +438,35 @@ async def test_an_answer_without_usage_keeps_admissions_estimate_and_is_recorded
 
 
 @BOTH
+async def test_an_answer_nested_deeper_than_can_be_written_is_a_502_and_recorded(gw: Gateway, path: str) -> None:
+    depth = 1000
+    key = b'"choices"' if path == CHAT else b'"output"'
+    await gw.offer("deep", answer(200, b'{"id": "x", ' + key + b": " + b"[" * depth + b"]" * depth + b"}"))
+
+    response = await gw.post("deep", path=path)
+
+    # It cannot be written back as JSON (orjson writes 255 levels): the gateway's fault, in the API's shape.
+    assert response.status_code == 502
+    assert error_of(response)["code"] == "upstream_error" and "nested" in error_of(response)["message"]
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "upstream_error")
+
+
+async def test_a_streamed_usage_event_nested_deeper_than_can_be_written_passes_as_it_came(gw: Gateway) -> None:
+    deep = b"[" * 300 + b"]" * 300
+    # A chunk with text and usage, which the gateway would pass on without its usage (the client did not ask for it).
+    choices = b'"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": null}]'
+    usage = b"data: {" + choices + b', "usage": {"prompt_tokens": 11, "completion_tokens": 8}, "x": ' + deep + b"}\n\n"
+    await gw.offer("deep-usage", events(data(chat_chunk("Hi")), usage, DONE))
+
+    response, text = await gw.stream("deep-usage")
+
+    assert text.endswith("data: [DONE]\n\n") and '"content": "!"' in text
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (200, 11, 8)
+
+
+@BOTH
 async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(gw: Gateway, path: str) -> None:
     await gw.offer("mute", silence(gw.upstream))
 
