@@ -508,20 +508,31 @@ def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | N
     The form is the one TensorRT-LLM documents for tool calls (``docs/source/features/guided-decoding.md``):
     text is unconstrained until the trigger appears, then the tag's JSON schema and end are enforced,
     and free text may follow, so one or several calls fit. A schema with numeric bounds is enforced as its grammar
-    (``_schema_format``).
+    (``_schema_format``), where this xgrammar compiles a structural tag holding one.
     """
-    call = {"type": "tag", "begin": TOOL_OPEN + "\n", "content": _schema_format(call_schema), "end": "\n" + TOOL_CLOSE}
-    if text_schema is None:
-        form: dict[str, Any] = {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": [call]}
-    else:
-        form = {"type": "or", "elements": [call, _schema_format(text_schema)]}
-    return json.dumps({"type": "structural_tag", "format": form})
+
+    def tag(grammars: bool) -> str:
+        content = _schema_format(call_schema, grammars)
+        call = {"type": "tag", "begin": TOOL_OPEN + "\n", "content": content, "end": "\n" + TOOL_CLOSE}
+        if text_schema is None:
+            form: dict[str, Any] = {"type": "triggered_tags", "triggers": [TOOL_OPEN], "tags": [call]}
+        else:
+            form = {"type": "or", "elements": [call, _schema_format(text_schema, grammars)]}
+        return json.dumps({"type": "structural_tag", "format": form})
+
+    with_grammars = tag(grammars=True)
+    if (
+        with_grammars == (as_schemas := tag(grammars=False))
+        or _compile_problem("structural_tag", with_grammars) is None
+    ):
+        return with_grammars
+    return as_schemas
 
 
-def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
-    """A structural tag's format for one JSON value matching ``schema``: the schema, or its grammar when it has
-    numeric bounds (``_bounded_grammar``)."""
-    if (grammar := _bounded_grammar(json.dumps(schema, sort_keys=True))) is not None:
+def _schema_format(schema: dict[str, Any], grammars: bool) -> dict[str, Any]:
+    """A structural tag's format for one JSON value matching ``schema``: the schema, or with ``grammars`` its grammar
+    when it has numeric bounds (``_bounded_grammar``)."""
+    if grammars and (grammar := _bounded_grammar(json.dumps(schema, sort_keys=True))) is not None:
         return {"type": "grammar", "grammar": grammar}
     return {"type": "json_schema", "json_schema": schema}
 

@@ -650,6 +650,32 @@ def test_a_tool_whose_arguments_have_bounds_xgrammar_misjudges_is_called_within_
     jsonschema.validate(call, call_schema)
 
 
+def test_where_xgrammar_takes_no_grammar_inside_a_structural_tag_the_tool_schema_goes_as_it_is(
+    engine: Seen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An xgrammar older than the grammar element of structural tags refuses a tag that holds one.
+    compile_tag = xgrammar.Grammar.from_structural_tag
+
+    def older(tag: str) -> Any:
+        if '"type": "grammar"' in tag:
+            raise RuntimeError("Unknown format type: grammar")
+        return compile_tag(tag)
+
+    monkeypatch.setattr(xgrammar.Grammar, "from_structural_tag", staticmethod(older))
+    runner_module._compile_problem.cache_clear()
+    bounded = {
+        **CALL_SCHEMA,
+        "properties": {**CALL_SCHEMA["properties"], "arguments": {"type": "integer", "maximum": 9}},
+    }
+    runner = runner_module.load(SETTINGS)
+
+    collect(runner.stream(make_job("x", constraint=Constraint(kind="tool_calls", schema=bounded)), never))
+
+    tag = json.loads(engine.calls[0].sampling_params.guided_decoding.structural_tag)
+    assert tag["format"]["tags"][0]["content"] == {"type": "json_schema", "json_schema": bounded}
+    runner_module._compile_problem.cache_clear()
+
+
 UNENFORCEABLE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"id": {"type": "string", "pattern": "(?<=a)b"}},
