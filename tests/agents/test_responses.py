@@ -901,8 +901,13 @@ async def test_an_output_guardrail_also_reads_the_reasoning(
 
     shown = "".join(e["delta"] for e in events if e["type"].endswith(".delta"))
     assert "river" not in shown.lower()
-    assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
-    assert response["output"][1]["content"][1] == {"type": "refusal", "refusal": "That was withheld."}
+    *before, message = response["output"]
+    # The reasoning before the term is shown when it came in a piece of its own: the runner's deltas fall as they
+    # will (on a busy machine the whole thought comes in one), so there is a reasoning item before the refusal or none.
+    assert [item["type"] for item in before] in ([], ["reasoning"])
+    assert "river" not in json.dumps(before).lower()
+    assert message["type"] == "message"
+    assert message["content"][1] == {"type": "refusal", "refusal": "That was withheld."}
     assert events[-1]["type"] == "response.completed"
 
 
