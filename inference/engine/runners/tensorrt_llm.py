@@ -520,13 +520,9 @@ def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | N
             form = {"type": "or", "elements": [call, _schema_format(text_schema, grammars)]}
         return json.dumps({"type": "structural_tag", "format": form})
 
+    # Compiled once per tag (cached), as the check before the job is queued compiles it anyway.
     with_grammars = tag(grammars=True)
-    if (
-        with_grammars == (as_schemas := tag(grammars=False))
-        or _compile_problem("structural_tag", with_grammars) is None
-    ):
-        return with_grammars
-    return as_schemas
+    return with_grammars if _compile_problem("structural_tag", with_grammars) is None else tag(grammars=False)
 
 
 def _schema_format(schema: dict[str, Any], grammars: bool) -> dict[str, Any]:
