@@ -868,7 +868,9 @@ def _nonnegative_numbers(low: _Bound, high: _Bound | None) -> list[str]:
     """Alternatives for the numbers from ``low`` up to ``high`` (None: unbounded), zero or more: a whole part in
     range with any fraction below ``high``, ``low`` itself with a fraction that is not zero when ``low`` is
     exclusive, and ``high`` itself with a zero fraction when it is inclusive."""
-    fraction, zeros, not_zero = '("." [0-9]+)?', '("." "0"+)?', '"." [0-9]* [1-9] [0-9]*'
+    # At most 16 digits after the point, as llama.cpp's own number rule (``decimal-part``): a double holds no more,
+    # and without a bound a small model writes "1.000…" until its budget ends.
+    fraction, zeros, not_zero = '("." [0-9]{1,16})?', '("." "0"{1,16})?', '"." [0-9]{0,15} [1-9] [0-9]{0,15}'
     out = []
     first = low.value if low.inclusive else low.value + 1
     if not low.inclusive and (high is None or high.value > low.value):

@@ -276,6 +276,20 @@ def test_a_numbers_whole_bounds_are_enforced_with_any_fraction_between_them(
         assert accepts(vocab, schema, f'{{"x": {number}}}') == valid({"x": json.loads(number)}), number
 
 
+@pytest.mark.parametrize("bounds", [{"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0}, {"maximum": -2}])
+def test_a_bounded_numbers_fraction_holds_at_most_sixteen_digits_as_llama_cpps_own_number_does(
+    vocab: Any, bounds: dict[str, float]
+) -> None:
+    # Without a bound, the small model wrote "1.000…" until its budget ended.
+    schema = {"type": "object", "properties": {"x": {"type": "number", **bounds}}, "required": ["x"]}
+    within = {"minimum": "0.", "exclusiveMinimum": "3.", "maximum": "-2."}[next(iter(bounds))]
+
+    assert accepts(vocab, schema, f'{{"x": {within}{"5" * 16}}}')
+    assert not accepts(vocab, schema, f'{{"x": {within}{"5" * 17}}}')
+    assert accepts(vocab, {"type": "object", "properties": {"x": {"type": "number"}}}, f'{{"x": 0.{"5" * 16}}}')
+    assert not accepts(vocab, {"type": "object", "properties": {"x": {"type": "number"}}}, f'{{"x": 0.{"5" * 17}}}')
+
+
 @pytest.mark.parametrize(
     ("schema", "says"),
     [
