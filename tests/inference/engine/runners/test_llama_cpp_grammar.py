@@ -624,6 +624,17 @@ CHOICES = {
     "required": ["question", "options"],
 }
 TEMPERATURE = {"type": "object", "properties": {"celsius": {"type": "number"}}, "required": ["celsius"]}
+TREE = {
+    "type": "object",
+    "$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}},
+    "properties": {"root": {"$ref": "#/$defs/node"}},
+}
+NESTED = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": {"type": "string"}}}}}
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -633,14 +644,17 @@ def vocabulary(vocab: Any) -> llama_cpp.Vocabulary:
 
 def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written: str) -> tuple[str, int]:
     """A forced call of ``get_weather`` written as far as ``written``, then closed by the runner; the text and the
-    tokens closing took. The model's logits favour closing brackets and braces, which inside a string are text."""
+    tokens closing took. The model's logits favour closing brackets and braces, which inside a string are text, and
+    after them opening an object with a property, which a recursive schema would take for ever."""
     schema = call_schema(FunctionTool("get_weather", None, parameters, False))
     grammar = lib.llama_sampler_init_grammar(
         vocabulary.model.vocab, grammar_for(Constraint("json_schema", schema)).encode(), b"root"
     )
     sampler = llama_cpp._Sampler(vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar)
     tail = llama_cpp.JsonTail()
-    bracey = np.array([float(bool(p.strip()) and not p.strip().strip(b"}]")) * 50 for p in vocabulary.pieces])
+    bracey = np.array(
+        [float(bool(p.strip()) and not p.strip().strip(b"}]")) * 50 + float(b'{"' in p) * 25 for p in vocabulary.pieces]
+    )
     text = ""
     try:
         for token in vocabulary.tokenize(written):
@@ -671,6 +685,8 @@ def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written
         (CHOICES, '{"question": "Which {colour'),
         (CHOICES, '{"question": "Which?", "options": ["red", "gr'),
         (TEMPERATURE, '{"celsius": 21.'),
+        (TREE, '{"root": {"child": {"child": {"child": '),
+        (NESTED, '{"a": {"b": '),
     ],
     ids=[
         "in-a-string",
@@ -680,6 +696,8 @@ def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written
         "a-property-missing",
         "in-a-list",
         "in-a-number",
+        "a-recursive-value-to-write",
+        "a-nested-value-to-write",
     ],
 )
 def test_a_forced_call_is_closed_in_a_few_tokens_from_wherever_its_budget_ran_low(
