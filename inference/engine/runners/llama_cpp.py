@@ -1304,9 +1304,11 @@ class _Sequence:
         self.stops = sampling.stop
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # Text generated and not sent yet, where each of its tokens ends in it, and their logprobs.
+        # Text generated and not sent yet, where each of its tokens ends in it, whether its bytes end a character
+        # there (a token may end with the first bytes of the next one), and their logprobs.
         self.pending = ""
         self.pending_ends: list[int] = []
+        self.pending_whole: list[bool] = []
         self.pending_logprobs: list[TokenLogprob] = []
         self.stream_interval = stream_interval
         self.sent_at = -math.inf
@@ -1341,6 +1343,7 @@ class _Sequence:
             self.tail.feed(text)
         self.pending += text
         self.pending_ends.append(len(self.pending))
+        self.pending_whole.append(not self.decoder.getstate()[0])
         ready = len(self.pending)
         if self.stops:
             hit = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)
@@ -1362,12 +1365,15 @@ class _Sequence:
         """Sends the pending tokens whose text ends within its first ``ready`` characters (the rest may still
         become a stop sequence), each chunk's logprobs those of its own text."""
         count = bisect.bisect_right(self.pending_ends, ready)
+        while count and not self.pending_whole[count - 1]:
+            count -= 1  # its last bytes begin a character still to come: the token leaves with that character
         if not count or not (cut := self.pending_ends[count - 1]):
             return
         logprobs, self.pending_logprobs = self.pending_logprobs[:count], self.pending_logprobs[count:]
         self.out.put(TextChunk(self.pending[:cut], count, tuple(logprobs)))
         self.pending = self.pending[cut:]
         self.pending_ends = [end - cut for end in self.pending_ends[count:]]
+        self.pending_whole = self.pending_whole[count:]
 
     def finish(self, reason: str) -> bool:
         if reason != "cancelled":

@@ -319,6 +319,27 @@ def test_tokens_that_come_faster_than_the_stream_interval_travel_together_and_th
     assert [chunk.tokens for chunk in grouped.chunks] == [1, produced - 1]
 
 
+def test_a_token_ending_with_the_first_bytes_of_a_character_leaves_with_that_character_and_its_logprob(
+    render: Callable[[str], str],
+) -> None:
+    # An emoji is two tokens here, the second ending with the first bytes of the next emoji. A stop sequence of
+    # three characters holds the last two back, so a chunk is cut behind such a token, as deltas that travel
+    # together are.
+    every_token = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1, "stream_interval_ms": 0})
+    try:
+        globes = run(
+            every_token,
+            job(render("Reply with three globe emojis."), max_tokens=16, stop=("\n\n\n",), logprobs=True),
+        )
+    finally:
+        every_token.close()
+
+    assert "\N{EARTH GLOBE EUROPE-AFRICA}" * 2 in globes.text and len(globes.chunks) > 1
+    for chunk in globes.chunks:
+        if not chunk.text.endswith("\N{REPLACEMENT CHARACTER}"):  # the budget cut a character in two
+            assert b"".join(logprob.token for logprob in chunk.logprobs) == chunk.text.encode()
+
+
 def test_a_wrong_number_in_the_settings_is_refused_by_name_before_anything_loads() -> None:
     with pytest.raises(RunnerError) as refused:
         llama_cpp.RunnerSettings.of({**SETTINGS, "prefill_chunk": 2.5})
