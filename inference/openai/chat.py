@@ -151,7 +151,7 @@ class AssistantMessage(WireModel):
     content: AssistantContent | None = None
     refusal: str | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # OpenAI refuses [] as empty_array
     function_call: Any = None
     audio: Any = None
     # Echoed back by clients that replay the message they received.
@@ -313,7 +313,7 @@ class ChatCompletionRequest(WireModel):
     service_tier: ServiceTier | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     reasoning_effort: ReasoningEffort | None = None
-    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None

@@ -817,6 +817,19 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
         ),
         (
+            {"tools": []},
+            "tools",
+            "empty_array",
+            "Invalid 'tools': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        ),
+        (
+            {"messages": [*QUESTION, {"role": "assistant", "content": "Hi.", "tool_calls": []}]},
+            "messages.1.tool_calls",
+            "empty_array",
+            "Invalid 'messages.1.tool_calls': empty array. Expected an array with minimum length 1, but got an empty "
+            "array instead.",
+        ),
+        (
             {"temperature": 3},
             "temperature",
             "decimal_above_max_value",
@@ -834,6 +847,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         "a function name past 64 characters",
         "129 tools",
         "no messages",
+        "no tools",
+        "an assistant message calling no tools",
         "temperature 3",
         "max_tokens 0",
     ],
