@@ -354,7 +354,14 @@ class StreamDecoder:
                 body = self._buffer if end < 0 else self._buffer[:end]
                 self._buffer = "" if end < 0 else self._buffer[end + len(TOOL_CLOSE) :]
                 call = self._parse_call(body)
-                if call is None:
+                if call is None and end < 0 and ran_out:
+                    # The budget ran out inside the call: it is a call as far as it got, or nothing if it cannot be
+                    # told which or is not one the client may get (never the template's markup as an answer).
+                    named = _CALL_NAME.match(body)
+                    offered = named is None or named["name"] in {tool.name for tool in self.plan.tools}
+                    if offered and (self.plan.parallel_tool_calls or not self._calls):
+                        out.extend(filter(None, [self._cut_call(body)]))
+                elif call is None:
                     # Not a well-formed call: it was text after all.
                     self._emit_text(out, TOOL_OPEN + body + ("" if end < 0 else TOOL_CLOSE))
                 else:
@@ -414,8 +421,9 @@ class StreamDecoder:
         return [call] if call is not None else []
 
     def _cut_call(self, text: str) -> ToolCallPiece | None:
-        """A forced call that ended before its JSON did (the grammar lets nothing else end early): the call of the
-        function it names, or of the only one it can be, with its arguments as far as they got."""
+        """A call that ended before its JSON did (a forced one's grammar lets nothing else end it early; any other
+        was cut by the token budget): the call of the function it names, or of the only one it can be, with its
+        arguments as far as they got."""
         forced = self.plan.tool_choice
         names = [forced.name] if isinstance(forced, ForcedFunction) else [tool.name for tool in self.plan.tools]
         named = _CALL_NAME.match(text)
@@ -439,5 +447,5 @@ class StreamDecoder:
 
     @property
     def cut_call(self) -> bool:
-        """Whether the output ended inside a forced call."""
+        """Whether the output ended inside a call."""
         return self._cut

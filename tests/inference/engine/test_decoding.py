@@ -77,6 +77,43 @@ def test_a_required_call_the_budget_cut_short_is_a_call_of_the_function_it_names
         assert (call.name, call.arguments) == (name, arguments)
 
 
+@pytest.mark.parametrize(
+    ("output", "tools", "calls"),
+    [
+        ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Eu', (WEATHER, STOCKS), 1),
+        ('<tool_call>\n{"name": "get_weather", "argu', (WEATHER, STOCKS), 1),
+        ('<tool_call>\n{"na', (WEATHER,), 1),
+        ('<tool_call>\n{"na', (WEATHER, STOCKS), 0),
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "', (WEATHER, STOCKS), 0),
+    ],
+    ids=["in-its-arguments", "before-its-arguments", "before-its-name", "before-which-of-two", "not-offered"],
+)
+def test_a_call_the_model_chose_that_the_budget_cut_short_is_a_call_as_far_as_it_got_never_markup(
+    output: str, tools: tuple[FunctionTool, ...], calls: int
+) -> None:
+    plan = plan_decoding(tools=tools, tool_choice="auto", parallel_tool_calls=True, reasoning=False)
+    decoder = StreamDecoder(plan)
+
+    pieces = decoder.feed(output) + decoder.finish(ran_out=True)
+
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == output.partition("<tool_call>")[0]
+    cut = [p for p in pieces if isinstance(p, ToolCallPiece)]
+    assert len(cut) == calls and decoder.cut_call == bool(calls)
+    if cut:
+        arguments = output.partition('"arguments": ')[2]
+        assert (cut[0].name, cut[0].arguments, cut[0].complete) == ("get_weather", arguments, False)
+
+
+def test_a_call_the_model_chose_and_ended_unclosed_is_still_read_when_it_parses() -> None:
+    decoder = StreamDecoder(
+        plan_decoding(tools=(WEATHER,), tool_choice="auto", parallel_tool_calls=True, reasoning=False)
+    )
+
+    [call] = decoder.feed(CALL.removesuffix("\n</tool_call>")) + decoder.finish()
+
+    assert isinstance(call, ToolCallPiece) and call.complete and json.loads(call.arguments) == {"city": "Eugene"}
+
+
 def test_a_named_call_the_budget_cut_short_is_a_call_of_that_function_however_little_came() -> None:
     plan = plan_decoding(
         tools=(WEATHER, STOCKS), tool_choice=ForcedFunction("get_weather"), parallel_tool_calls=True, reasoning=False
