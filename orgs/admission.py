@@ -528,7 +528,7 @@ def _refusal(
             needs = "at least " if at_least else ""
             detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
         if never:
-            detail += " It can never fit: lower max_tokens or the input."
+            detail += " It can never fit: lower the maximum output tokens or the input."
     elif never:
         detail += " A limit of 0 admits no request: this one can never be admitted, however long it waits."
     retry = None if never else max(1, math.ceil(decision.retry_after))

@@ -117,7 +117,7 @@ async def test_an_unset_max_tokens_charges_the_models_maximum(api: API, catalog_
     [
         ({"requests_per_minute": 0}, "A limit of 0 admits no request: this one can never be admitted"),
         ({"requests_in_flight": 0}, "A limit of 0 admits no request: this one can never be admitted"),
-        ({"tokens_per_minute": 5}, "It can never fit: lower max_tokens or the input."),
+        ({"tokens_per_minute": 5}, "It can never fit: lower the maximum output tokens or the input."),
     ],
     ids=["no requests per minute", "no requests in flight", "more tokens than a minute allows"],
 )
