@@ -3,9 +3,11 @@ for longer than ``API_KEY_CACHE_SECONDS``.
 
 Every committed change to a key or an organization (saves, deletes, queryset updates such as the admin's
 revoke action) bumps a version: in Redis when distributed, so that every API process sees it on its next
-request, or in this process when embedded (the admin runs in the serving process). A request reads the
-version and trusts its remembered key only if nothing changed since it was remembered; so a revocation
-takes effect at once everywhere, while an unchanged key costs no database query.
+request; when embedded, in this process (the admin runs in the serving process) and in the modification
+time of a file beside the SQLite database, which every process opening that database reads (a management
+command or a shell revoking a key). A request reads the version and trusts its remembered key only if
+nothing changed since it was remembered; so a revocation takes effect at once everywhere, while an
+unchanged key costs no database query (one ``stat`` when embedded).
 
 The bump waits for the commit: bumped before it, a request in between would read the old row and remember
 it under the new version, trusted until some unrelated change. The age bound covers what the version
@@ -15,12 +17,15 @@ version some process remembered keys under.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connections, transaction
 from django.utils import timezone
 
 from core.redis import async_client, sync_client
@@ -36,6 +41,9 @@ _lock = threading.Lock()
 _entries: dict[str, tuple[int, float, APIKey]] = {}  # keyed hash: (version, when remembered (monotonic), key)
 
 
+logger = logging.getLogger(__name__)
+
+
 def bump() -> None:
     """Something about keys or organizations changed: forget every remembered key, in every process."""
     global _local_version
@@ -44,6 +52,33 @@ def bump() -> None:
         _entries.clear()
     if settings.DISTRIBUTED:
         sync_client().incr(VERSION_KEY)
+    elif (path := _version_file()) is not None:
+        try:
+            # Later than the last bump even within the file system's clock tick (a few milliseconds on some).
+            stamp = max(time.time_ns(), _file_version() + 1)
+            path.touch()
+            os.utime(path, ns=(stamp, stamp))
+        except OSError:
+            logger.exception("could not tell other processes that keys changed (%s)", path)
+
+
+def _version_file() -> Path | None:
+    """Beside the SQLite database file, which every process of an embedded deployment opens; none for an
+    in-memory database (tests) or another engine."""
+    database = connections["default"].settings_dict
+    name = str(database.get("NAME") or "")
+    if not database["ENGINE"].endswith("sqlite3") or not name or name == ":memory:" or name.startswith("file:"):
+        return None
+    return Path(f"{name}.keys-changed")
+
+
+def _file_version() -> int:
+    if (path := _version_file()) is None:
+        return 0
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def bump_on_commit() -> None:
@@ -59,7 +94,7 @@ async def current_version() -> int:
     if settings.DISTRIBUTED:
         value = await async_client().get(VERSION_KEY)
         return int(value or 0)
-    return _local_version
+    return _local_version + _file_version()  # both only grow: the sum changes whenever either does
 
 
 def recall(hashed: str, version: int) -> APIKey | None:
