@@ -273,13 +273,19 @@ async def stream_chunks(
             payload["usage"] = usage
         return f"data: {dumps(payload)}\n\n"
 
-    yield chunk({"role": "assistant", "content": "", "refusal": None})
+    opened = False
     pending_logprobs: LogprobItems = []
     async with aclosing(generation.run()) as events:
         async for event in events:
             if isinstance(event, Logprobs):
                 pending_logprobs.extend(_logprob_items(event))
                 continue
+            if not opened:
+                # As OpenAI's first chunk: content null when calls come first, else "", so that a client adding the
+                # deltas up gets the message a whole completion has.
+                opened = True
+                content = None if isinstance(event, ToolCallPiece) else ""
+                yield chunk({"role": "assistant", "content": content, "refusal": None})
             logprobs = None
             if want_logprobs and pending_logprobs and isinstance(event, TextPiece):
                 logprobs = wire.logprobs_object(pending_logprobs)

@@ -347,6 +347,8 @@ async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: Open
     chunks = await stream(
         api, openai_spec, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=60
     )
+    # As a whole completion's message: no content beside the calls, not an empty one.
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None, "refusal": None}
     deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
     assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
     arguments = "".join(d["function"]["arguments"] for d in deltas)
