@@ -1140,9 +1140,9 @@ class Closing:
     def pick(self, allowed: np.ndarray) -> int:
         """Of the tokens the grammar allows (finite ``allowed`` logits): an end of generation once the value is
         whole; else the longest run of the open quotes and brackets, in order; else, for what the grammar still
-        requires (a property's name, a value, a digit), a token that leaves the fewest quotes and brackets open
-        (``{}`` or ``{`` for an object, not ``{"``: a recursive schema would never close), and of those the
-        longest, to spell it in as few as it allows."""
+        requires (a property's name, a value, a digit), a token that is not only spaces and opens the fewest
+        objects and arrays (``{}`` for an object that may be empty, not ``{"``: a recursive schema would never
+        close), and of those the longest, to spell it in as few as it allows."""
         vocabulary = self.vocabulary
         ends = vocabulary.ends[np.isfinite(allowed[vocabulary.ends])]
         if ends.size:
@@ -1155,6 +1155,8 @@ class Closing:
         if closers:
             return int(max(closers)[2])
         ids = np.flatnonzero(np.isfinite(allowed))
+        if (spelled := ids[~vocabulary.blank[ids]]).size:  # a space between JSON tokens takes a token for nothing
+            ids = spelled
         opened = vocabulary.opened[int(self.closers.startswith('"')), ids]
         ids = ids[opened == opened.min()]
         ids = ids[vocabulary.lengths[ids] == vocabulary.lengths[ids].max()]
@@ -1169,29 +1171,33 @@ class ClosingVocabulary:
     ends: np.ndarray
     closers: tuple[tuple[int, str], ...]
     lengths: np.ndarray
-    # How many more quotes and brackets each token leaves open than were before it (fewer: negative), written
-    # outside a string (row 0) and inside one (row 1).
+    # How many more objects and arrays each token leaves open than were before it (fewer: negative), written
+    # outside a string (row 0) and inside one (row 1); and which tokens are spaces only.
     opened: np.ndarray
+    blank: np.ndarray
 
     @classmethod
     def of(cls, vocabulary: Vocabulary) -> ClosingVocabulary:
         size = len(vocabulary.pieces)
         closers, lengths = [], np.zeros(size, dtype=np.intc)
         opened = np.zeros((2, size), dtype=np.intc)
+        blank = np.zeros(size, dtype=bool)
         for token, piece in enumerate(vocabulary.pieces):
             text = piece.decode("utf-8", errors="replace")
             lengths[token] = len(text)
+            blank[token] = not text.strip()
             opened[0, token], opened[1, token] = _opened(text, in_string=False), _opened(text, in_string=True)
             bare = "".join(text.split())  # a space is insignificant between JSON tokens and harmless in a string
             if bare and not bare.strip('"]}'):
                 closers.append((token, bare))
         ends = np.array(sorted(vocabulary.ends), dtype=np.intc)
-        return cls(ends=ends, closers=tuple(closers), lengths=lengths, opened=opened)
+        return cls(ends=ends, closers=tuple(closers), lengths=lengths, opened=opened, blank=blank)
 
 
 def _opened(text: str, *, in_string: bool) -> int:
-    """How many more quotes and brackets are open after ``text`` than before it, read from in or out of a string."""
-    depth, escaped, was_in_string = 0, False, in_string
+    """How many more objects and arrays are open after ``text`` than before it, read from in or out of a string (a
+    string always ends at its quote; brackets nest)."""
+    depth, escaped = 0, False
     for char in text:
         if in_string:
             if escaped:
@@ -1206,7 +1212,7 @@ def _opened(text: str, *, in_string: bool) -> int:
             depth += 1
         elif char in "}]":
             depth -= 1
-    return depth + in_string - was_in_string
+    return depth
 
 
 def _by_logit(logits: np.ndarray) -> Iterator[np.ndarray]:
