@@ -39,7 +39,9 @@ from inference.engine.decoding import (
     FunctionTool,
     ReasoningPiece,
     TextPiece,
+    ToolCallDelta,
     ToolCallPiece,
+    ToolCallStart,
     ToolChoice,
     new_call_id,
 )
@@ -503,6 +505,8 @@ class AgentTurn:
                     if isinstance(piece, Done):
                         done = piece
                         break
+                    if isinstance(piece, ToolCallStart | ToolCallDelta):
+                        continue  # a call goes out whole, once it is known whose it is and its arguments pass
                     for ready in words.through(piece) if words is not None else (piece,):
                         if events := await self._send(ready, outcome):
                             yield events

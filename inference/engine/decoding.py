@@ -27,6 +27,8 @@ THINK_CLOSE = "</think>"
 # The start of a forced call's JSON, ``{"name": "…", "arguments": …``, as far as a cut call got.
 _CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"')
 _CALL_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+# A call's JSON up to the object its arguments are, as a grammar writes it: from there they can stream.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +250,57 @@ class ToolCallPiece:
     complete: bool = True
 
 
-Piece = TextPiece | ReasoningPiece | ToolCallPiece
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    """A call whose function is known before its arguments are written: ``ToolCallDelta`` pieces follow with its
+    arguments as they come, then its ``ToolCallPiece`` with all of them. Only calls a grammar writes stream: their
+    arguments are JSON whatever comes next."""
+
+    index: int
+    call_id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    index: int
+    arguments: str
+
+
+Piece = TextPiece | ReasoningPiece | ToolCallStart | ToolCallDelta | ToolCallPiece
+
+
+@dataclass
+class _LiveCall:
+    """A call being streamed: its arguments so far, and where they stand as JSON."""
+
+    start: ToolCallStart
+    arguments: str = ""
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    ended: bool = False
+
+    def take(self, text: str) -> int:
+        """How much of ``text`` is still the arguments (all of it, or up to the end of their object)."""
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.ended = True
+                    return at + 1
+        return len(text)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -274,9 +326,13 @@ class StreamDecoder:
     _call_text: str = ""
     _seen_text: bool = False
     _cut: bool = False
+    _live: _LiveCall | None = None
     raw: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        constraint = self.plan.constraint
+        # Calls stream only where a grammar writes them: a forced call, or any call beside a strict tool.
+        self._streams_calls = self.plan.forced or (constraint is not None and constraint.kind == "tool_calls")
         if self.plan.forced:
             self._state = "forced"
         elif self.plan.reasoning:
@@ -308,8 +364,12 @@ class StreamDecoder:
         while True:
             before = (self._state, len(self._buffer))
             if self._state == "forced":
+                self._stream_call(out)
                 if final:
-                    out.extend(self._forced_calls(self._buffer, ran_out=ran_out))
+                    if self._live is not None:
+                        out.append(self._end_live(ran_out=ran_out))
+                    else:
+                        out.extend(self._forced_calls(self._buffer, ran_out=ran_out))
                     self._buffer = ""
                 return out
             if self._state == "start":
@@ -347,6 +407,19 @@ class StreamDecoder:
                     self._emit_text(out, self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     return out
+            elif self._state == "call" and self._stream_call(out):
+                assert self._live is not None
+                end = self._buffer.find(TOOL_CLOSE) if self._live.ended else -1
+                if end >= 0:
+                    out.append(self._end_live(ran_out=False))
+                    self._buffer = self._buffer[end + len(TOOL_CLOSE) :]
+                    self._state = "text"
+                elif final:
+                    out.append(self._end_live(ran_out=ran_out))
+                    self._buffer = ""
+                    self._state = "text"
+                else:
+                    return out
             elif self._state == "call":
                 end = self._buffer.find(TOOL_CLOSE)
                 if end < 0 and not final:
@@ -371,6 +444,47 @@ class StreamDecoder:
                 return out
             if final and not self._buffer and self._state in ("text", "start"):
                 return out
+
+    def _stream_call(self, out: list[Piece]) -> bool:
+        """Streams the call being written, where a grammar writes it: starts it once its function is named and its
+        arguments begin, then sends on what came of them. Whether a call is streaming."""
+        if self._live is None:
+            if not self._streams_calls or (self._calls and not self.plan.parallel_tool_calls):
+                return False
+            head = _CALL_HEAD.match(self._buffer)
+            if head is None or head["name"] not in self._callable():
+                return False
+            start = ToolCallStart(self._calls, new_call_id(), head["name"])
+            self._calls += 1
+            self._live = _LiveCall(start)
+            self._buffer = self._buffer[head.end() :]
+            out.append(start)
+        live = self._live
+        if not live.ended and self._buffer:
+            taken = live.take(self._buffer)
+            arguments, self._buffer = self._buffer[:taken], self._buffer[taken:]
+            live.arguments += arguments
+            out.append(ToolCallDelta(live.start.index, arguments))
+        return True
+
+    def _callable(self) -> set[str]:
+        forced = self.plan.tool_choice
+        return {forced.name} if isinstance(forced, ForcedFunction) else {tool.name for tool in self.plan.tools}
+
+    def _end_live(self, *, ran_out: bool) -> ToolCallPiece:
+        """The streamed call, whole: complete when its arguments ended before the output did (a forced call closed
+        early to stay whole JSON is a call cut short)."""
+        live, self._live = self._live, None
+        assert live is not None
+        complete = live.ended and not ran_out
+        if complete:
+            try:
+                json.loads(live.arguments)
+            except ValueError:
+                complete = False
+        self._cut |= not complete
+        start = live.start
+        return ToolCallPiece(start.index, start.call_id, start.name, live.arguments, complete=complete)
 
     def _emit_text(self, out: list[Piece], text: str) -> None:
         if self._calls and not text.strip():

@@ -13,7 +13,9 @@ from inference.engine.decoding import (
     FunctionTool,
     ReasoningPiece,
     TextPiece,
+    ToolCallDelta,
     ToolCallPiece,
+    ToolCallStart,
     ToolChoice,
 )
 from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
@@ -274,6 +276,7 @@ async def stream_chunks(
         return f"data: {dumps(payload)}\n\n"
 
     opened = False
+    streamed_calls: set[int] = set()  # calls whose arguments went out as they came
     pending_logprobs: LogprobItems = []
     async with aclosing(generation.run()) as events:
         async for event in events:
@@ -284,18 +287,26 @@ async def stream_chunks(
                 # As OpenAI's first chunk: content null when calls come first, else "", so that a client adding the
                 # deltas up gets the message a whole completion has.
                 opened = True
-                content = None if isinstance(event, ToolCallPiece) else ""
+                content = None if isinstance(event, ToolCallStart | ToolCallPiece) else ""
                 yield chunk({"role": "assistant", "content": content, "refusal": None})
             logprobs = None
             if want_logprobs and pending_logprobs and isinstance(event, TextPiece):
                 logprobs = wire.logprobs_object(pending_logprobs)
-            if isinstance(event, TextPiece | ReasoningPiece | ToolCallPiece):
+            if not isinstance(event, Failed | Done):
                 pending_logprobs = []  # a reasoning's or a call's logprobs are not the content's
             if isinstance(event, TextPiece):
                 yield chunk({"content": event.text}, logprobs=logprobs)
             elif isinstance(event, ReasoningPiece):
                 yield chunk({"reasoning_content": event.text})
-            elif isinstance(event, ToolCallPiece):
+            elif isinstance(event, ToolCallStart):
+                streamed_calls.add(event.index)
+                call = {"name": event.name, "arguments": ""}
+                yield chunk(
+                    {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": call}]}
+                )
+            elif isinstance(event, ToolCallDelta):
+                yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
+            elif isinstance(event, ToolCallPiece) and event.index not in streamed_calls:
                 call = {"name": event.name, "arguments": event.arguments}
                 yield chunk(
                     {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": call}]}

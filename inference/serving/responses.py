@@ -22,7 +22,9 @@ from inference.engine.decoding import (
     FunctionTool,
     ReasoningPiece,
     TextPiece,
+    ToolCallDelta,
     ToolCallPiece,
+    ToolCallStart,
     ToolChoice,
 )
 from inference.engine.generation import (
@@ -338,6 +340,23 @@ class _OpenItem:
         return build(item_id=self.item_id, status=status, content=content)
 
 
+@dataclass
+class _OpenCall:
+    """The function call being streamed, whose arguments arrive in pieces."""
+
+    index: int  # among the output's calls, as the decoder counts them
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def item(self, status: wire.ItemStatus, arguments: str) -> dict[str, Any]:
+        return wire.function_call_item(
+            item_id=self.item_id, call_id=self.call_id, name=self.name, status=status, arguments=arguments
+        )
+
+
 # A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
 # carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
 # trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce)
@@ -364,6 +383,7 @@ class ResponseEncoder:
         self.annotate = annotate
         self._echo = echo
         self._open: _OpenItem | None = None
+        self._call: _OpenCall | None = None
         self._pending_logprobs: LogprobItems = []
         self._sequence = 0
         self.response = self._response("in_progress")
@@ -400,9 +420,17 @@ class ResponseEncoder:
             return self.numbered(self._text("message", event.text))
         if isinstance(event, ReasoningPiece):
             return self.numbered(self._text("reasoning", event.text))
-        if isinstance(event, ToolCallPiece):
+        if isinstance(event, ToolCallStart | ToolCallDelta | ToolCallPiece):
             self._pending_logprobs = []  # the call's: an output_text's logprobs are those of its own text
-            return self.numbered([*self._close("completed"), *self._function_call(event)])
+        if isinstance(event, ToolCallStart):
+            return self.numbered([*self._close("completed"), *self._start_call(event)])
+        if isinstance(event, ToolCallDelta):
+            return self.numbered(self._call_arguments(event.arguments))
+        if isinstance(event, ToolCallPiece):
+            status: wire.ItemStatus = "completed" if event.complete else "incomplete"
+            if self._call is not None and self._call.index == event.index:  # streamed: it ends here
+                return self.numbered(self._end_call(status, event.arguments))
+            return self.numbered([*self._close("completed"), *self._function_call(event, status)])
         raise TypeError(f"not a piece of output: {event!r}")
 
     @property
@@ -540,6 +568,8 @@ class ResponseEncoder:
         ]
 
     def _close(self, status: wire.ItemStatus) -> list[dict[str, Any]]:
+        if self._call is not None:  # a call whose output ended before it did
+            return self._end_call("incomplete", "".join(self._call.arguments))
         item, self._open = self._open, None
         if item is None:
             return []
@@ -564,21 +594,39 @@ class ResponseEncoder:
             wire.output_item_event("done", output_index=item.output_index, item=finished),
         ]
 
-    def _function_call(self, piece: ToolCallPiece) -> list[dict[str, Any]]:
-        item_id, index = _new_id("fc"), len(self.output)
-        call = {"item_id": item_id, "call_id": piece.call_id, "name": piece.name}
-        status: wire.ItemStatus = "completed" if piece.complete else "incomplete"
-        finished = wire.function_call_item(**call, status=status, arguments=piece.arguments)
+    def _function_call(self, piece: ToolCallPiece, status: wire.ItemStatus) -> list[dict[str, Any]]:
+        """A call that came whole: its arguments in one delta."""
+        return [
+            *self._start_call(ToolCallStart(piece.index, piece.call_id, piece.name)),
+            *self._call_arguments(piece.arguments),
+            *self._end_call(status, piece.arguments),
+        ]
+
+    def _start_call(self, start: ToolCallStart) -> list[dict[str, Any]]:
+        call = _OpenCall(start.index, _new_id("fc"), len(self.output), start.call_id, start.name)
+        self._call = call
+        return [wire.output_item_event("added", output_index=call.output_index, item=call.item("in_progress", ""))]
+
+    def _call_arguments(self, arguments: str) -> list[dict[str, Any]]:
+        call = self._call
+        assert call is not None
+        call.arguments.append(arguments)
+        return [
+            wire.function_call_arguments_delta_event(
+                item_id=call.item_id, output_index=call.output_index, delta=arguments
+            )
+        ]
+
+    def _end_call(self, status: wire.ItemStatus, arguments: str) -> list[dict[str, Any]]:
+        call, self._call = self._call, None
+        assert call is not None
+        finished = call.item(status, arguments)
         self.output.append(finished)
         return [
-            wire.output_item_event(
-                "added", output_index=index, item=wire.function_call_item(**call, status="in_progress", arguments="")
-            ),
-            wire.function_call_arguments_delta_event(item_id=item_id, output_index=index, delta=piece.arguments),
             wire.function_call_arguments_done_event(
-                item_id=item_id, output_index=index, name=piece.name, arguments=piece.arguments
+                item_id=call.item_id, output_index=call.output_index, name=call.name, arguments=arguments
             ),
-            wire.output_item_event("done", output_index=index, item=finished),
+            wire.output_item_event("done", output_index=call.output_index, item=finished),
         ]
 
 

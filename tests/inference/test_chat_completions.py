@@ -351,6 +351,9 @@ async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: Open
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None, "refusal": None}
     deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
     assert deltas[0]["index"] == 0 and deltas[0]["id"].startswith("call_")
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    # The arguments as they are written, in several pieces, each naming only its call's index.
+    assert len(deltas) > 2 and all(set(d) == {"index", "function"} and d["index"] == 0 for d in deltas[1:])
     arguments = "".join(d["function"]["arguments"] for d in deltas)
     assert json.loads(arguments)["city"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -46,6 +46,19 @@ def chat_body(
     }
 
 
+def added_up(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed calls as a client adds them up: the first piece of each (by index) names it, the others carry more of
+    its arguments."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in pieces:
+        if piece["index"] not in calls:
+            calls[piece["index"]] = {**piece, "function": dict(piece["function"])}
+        else:
+            assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+            calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    return list(calls.values())
+
+
 async def chat_call(api: API, spec: OpenAISpec, body: dict[str, Any]) -> tuple[dict[str, Any], str | None, str]:
     """The one tool call, the message's text and the finish reason, from a completion or its chunks."""
     response = await api.post("/v1/infer/chat/completions", body)
@@ -60,7 +73,7 @@ async def chat_call(api: API, spec: OpenAISpec, body: dict[str, Any]) -> tuple[d
     for chunk in chunks:
         spec.validate("CreateChatCompletionStreamResponse", chunk)
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
-    (call,) = [call for delta in deltas for call in delta.get("tool_calls") or ()]
+    (call,) = added_up([call for delta in deltas for call in delta.get("tool_calls") or ()])
     text = "".join(delta.get("content") or "" for delta in deltas)
     return (
         call["function"],
@@ -167,6 +180,21 @@ async def test_a_forced_responses_tool_call_is_a_valid_function_call_item(
     assert [item["type"] for item in output] == ["function_call"]
     assert output[0]["name"] == "get_weather"
     jsonschema.validate(json.loads(output[0]["arguments"]), WEATHER)
+
+
+async def test_a_forced_responses_call_streams_its_arguments_in_pieces_that_add_up_to_the_call(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    response = await api.post("/v1/infer/responses", responses_body(0, stream=True, choice="required"))
+    events = [json.loads(item) for item in sse_data(await read_stream(response))]
+
+    kinds = [event["type"] for event in events]
+    added, done = kinds.index("response.output_item.added"), kinds.index("response.function_call_arguments.done")
+    deltas = [event["delta"] for event in events if event["type"] == "response.function_call_arguments.delta"]
+    assert events[added]["item"]["arguments"] == "" and events[added]["item"]["status"] == "in_progress"
+    assert len(deltas) > 1 and added < kinds.index("response.function_call_arguments.delta") < done
+    assert "".join(deltas) == events[done]["arguments"] == events[-1]["response"]["output"][0]["arguments"]
+    jsonschema.validate(json.loads(events[done]["arguments"]), WEATHER)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -12,7 +13,9 @@ from inference.engine.decoding import (
     FunctionTool,
     StreamDecoder,
     TextPiece,
+    ToolCallDelta,
     ToolCallPiece,
+    ToolCallStart,
     ToolChoice,
     plan_decoding,
 )
@@ -36,6 +39,72 @@ def test_a_tool_call_in_auto_mode_is_read_back_wherever_the_stream_splits_it(spl
     assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Let me check. "
     [call] = [p for p in pieces if isinstance(p, ToolCallPiece)]
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Eugene"})
+
+
+def test_a_call_the_model_writes_freely_is_sent_whole_once_it_is_known_to_be_one() -> None:
+    pieces = decode(OUTPUT, split=len(OUTPUT) // 2)
+
+    assert not any(isinstance(p, ToolCallStart | ToolCallDelta) for p in pieces)
+
+
+# A call as a grammar writes it; its arguments hold what would end them were it not for the string they are in.
+ARGUMENTS = '{"city": "Eu}ge\\"ne{[", "days": [1, {"x": []}]}'
+STRICT_WEATHER = FunctionTool("get_weather", None, {"type": "object"}, True)
+
+
+def streamed(plan_tools: tuple[FunctionTool, ...], tool_choice: ToolChoice, output: str, step: int) -> list[Any]:
+    plan = plan_decoding(tools=plan_tools, tool_choice=tool_choice, parallel_tool_calls=True, reasoning=False)
+    decoder = StreamDecoder(plan)
+    pieces: list[Any] = []
+    for at in range(0, len(output), step):
+        pieces += decoder.feed(output[at : at + step])
+    return pieces + decoder.finish()
+
+
+def assert_streamed_call(pieces: list[Any], name: str, arguments: str) -> None:
+    calls = [p for p in pieces if isinstance(p, ToolCallStart | ToolCallDelta | ToolCallPiece)]
+    start, *deltas, whole = calls
+    assert isinstance(start, ToolCallStart) and start.name == name
+    assert all(isinstance(d, ToolCallDelta) and d.index == start.index and d.arguments for d in deltas)
+    assert "".join(d.arguments for d in deltas) == arguments
+    assert isinstance(whole, ToolCallPiece) and whole.complete
+    assert (whole.index, whole.call_id, whole.name, whole.arguments) == (start.index, start.call_id, name, arguments)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_a_forced_call_streams_its_arguments_as_they_come(step: int) -> None:
+    output = '{"name": "get_weather", "arguments": ' + ARGUMENTS + "}"
+
+    pieces = streamed((WEATHER, STOCKS), "required", output, step)
+
+    assert_streamed_call(pieces, "get_weather", ARGUMENTS)
+    if step == 1:  # nothing is held back once the arguments begin
+        assert len([p for p in pieces if isinstance(p, ToolCallDelta)]) == len(ARGUMENTS)
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_call_beside_a_strict_tool_streams_its_arguments_between_the_answers_text(step: int) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGUMENTS + "}\n</tool_call>"
+
+    pieces = streamed((STRICT_WEATHER,), "auto", "Let me check. " + call + "\n" + call, step)
+
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Let me check. "
+    first = pieces.index(next(p for p in pieces if isinstance(p, ToolCallPiece)))
+    assert_streamed_call(pieces[: first + 1], "get_weather", ARGUMENTS)
+    assert_streamed_call(pieces[first + 1 :], "get_weather", ARGUMENTS)
+    assert [p.index for p in pieces if isinstance(p, ToolCallPiece)] == [0, 1]
+
+
+def test_a_streamed_call_the_budget_cut_short_ends_incomplete_with_what_was_sent() -> None:
+    plan = plan_decoding(tools=(WEATHER,), tool_choice="required", parallel_tool_calls=True, reasoning=False)
+    decoder = StreamDecoder(plan)
+
+    pieces = decoder.feed('{"name": "get_weather", "arguments": {"city": "Eu') + decoder.finish(ran_out=True)
+
+    *_, whole = pieces
+    sent = "".join(p.arguments for p in pieces if isinstance(p, ToolCallDelta))
+    assert isinstance(whole, ToolCallPiece) and not whole.complete and decoder.cut_call
+    assert whole.arguments == sent == '{"city": "Eu'
 
 
 def test_a_call_to_a_tool_that_was_not_offered_stays_text() -> None:
@@ -72,7 +141,7 @@ def test_a_required_call_the_budget_cut_short_is_a_call_of_the_function_it_names
     if name is None:  # which of the two it was is not known: no call, and no answer either (it is not one)
         assert pieces == [] and not decoder.cut_call
     else:
-        [call] = pieces
+        [call] = [piece for piece in pieces if isinstance(piece, ToolCallPiece)]
         assert isinstance(call, ToolCallPiece) and not call.complete and decoder.cut_call
         assert (call.name, call.arguments) == (name, arguments)
 
