@@ -55,6 +55,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if name and not Path(name).exists():
         for sidecar in (Path(f"{name}-wal"), Path(f"{name}-shm")):
             sidecar.unlink(missing_ok=True)
+    # Each process's test database (named per worker) leaves the file that tells other processes keys changed.
+    for told in Path(settings.VAR_DIR).glob("test-*.keys-changed"):
+        if not Path(str(told).removesuffix(".keys-changed")).exists():
+            told.unlink(missing_ok=True)
 
 
 # --- the OpenAI spec ------------------------------------------------------------------------------
