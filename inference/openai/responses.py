@@ -225,10 +225,10 @@ def _refusal(tool: OtherTool) -> str:
         named = f" {json.dumps(name)}" if isinstance(name, str) else ""
         return (
             f"namespace tools are not supported: offer the functions of the namespace{named} as top-level "
-            "function tools; this node serves function tools only"
+            "function tools; a request here offers function tools only"
         )
     why = "runs on OpenAI's side" if tool.type in SERVER_TOOLS else "is not supported"
-    return f"the {tool.type} tool {why}; this node serves function tools only"
+    return f"the {tool.type} tool {why}; a request here offers function tools only"
 
 
 class ToolChoiceFunction(WireModel):

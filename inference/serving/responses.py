@@ -203,9 +203,10 @@ def _refuse_item(item: wire.ItemReference | wire.OtherItem, where: str) -> APIEr
     tool = item.type.removesuffix("_output").removesuffix("_call")
     if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
         return unsupported_parameter(
-            param, f"{item.type} items come from tools that run on OpenAI's side; this node serves function tools only"
+            param,
+            f"{item.type} items come from tools that run on OpenAI's side; a request here offers function tools only",
         )
-    return unsupported_parameter(param, f"input items of type {item.type!r} are not supported on this node")
+    return unsupported_parameter(param, f"input items of type {item.type!r} are not supported here")
 
 
 def conversation(items: Sequence[LocatedItem], *, instructions: str | None) -> list[Message]:
