@@ -37,6 +37,12 @@ def _llama_cpp_problem(entry: CatalogEntry) -> tuple[str, str] | None:
     """Its numbers, a model file named, and a context length a sequence holds. Where the file is can be checked
     only on the host that loads it: this one, in embedded mode."""
     runner_settings = entry.runner_settings
+    if unknown := sorted(set(runner_settings) - llama_cpp.SETTING_NAMES):
+        # A name mistyped would otherwise leave its default in place without a word.
+        return "runner_settings", (
+            f"Unknown setting{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}: the CPU runner reads "
+            f"{', '.join(sorted(llama_cpp.SETTING_NAMES))}."
+        )
     if problem := llama_cpp.settings_problem(runner_settings):
         return "runner_settings", problem
     path, package, file = (runner_settings.get(name) for name in ("model_path", "package", "file"))
