@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from twisted.web.http import _parseContentType
 
 from inference.management.commands.serve import media_type
@@ -55,3 +57,9 @@ def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tm
     assert served.returncode != 0
     assert f"Cannot listen on 127.0.0.1:{port}: Address already in use" in served.stderr
     assert "Serving on" not in served.stderr
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "0", "http"])
+def test_serve_on_a_port_no_server_can_have_says_which_ports_there_are(port: str) -> None:
+    with pytest.raises(CommandError, match=f"a port is a whole number from 1 to 65535, not '{port}'"):
+        call_command("serve", f"--port={port}")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import socket
 from http import HTTPStatus
 from typing import Any
@@ -50,6 +51,13 @@ def media_type(header: bytes) -> bytes:
     return media if media.count(b"/") == 1 else b"text/plain"
 
 
+def tcp_port(value: str) -> int:
+    port = int(value) if value.strip().isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 1 to 65535, not {value!r}")
+    return port
+
+
 def check_port(host: str, port: int) -> None:
     """A clear error, before anything loads, when ``host:port`` cannot be listened on (another server holds it)."""
     interface = host.strip("[]")
@@ -73,7 +81,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--port", type=tcp_port, default=8000)
         parser.add_argument("--no-warm-up", action="store_true", help="Load models on first use instead of at start")
 
     def handle(self, *args: Any, host: str, port: int, no_warm_up: bool, **options: Any) -> None:
