@@ -39,7 +39,7 @@ def usage_report(request: HttpRequest) -> HttpResponse:
     report = build_report(form.usage_filter()) if form.is_valid() else None
     if request.GET.get("format") == "csv":
         if report is None:
-            return HttpResponse(form.errors.as_text(), status=400, content_type="text/plain; charset=utf-8")
+            return HttpResponse(_errors_as_text(form), status=400, content_type="text/plain; charset=utf-8")
         return _csv_response(report)
     query = request.GET.copy()
     query["format"] = "csv"
@@ -89,6 +89,15 @@ def _charts(report: Report) -> dict[str, Any]:
             ],
         ),
     }
+
+
+def _errors_as_text(form: UsageReportForm) -> str:
+    """The form's errors as plain text (Django's own ``as_text`` escapes them for HTML)."""
+    return "".join(
+        f"{'' if field == '__all__' else f'{field}: '}{error['message']}\n"
+        for field, errors in form.errors.get_json_data().items()
+        for error in errors
+    )
 
 
 def _csv_line(section: str, name: str, t: Tally) -> list[Any]:

@@ -328,9 +328,13 @@ def test_the_admin_report_says_what_is_wrong_with_its_filters(record: Record) ->
 
     page = client.get("/admin/usage/report/", {"start": str(today()), "end": str(days_ago(3))})
     download = client.get("/admin/usage/report/", {"start": "someday", "format": "csv"})
+    reversed_download = client.get(
+        "/admin/usage/report/", {"start": str(today()), "end": str(days_ago(3)), "format": "csv"}
+    )
 
     assert page.status_code == 200 and b"must not be after" in page.content
-    assert download.status_code == 400
+    assert download.status_code == 400 and download.content.startswith(b"start: ")
+    assert reversed_download.content.decode() == "'From' must not be after 'Through'.\n"
 
 
 def test_the_admin_report_refuses_the_last_day_of_the_calendar_as_a_bad_date(record: Record) -> None:
