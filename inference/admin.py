@@ -127,3 +127,6 @@ class UsageRecordAdmin(ModelAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
         return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False  # the record of what was served and charged: kept, as the organizations it belongs to are

@@ -455,3 +455,15 @@ async def test_a_new_key_of_the_same_organization_sees_the_organization_usage(
     body = (await api.get(USAGE + "?group_by=model", key=other_key)).json()
 
     assert body["total"]["requests"] == 2
+
+
+def test_not_even_a_superuser_can_delete_a_usage_record_in_the_admin(record: Record) -> None:
+    kept = record()
+    client = staff_client()
+
+    page = client.get(f"/admin/inference/usagerecord/{kept.pk}/delete/")
+    listing = client.get("/admin/inference/usagerecord/")
+
+    assert page.status_code == 403
+    assert listing.status_code == 200 and b"delete_selected" not in listing.content
+    assert UsageRecord.objects.filter(pk=kept.pk).exists()
