@@ -20,9 +20,9 @@ from inference.usage import metrics as prometheus
 
 def _bears_metrics_token(request: HttpRequest) -> bool:
     token = settings.METRICS_TOKEN
-    return bool(token) and hmac.compare_digest(
-        request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()
-    )
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    # The scheme's name is case-insensitive (RFC 9110).
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(credentials.encode(), token.encode())
 
 
 # Read only, so no CSRF token to check: a POST is refused by method (405), not as a forgery with Django's HTML page.

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -17,9 +18,9 @@ def _limit(value: str) -> int | None:
     """A non-negative number, or 'none' / 'unlimited' for no limit."""
     if value.lower() in {"none", "unlimited", ""}:
         return None
-    number = int(value)
+    number = int(value) if value.strip().isdigit() else -1
     if number < 0:
-        raise ValueError(value)
+        raise argparse.ArgumentTypeError(f"a limit is a whole number of 0 or more, or 'none', not {value!r}")
     return number
 
 

@@ -87,6 +87,9 @@ def test_metrics_need_the_token_when_one_is_set() -> None:
     assert Client().get("/metrics").status_code == 401
     assert Client().get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert Client().get("/metrics", headers={"Authorization": "Bearer scrape-me"}).status_code == 200
+    assert Client().get("/metrics", headers={"Authorization": "bearer scrape-me"}).status_code == 200
+    assert Client().get("/metrics", headers={"Authorization": "Basic scrape-me"}).status_code == 401
+    assert Client().get("/metrics", headers={"Authorization": "scrape-me"}).status_code == 401
 
 
 # --- /health ----------------------------------------------------------------------------------------
