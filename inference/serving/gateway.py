@@ -58,6 +58,8 @@ MAX_PENDING_EVENT = 1 << 20
 CHAT_END = (b"[DONE]",)
 RESPONSE_END = (b"response.completed", b"response.failed", b"response.incomplete")
 RESPONSE_END_TYPES = frozenset(marker.decode() for marker in RESPONSE_END)
+# The Responses events read whole: the endings, and the first, whose Response a failure the gateway ends it with needs.
+RESPONSE_MARKERS = (*RESPONSE_END, b"response.created")
 REDACTED = b"[upstream key]"
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*(\d{1,18})')
 
@@ -484,14 +486,28 @@ class StreamRelay:
     secret: str = ""  # the upstream's key, kept out of the log
     _ended: bool = False
     _sequence: int = -1  # a Responses stream's last sequence number
+    _response: dict[str, Any] | None = None  # the Response a Responses stream began with
+    _closed: bool = False  # a Responses stream's terminal event went out
+    _failure: str = ""  # what the client was told when the upstream failed mid-stream
 
     def _sse_error(self, error: APIError) -> bytes:
-        """The stream's closing error event: chat's ``{"error": …}``, or a Responses ``error`` event that takes
-        the next sequence number."""
+        """The stream's closing error: chat's ``{"error": …}``; a Responses ``error`` event that takes the next
+        sequence number, then ``response.failed``."""
         if self.terminal is not RESPONSE_END:
             return _sse_error(error)
         self._sequence += 1
-        return _responses_error(error, self._sequence)
+        return _responses_error(error, self._sequence) + self._response_failed(error.message)
+
+    def _response_failed(self, message: str) -> bytes:
+        """``response.failed`` for a Responses stream the gateway ends, as the node ends its own: the Response the
+        upstream began, failed (nothing when it began none, or its own ending went out)."""
+        if self._response is None or self._closed:
+            return b""
+        self._closed = True
+        self._sequence += 1
+        response = {**self._response, "status": "failed", "error": {"code": "server_error", "message": message}}
+        event = {"type": "response.failed", "response": response, "sequence_number": self._sequence}
+        return b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
 
     def _time_limit(self) -> bytes:
         self.tally.error_code = "stream_time_limit"
@@ -536,7 +552,9 @@ class StreamRelay:
             if pending:
                 yield self._event(pending)
             finished = True
-            if not self._ended and not self.tally.error_code:
+            if self._ended and self._failure and self.terminal is RESPONSE_END:
+                yield self._response_failed(self._failure)  # the upstream's error event was its last
+            elif not self._ended and not self.tally.error_code:
                 self.tally.status, self.tally.error_code = 502, "upstream_error"
                 yield self._sse_error(
                     APIError(
@@ -574,7 +592,10 @@ class StreamRelay:
         if not self.tally.error_code:
             self.tally.status, self.tally.error_code = 502, code
         self._ended = True
-        return f"The gateway failed mid-stream ({code}). Quote the request id {self.request_id} when you report it."
+        self._failure = (
+            f"The gateway failed mid-stream ({code}). Quote the request id {self.request_id} when you report it."
+        )
+        return self._failure
 
     def _error(self, event: bytes, data: dict[str, Any]) -> bytes | None:
         """The upstream's error event rebuilt in the API's shape and words, or None when the event is not one.
@@ -624,7 +645,7 @@ class StreamRelay:
         self.tally.output_seen += _streamed_tokens(payload, responses=self.terminal is RESPONSE_END)
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
         # an ending is told by its type, not by its name turning up in a delta's text.
-        markers = (b'"error"', b'"usage"', *(self.terminal if self.terminal is RESPONSE_END else ()))
+        markers = (b'"error"', b'"usage"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
         if not any(marker in payload for marker in markers):
             return event + b"\n\n"
         try:
@@ -636,8 +657,10 @@ class StreamRelay:
         if (replaced := self._error(event, data)) is not None:
             return replaced
         changed = False
+        if self.terminal is RESPONSE_END and data.get("type") == "response.created":
+            self._response = data.get("response") if isinstance(data.get("response"), dict) else None
         if self.terminal is RESPONSE_END and data.get("type") in RESPONSE_END_TYPES:
-            self._ended = True
+            self._ended = self._closed = True
             changed = data["type"] == "response.failed" and self._hide_failure(event, data)
         response = data.get("response")
         usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)

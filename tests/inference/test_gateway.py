@@ -14,7 +14,16 @@ import httpx
 import pytest
 
 from inference.models import CatalogEntry
-from tests.conftest import API, MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from tests.conftest import (
+    API,
+    MODEL_ID,
+    ROOT,
+    LiveServer,
+    free_port,
+    start_server,
+    stop_server,
+    wait_for_http,
+)
 from tests.fakes.openai_upstream import CHUNK_WORDS
 
 UPSTREAM_KEY = "upstream-secret-123456"
@@ -537,13 +546,19 @@ def test_a_streamed_response_passes_through_and_is_metered(setup: Setup) -> None
     assert setup.usage(response.headers["x-request-id"])[:5] == ("gateway", 200, "", 11, 8)
 
 
-def test_a_responses_stream_that_stops_before_its_end_ends_with_a_responses_error_event(setup: Setup) -> None:
+def test_a_responses_stream_that_stops_before_its_end_ends_with_an_error_event_and_response_failed(
+    setup: Setup,
+) -> None:
     response, events = stream_response(setup, "no-done")
 
-    (*before, (name, event)) = events
+    (*before, (name, event), (last, failed)) = events
     assert name == "error"
     assert (event["type"], event["code"]) == ("error", "upstream_error")
     assert event["sequence_number"] == before[-1][1]["sequence_number"] + 1
+    # As the node ends its own: the Response the upstream began, failed, so that clients waiting for an ending get one.
+    assert (last, failed["sequence_number"]) == ("response.failed", event["sequence_number"] + 1)
+    assert failed["response"]["id"] == before[0][1]["response"]["id"] and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "server_error", "message": event["message"]}
     deltas = text_tokens([event["delta"] for name, event in before if name == "response.output_text.delta"])
     body = {"model": "no-done", "route": "gateway", "input": "Hi", "stream": True}  # as stream_response sends it
     assert setup.usage(response.headers["x-request-id"])[1:5] == (502, "upstream_error", read_estimate(body), deltas)

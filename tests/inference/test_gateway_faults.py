@@ -233,6 +233,21 @@ def last_event(text: str) -> dict[str, Any]:
     return json.loads(sse_data(text)[-1])
 
 
+def stream_error(text: str, path: str) -> dict[str, Any]:
+    """The error a stream the gateway ended closes with: chat's last chunk, or a Responses ``error`` event, which
+    ``response.failed`` follows with the Response the upstream began (if it began one)."""
+    if path == CHAT:
+        return last_event(text)["error"]
+    sent = [json.loads(line) for line in sse_data(text)]
+    if not any(event["type"] == "response.created" for event in sent):  # no Response begun to fail
+        assert sent[-1]["type"] == "error"
+        return sent[-1]
+    *_, error, failed = sent
+    assert (error["type"], failed["type"], failed["response"]["status"]) == ("error", "response.failed", "failed")
+    assert failed["sequence_number"] == error["sequence_number"] + 1
+    return error
+
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -520,8 +535,7 @@ async def test_a_stream_that_stops_before_its_end_ends_with_an_error_and_its_slo
 
     response, text = await gw.stream("short", path=path)
 
-    ended = last_event(text)
-    code = (ended["error"] if path == CHAT else ended)["code"]
+    code = stream_error(text, path)["code"]
     assert code == ("upstream_error" if then == "end" else "upstream_unavailable")
     record = await gw.record(response)
     assert (record.status, record.error_code) == (502, code)
@@ -542,8 +556,7 @@ async def test_a_stream_cut_after_a_delta_that_names_its_last_event_still_ends_w
 
     response, text = await gw.stream("meta", path=path)
 
-    ended = last_event(text)
-    assert (ended["error"] if path == CHAT else ended)["code"] == "upstream_error"
+    assert stream_error(text, path)["code"] == "upstream_error"
     record = await gw.record(response)
     assert record.status == 502
     assert record.output_tokens == 9  # the 33 characters of text that went by, four a token
@@ -644,6 +657,24 @@ async def test_a_responses_error_and_failed_event_reach_the_client_in_the_apis_w
     assert (await gw.record(response)).error_code == "overloaded"
 
 
+async def test_a_responses_stream_whose_upstream_ends_after_its_error_event_still_ends_with_response_failed(
+    gw: Gateway,
+) -> None:
+    await gw.offer(
+        "error-last",
+        events(first_event(RESPONSES), response_event("error", 1, message="at db-7", code="overloaded", param=None)),
+    )
+
+    response, text = await gw.stream("error-last", path=RESPONSES)
+
+    names = [line for line in text.split("\n") if line.startswith("event: ")]
+    assert names == ["event: response.created", "event: error", "event: response.failed"]
+    created, error, ended = (json.loads(line) for line in sse_data(text))
+    assert ended["sequence_number"] == 2 and ended["response"]["id"] == created["response"]["id"]
+    assert ended["response"]["error"] == {"code": "server_error", "message": error["message"]}
+    assert "db-7" not in text
+
+
 @BOTH
 async def test_an_upstream_that_never_begins_its_answer_is_a_504(gw: Gateway, path: str) -> None:
     await gw.offer("mute", silence(gw.upstream))
@@ -663,8 +694,7 @@ async def test_a_stream_that_stalls_ends_with_a_timeout_and_closes_the_upstream_
 
     response, text = await gw.stream("stalling", path=path)
 
-    ended = last_event(text)
-    assert (ended["error"] if path == CHAT else ended)["code"] == "upstream_timeout"
+    assert stream_error(text, path)["code"] == "upstream_timeout"
     assert (await gw.record(response)).status == 504
     assert await until(lambda: gw.upstream.hung_up == before + 1)
 
@@ -679,8 +709,7 @@ async def test_a_stream_that_goes_silent_ends_at_its_time_limit_not_at_the_read_
 
     response, text = await gw.stream("quiet", path=path)
 
-    ended = last_event(text)
-    assert (ended["error"] if path == CHAT else ended)["code"] == "stream_time_limit"
+    assert stream_error(text, path)["code"] == "stream_time_limit"
     assert (await gw.record(response)).error_code == "stream_time_limit"
 
 
