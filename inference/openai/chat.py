@@ -289,6 +289,21 @@ def _token_ids(bias: dict[str, int]) -> dict[str, int]:
 LogitBias = Annotated[dict[str, Annotated[int, Field(ge=-100, le=100)]], AfterValidator(_token_ids)]
 
 
+class GatewayChatRequest(LooseModel):
+    """What the gateway reads of a chat body it forwards (whether it streams, what it may cost): the rest goes to the
+    upstream as sent, for it to judge."""
+
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def output_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
 class ChatCompletionRequest(WireModel):
     model: ModelId
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -322,6 +322,20 @@ INCLUDABLE = frozenset(
 STATELESS = "this node stores nothing: send the whole conversation as input on every turn"
 
 
+class GatewayResponseRequest(LooseModel):
+    """What the gateway reads of a Responses body it forwards (whether it streams, what it may cost): the rest goes
+    to the upstream as sent, for it to judge."""
+
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    input: str | list[dict[str, Any]] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def output_cap(self) -> int | None:
+        return self.max_output_tokens
+
+
 class ResponseCreateRequest(WireModel):
     model: ModelId
     input: Input

@@ -33,6 +33,7 @@ from multidict import CIMultiDictProxy
 
 from inference.engine.catalog import find_enabled_model
 from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
+from inference.openai.chat import GatewayChatRequest
 from inference.openai.errors import (
     ERROR_TYPES,
     INVALID_REQUEST,
@@ -43,6 +44,8 @@ from inference.openai.errors import (
     model_missing,
     unsupported_parameter,
 )
+from inference.openai.responses import GatewayResponseRequest
+from inference.openai.shared import parse
 
 from .caller import Caller, Result, admit_request, meter_for, record_error
 from .metered import CLIENT_DISCONNECTED, Metered, StreamOutcome
@@ -136,7 +139,13 @@ def not_offered(model: str) -> APIError:
 
 def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
     """What the node refuses is refused on the way to the upstream too, unless the entry allows it (its
-    ``gateway_parameters``)."""
+    ``gateway_parameters``). Responses stored upstream are never continued through it: every organization shares
+    the upstream's account, so an id would reach whatever response it names there."""
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            raise unsupported_parameter(
+                name, "stored responses are not continued through the gateway: send the whole conversation as input"
+            )
     allowed = set(entry.gateway_parameters or ())
     if "n" not in allowed and body.get("n") not in (None, 1):
         raise unsupported_parameter("n", f"n must be 1 for {entry.public_id!r} on this node")
@@ -163,10 +172,9 @@ def estimate_input_tokens(body: dict[str, Any]) -> int:
     return len(orjson.dumps(body)) // 4
 
 
-def output_cap(body: dict[str, Any]) -> int:
+def output_cap(read: GatewayChatRequest | GatewayResponseRequest) -> int:
     """The most the answer may hold: the body's cap, or the gateway's default."""
-    cap = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-    return cap if isinstance(cap, int) and cap > 0 else settings.GATEWAY_DEFAULT_MAX_TOKENS
+    return read.output_cap or settings.GATEWAY_DEFAULT_MAX_TOKENS
 
 
 # A piece of generated text in a streamed event, and the string that holds it: chat's content, refusal, tool call
@@ -722,25 +730,29 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     entry = await find_enabled_model(model)
     if entry is None:
         raise not_offered(model)
+    # Only what the gateway acts on is checked here; the rest is the upstream's to judge.
+    read: GatewayChatRequest | GatewayResponseRequest = (
+        parse(GatewayChatRequest, body) if path == "chat/completions" else parse(GatewayResponseRequest, body)
+    )
     refuse_unallowed(body, entry)
     upstream = upstream_for(entry)
     forwarded = {key: value for key, value in body.items() if key != "route"}
     forwarded["model"] = upstream.model
     if path == "responses" and "store" not in (entry.gateway_parameters or ()):
         forwarded["store"] = False  # OpenAI keeps responses unless told not to
-    streamed_chat = bool(body.get("stream")) and path == "chat/completions"
-    options = body.get("stream_options")
-    asked_usage = isinstance(options, dict) and options.get("include_usage") is True
+    streamed_chat = bool(read.stream) and path == "chat/completions"
+    options = read.stream_options or {}
+    asked_usage = options.get("include_usage") is True
     if streamed_chat:
-        forwarded["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        forwarded["stream_options"] = {**options, "include_usage": True}
     meter = meter_for(caller, model=model, endpoint=endpoint, route=ROUTE)
     # Admission's charge, corrected to the upstream's count when it comes.
     reads = estimate_input_tokens(body)
-    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=reads + output_cap(body))
+    grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=reads + output_cap(read))
     # An upstream reads no more than its context (a body's inline images and files would count as text).
     tally = UpstreamUsage(started=meter.started, input_estimate=min(reads, entry.context_length))
     try:
-        if not body.get("stream"):
+        if not read.stream:
             data = await forward_json(
                 upstream=upstream, path=path, body=forwarded, request_id=caller.request_id, tally=tally
             )

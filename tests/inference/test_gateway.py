@@ -324,8 +324,10 @@ def test_a_gateway_model_is_not_served_by_the_node(setup: Setup) -> None:
         ({"web_search_options": {}}, "/v1/infer/chat/completions", "web_search_options"),
         ({"background": True}, "/v1/infer/responses", "background"),
         ({"tools": [{"type": "web_search"}]}, "/v1/infer/responses", "tools.0.type"),
+        ({"previous_response_id": "resp_of_another_tenant"}, "/v1/infer/responses", "previous_response_id"),
+        ({"conversation": "conv_1"}, "/v1/infer/responses", "conversation"),
     ],
-    ids=["n", "store", "web-search", "background", "hosted-tool"],
+    ids=["n", "store", "web-search", "background", "hosted-tool", "a-stored-response", "a-stored-conversation"],
 )
 def test_what_the_node_refuses_is_refused_on_the_gateway_unless_the_entry_allows_it(
     setup: Setup, extra: dict, path: str, param: str
@@ -345,6 +347,36 @@ def test_what_the_node_refuses_is_refused_on_the_gateway_unless_the_entry_allows
         "param": param,
         "code": "unsupported_parameter",
     }
+    assert setup.last() == before
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "param", "code"),
+    [
+        ({"stream": "false"}, "/v1/infer/chat/completions", "stream", "invalid_type"),
+        ({"stream_options": "usage"}, "/v1/infer/chat/completions", "stream_options", "invalid_type"),
+        ({"max_tokens": "10"}, "/v1/infer/chat/completions", "max_tokens", "invalid_type"),
+        ({"max_completion_tokens": -1}, "/v1/infer/chat/completions", "max_completion_tokens", None),
+        ({"messages": "Hi"}, "/v1/infer/chat/completions", "messages", "invalid_type"),
+        ({"messages": []}, "/v1/infer/chat/completions", "messages", "empty_array"),
+        ({"messages": None}, "/v1/infer/chat/completions", "messages", None),
+        ({"stream": 1}, "/v1/infer/responses", "stream", "invalid_type"),
+        ({"max_output_tokens": "5"}, "/v1/infer/responses", "max_output_tokens", "invalid_type"),
+        ({"input": 5}, "/v1/infer/responses", "input", None),
+    ],
+)
+def test_what_the_gateway_reads_of_a_body_is_checked_before_anything_reaches_the_upstream(
+    setup: Setup, extra: dict, path: str, param: str, code: str | None
+) -> None:
+    body = chat(model="upstream/plain") if path.endswith("completions") else {"model": "upstream/plain", "input": "Hi"}
+    before = setup.last()
+
+    response = setup.post({**body, "route": "gateway", **extra}, path=path)
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert code is None or error["code"] == code
     assert setup.last() == before
 
 
