@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -357,10 +358,20 @@ def _plain_name(value: Any) -> str | None:
     return value if isinstance(value, str) and PLAIN_NAME.fullmatch(value) else None
 
 
-def unreachable(exc: BaseException) -> APIError:
+def unreachable(exc: BaseException, *, upstream: Upstream | None = None, request_id: str = "") -> APIError:
+    """The upstream did not answer: the cause is logged under the request id (with the upstream's host, which the
+    client is not told), and the client gets the id to quote."""
+    if upstream is not None:
+        host = urlsplit(upstream.base_url).hostname
+        logger.warning("the gateway could not reach %s for request %s: %r", host, request_id, exc)
+    quote = f" Quote the request id {request_id} when you report it." if request_id else ""
     if isinstance(exc, asyncio.TimeoutError):
-        return APIError("The gateway did not answer in time.", code="upstream_timeout", status=504, type="server_error")
-    return APIError("The gateway could not be reached.", code="upstream_unavailable", status=502, type="server_error")
+        return APIError(
+            f"The gateway did not answer in time.{quote}", code="upstream_timeout", status=504, type="server_error"
+        )
+    return APIError(
+        f"The gateway could not be reached.{quote}", code="upstream_unavailable", status=502, type="server_error"
+    )
 
 
 async def read_bounded(response: aiohttp.ClientResponse) -> bytes:
@@ -388,7 +399,7 @@ async def forward_json(
             content = await read_bounded(response)
             status, headers = response.status, response.headers
     except UpstreamFailure as exc:
-        raise unreachable(exc) from None
+        raise unreachable(exc, upstream=upstream, request_id=request_id) from None
     if status >= 300:
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
     try:
@@ -435,7 +446,7 @@ async def open_stream(
             upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id), allow_redirects=False
         )
     except UpstreamFailure as exc:
-        raise unreachable(exc) from None
+        raise unreachable(exc, upstream=upstream, request_id=request_id) from None
     if response.status >= 300:  # an error, or a redirect: the request is not sent on to another address
         content = await _drain(response)
         raise upstream_error(response.status, response.headers, content, request_id=request_id, secret=upstream.api_key)

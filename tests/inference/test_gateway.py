@@ -23,6 +23,7 @@ from tests.conftest import (
     start_server,
     stop_server,
     wait_for_http,
+    wait_until,
 )
 from tests.fakes.openai_upstream import CHUNK_WORDS
 
@@ -223,6 +224,10 @@ def test_an_upstream_that_is_down_is_a_502(setup: Setup) -> None:
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_unavailable"
     assert_no_upstream_secret(response)
+    # The client is given the id to quote, and the log holds the cause under it.
+    request_id = response.headers["x-request-id"]
+    assert request_id in response.json()["error"]["message"]
+    assert wait_until(lambda: f"could not reach 127.0.0.1 for request {request_id}" in setup.log())
 
 
 def read_estimate(body: dict) -> int:
