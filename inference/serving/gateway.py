@@ -664,7 +664,7 @@ class StreamRelay:
         self.tally.output_seen += _streamed_tokens(payload, responses=self.terminal is RESPONSE_END)
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
         # an ending is told by its type, not by its name turning up in a delta's text.
-        markers = (b'"error"', b'"usage"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
+        markers = (b'"error"', b'"usage"', b'"b3os"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
         if not any(marker in payload for marker in markers):
             return event + b"\n\n"
         try:
@@ -676,6 +676,10 @@ class StreamRelay:
         if (replaced := self._error(event, data)) is not None:
             return replaced
         changed = False
+        if isinstance(extra := data.get("b3os"), dict) and extra.get("route") != ROUTE:
+            # An upstream of this platform's own says which way it served the request: here, the gateway's.
+            data["b3os"] = {**extra, "route": ROUTE}
+            changed = True
         if self.terminal is RESPONSE_END and data.get("type") == "response.created":
             self._response = data.get("response") if isinstance(data.get("response"), dict) else None
         if self.terminal is RESPONSE_END and data.get("type") in RESPONSE_END_TYPES:

@@ -657,6 +657,22 @@ async def test_a_responses_error_and_failed_event_reach_the_client_in_the_apis_w
     assert (await gw.record(response)).error_code == "overloaded"
 
 
+async def test_a_chat_stream_from_an_upstream_of_this_platform_says_it_went_through_the_gateway(gw: Gateway) -> None:
+    node = {"route": "node"}
+    await gw.offer(
+        "a-node",
+        events(
+            data({**chat_chunk("Hel"), "b3os": node}), data({**chat_chunk("lo"), "b3os": node}), data(CHAT_USAGE), DONE
+        ),
+    )
+
+    response, text = await gw.stream("a-node")
+
+    chunks = [json.loads(line) for line in sse_data(text) if line != "[DONE]"]
+    assert [chunk["b3os"] for chunk in chunks] == [{"route": "gateway"}] * 2
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "Hello"
+
+
 async def test_a_responses_stream_whose_upstream_ends_after_its_error_event_still_ends_with_response_failed(
     gw: Gateway,
 ) -> None:
