@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint, rebased, schema_at
+from inference.engine.runners.base import TOOL_CLOSE, TOOL_OPEN, Constraint, JsonScan, rebased, schema_at
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -276,30 +276,15 @@ class _LiveCall:
 
     start: ToolCallStart
     arguments: str = ""
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    scan: JsonScan = field(default_factory=JsonScan)
     ended: bool = False
 
     def take(self, text: str) -> int:
         """How much of ``text`` is still the arguments (all of it, or up to the end of their object)."""
         for at, char in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.ended = True
-                    return at + 1
+            if self.scan.read(char) < 0 and self.scan.depth == 0:
+                self.ended = True
+                return at + 1
         return len(text)
 
 

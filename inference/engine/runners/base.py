@@ -62,6 +62,36 @@ class Constraint:
     close_before_limit: bool = False
 
 
+@dataclass(slots=True)
+class JsonScan:
+    """Where a JSON text stands as it is read a character at a time: inside a string (just after a backslash in
+    one), and how many objects and arrays are open."""
+
+    in_string: bool = False
+    escaped: bool = False
+    depth: int = 0
+
+    def read(self, char: str) -> int:
+        """Reads one character: 1 if it opens an object or an array, -1 if it closes one, else 0."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+            return 0
+        if char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+            return 1
+        elif char in "}]":
+            self.depth -= 1
+            return -1
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationJob:
     job_id: str

@@ -54,6 +54,7 @@ from .base import (
     Constraint,
     Finished,
     GenerationJob,
+    JsonScan,
     PromptRenderer,
     RawEvent,
     RunnerError,
@@ -1114,8 +1115,7 @@ class JsonTail:
 
     def __init__(self, required: Iterable[str] = ()) -> None:
         self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
-        self.in_string = False
-        self.escaped = False
+        self.scan = JsonScan()
         self.unnamed = {json.dumps(name) for name in required}
         self.text = ""
 
@@ -1128,25 +1128,16 @@ class JsonTail:
     def feed(self, text: str) -> None:
         self.text += text
         for char in text:
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
+            if (move := self.scan.read(char)) > 0:
                 self.open.append("}" if char == "{" else "]")
-            elif char in "}]" and self.open:
+            elif move < 0 and self.open:
                 self.open.pop()
 
     def closers(self) -> str:
         """The quotes and brackets that close every open string, array and object, in order."""
-        if self.escaped:  # an escape needs its letter before the string can close
+        if self.scan.escaped:  # an escape needs its letter before the string can close
             return ""
-        return ('"' if self.in_string else "") + "".join(reversed(self.open))
+        return ('"' if self.scan.in_string else "") + "".join(reversed(self.open))
 
 
 @dataclass(frozen=True)
@@ -1216,22 +1207,8 @@ class ClosingVocabulary:
 def _opened(text: str, *, in_string: bool) -> int:
     """How many more objects and arrays are open after ``text`` than before it, read from in or out of a string (a
     string always ends at its quote; brackets nest)."""
-    depth, escaped = 0, False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-    return depth
+    scan = JsonScan(in_string=in_string)
+    return sum(scan.read(char) for char in text)
 
 
 def _by_logit(logits: np.ndarray) -> Iterator[np.ndarray]:
