@@ -308,7 +308,6 @@ class StreamDecoder:
     _buffer: str = ""
     _state: Literal["start", "think", "text", "call", "forced"] = "start"
     _calls: int = 0
-    _call_text: str = ""
     _seen_text: bool = False
     _cut: bool = False
     _live: _LiveCall | None = None
@@ -415,9 +414,7 @@ class StreamDecoder:
                 if call is None and end < 0 and ran_out:
                     # The budget ran out inside the call: it is a call as far as it got, or nothing if it cannot be
                     # told which or is not one the client may get (never the template's markup as an answer).
-                    named = _CALL_NAME.match(body)
-                    offered = named is None or named["name"] in {tool.name for tool in self.plan.tools}
-                    if offered and (self.plan.parallel_tool_calls or not self._calls):
+                    if self.plan.parallel_tool_calls or not self._calls:
                         out.extend(filter(None, [self._cut_call(body)]))
                 elif call is None:
                     # Not a well-formed call: it was text after all.
@@ -522,14 +519,16 @@ class StreamDecoder:
     def _cut_call(self, text: str) -> ToolCallPiece | None:
         """A call that ended before its JSON did (a forced one's grammar lets nothing else end it early; any other
         was cut by the token budget): the call of the function it names, or of the only one it can be, with its
-        arguments as far as they got."""
-        forced = self.plan.tool_choice
-        names = [forced.name] if isinstance(forced, ForcedFunction) else [tool.name for tool in self.plan.tools]
+        arguments as far as they got; None for a function it names that was not offered, or one of several it had
+        not named yet."""
+        names = self._callable()
         named = _CALL_NAME.match(text)
-        if named is not None and named["name"] in names:
+        if named is not None:
+            if named["name"] not in names:
+                return None
             name = named["name"]
         elif len(names) == 1:
-            name = names[0]
+            (name,) = names
         else:
             return None
         arguments = _CALL_ARGUMENTS.search(text)
