@@ -252,6 +252,12 @@ async def complete(
     raise _ended_without_result()
 
 
+def _call_delta(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """The delta that opens a call: its id and function, with its arguments (all of them, or none yet)."""
+    function = {"name": name, "arguments": arguments}
+    return {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": function}]}
+
+
 async def stream_chunks(
     *,
     generation: Generation,
@@ -300,17 +306,11 @@ async def stream_chunks(
                 yield chunk({"reasoning_content": event.text})
             elif isinstance(event, ToolCallStart):
                 streamed_calls.add(event.index)
-                call = {"name": event.name, "arguments": ""}
-                yield chunk(
-                    {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": call}]}
-                )
+                yield chunk(_call_delta(event.index, event.call_id, event.name, ""))
             elif isinstance(event, ToolCallDelta):
                 yield chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})
             elif isinstance(event, ToolCallPiece) and event.index not in streamed_calls:
-                call = {"name": event.name, "arguments": event.arguments}
-                yield chunk(
-                    {"tool_calls": [{"index": event.index, "id": event.call_id, "type": "function", "function": call}]}
-                )
+                yield chunk(_call_delta(event.index, event.call_id, event.name, event.arguments))
             elif isinstance(event, Failed):
                 ending.event = event
                 yield f"data: {dumps(generation_error(event, request_id=request_id).body())}\n\n"
