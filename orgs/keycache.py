@@ -17,6 +17,7 @@ version some process remembered keys under.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -64,10 +65,14 @@ def bump() -> None:
 
 def _version_file() -> Path | None:
     """Beside the SQLite database file, which every process of an embedded deployment opens; none for an
-    in-memory database (tests) or another engine."""
+    in-memory database or another engine."""
     database = connections["default"].settings_dict
-    name = str(database.get("NAME") or "")
-    if not database["ENGINE"].endswith("sqlite3") or not name or name == ":memory:" or name.startswith("file:"):
+    return _beside(database["ENGINE"], str(database.get("NAME") or ""))
+
+
+@functools.lru_cache(maxsize=8)  # read on every request: the database's name changes only in tests
+def _beside(engine: str, name: str) -> Path | None:
+    if not engine.endswith("sqlite3") or not name or name == ":memory:" or name.startswith("file:"):
         return None
     return Path(f"{name}.keys-changed")
 
