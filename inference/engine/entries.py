@@ -15,7 +15,7 @@ from django.conf import settings
 
 from inference.models import CatalogEntry
 
-from .runners import llama_cpp
+from .runners import llama_cpp, tensorrt_llm
 from .runners.base import RunnerError
 
 # What the tokenizer gives every template it renders.
@@ -29,7 +29,7 @@ def runner_problem(entry: CatalogEntry) -> tuple[str, str] | None:
     if entry.runner == "llama_cpp":
         return _llama_cpp_problem(entry)
     if entry.runner == "tensorrt_llm":
-        return _tensorrt_llm_problem(entry.runner_settings)
+        return _tensorrt_llm_problem(entry)
     return None
 
 
@@ -88,12 +88,24 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _tensorrt_llm_problem(runner_settings: dict[str, Any]) -> tuple[str, str] | None:
-    """The model named, and a chat template of its own (``chat_template``, over the tokenizer's) that renders a
-    conversation. A template that fails there would fail every request, each told its conversation was refused."""
+def _tensorrt_llm_problem(entry: CatalogEntry) -> tuple[str, str] | None:
+    """The model named, the PyTorch backend, default penalties only for a sampler that applies them, and a chat
+    template of its own (``chat_template``, over the tokenizer's) that renders a conversation. A template that fails
+    there would fail every request, each told its conversation was refused."""
+    runner_settings = entry.runner_settings
     model = runner_settings.get("model")
     if not isinstance(model, str) or not model:
         return "runner_settings", 'Name the model: {"model": "/path/hf-dir"}, a Hugging Face model directory.'
+    if runner_settings.get("backend", "pytorch") != "pytorch":
+        return "runner_settings", "backend must be 'pytorch' (or left out): the runner is written for that backend."
+    defaults = entry.sampling_defaults if isinstance(entry.sampling_defaults, dict) else {}
+    penalties = [name for name in ("frequency_penalty", "presence_penalty") if defaults.get(name)]
+    if penalties and not tensorrt_llm.applies_penalties(runner_settings):
+        return "sampling_defaults", (
+            f"TensorRT-LLM's default sampler does not apply {' or '.join(penalties)}: leave "
+            f'{"them" if len(penalties) > 1 else "it"} out, or set "sampler_type": '
+            f'"{tensorrt_llm.PENALTY_SAMPLER}" in the runner settings.'
+        )
     template = runner_settings.get("chat_template")
     if template is not None and (problem := chat_template_problem(template)):
         return "runner_settings", problem

@@ -101,6 +101,15 @@ class TooManyTopLogprobs(EngineError):
         self.most = most
 
 
+class PenaltyNotApplied(EngineError):
+    """The request sets a frequency or presence penalty the model's sampler would ignore."""
+
+    def __init__(self, *, model_id: str, parameter: str) -> None:
+        super().__init__(f"the model {model_id!r} does not apply {parameter}")
+        self.model_id = model_id
+        self.parameter = parameter
+
+
 class Overloaded(EngineError):
     """Every sequence of the model is busy and its queue is full: try again after ``retry_after`` seconds."""
 

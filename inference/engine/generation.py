@@ -37,6 +37,7 @@ from .exceptions import (
     ContextLengthExceeded,
     ModelUnavailable,
     Overloaded,
+    PenaltyNotApplied,
     SchemaNotEnforceable,
     TooManyTopLogprobs,
 )
@@ -349,6 +350,10 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
         raise SchemaNotEnforceable(model_id=entry.public_id, tool=only, problem=problem, all_tools=only is None)
     if request.logprobs and request.top_logprobs > renderer.max_top_logprobs:
         raise TooManyTopLogprobs(model_id=entry.public_id, most=renderer.max_top_logprobs)
+    if not renderer.penalties:
+        for parameter in ("frequency_penalty", "presence_penalty"):
+            if getattr(request, parameter):
+                raise PenaltyNotApplied(model_id=entry.public_id, parameter=parameter)
     job = GenerationJob(
         job_id=secrets.token_hex(12),
         model_id=entry.public_id,

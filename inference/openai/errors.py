@@ -22,6 +22,7 @@ from inference.engine.exceptions import (
     ModelUnavailable,
     OutputLimitTooLarge,
     Overloaded,
+    PenaltyNotApplied,
     SchemaNotEnforceable,
     TooManyTopLogprobs,
 )
@@ -201,9 +202,10 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "context_length_exceeded": "the prompt and its answer do not fit the model's context",
     "invalid_constraint": "the output's constraint could not be enforced",
     "constraint_too_costly": "the output's constraint took too long to enforce for one token; simplify its schema",
+    "unsupported_parameter": "the model's sampler does not apply a parameter the request set",
 }
 # Failures the request's own content caused once it ran: a 400, not a server fault.
-REQUEST_FAULT_CODES = ("constraint_too_costly", "context_length_exceeded")
+REQUEST_FAULT_CODES = ("constraint_too_costly", "context_length_exceeded", "unsupported_parameter")
 
 
 def generation_failed(code: str, *, request_id: str) -> APIError:
@@ -261,6 +263,11 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             f"The model {exc.model_id!r} returns at most {exc.most} top_logprobs.",
             param=names.top_logprobs,
             code="invalid_value",
+        )
+    if isinstance(exc, PenaltyNotApplied):
+        return unsupported_parameter(
+            exc.parameter,
+            f"The model {exc.model_id!r} does not apply {exc.parameter}: leave it out, or send 0.",
         )
     if isinstance(exc, ChatTemplateRefused):
         return invalid_request(

@@ -264,8 +264,9 @@ def test_a_cpu_model_whose_context_length_is_past_what_a_sequence_holds_is_not_s
             "chat_template fails for a conversation of one user message: UndefinedError: list object has no element 1",
         ),
         ({"model": "/models/qwen", "chat_template": "{# nothing #}"}, "chat_template renders nothing"),
+        ({"model": "/models/qwen", "backend": "tensorrt"}, "backend must be 'pytorch' (or left out)"),
     ],
-    ids=["no model", "empty model", "not a string", "syntax", "fails to render", "renders nothing"],
+    ids=["no model", "empty model", "not a string", "syntax", "fails to render", "renders nothing", "engine backend"],
 )
 def test_a_gpu_model_that_could_not_render_a_prompt_is_not_saved_and_the_form_says_why(
     staff_client: Client, settings: dict[str, Any], message: str
@@ -280,6 +281,24 @@ def test_a_gpu_model_that_could_not_render_a_prompt_is_not_saved_and_the_form_sa
     assert page.status_code == 200 and message in html.unescape(page.content.decode())
     entry.refresh_from_db()
     assert entry.runner_settings == {"model": "/m"}
+
+
+def test_a_gpu_model_with_default_penalties_its_sampler_would_ignore_is_not_saved(staff_client: Client) -> None:
+    entry = CatalogEntry.objects.create(
+        public_id="acme/gpu-model", runner="tensorrt_llm", runner_settings={"model": "/m"}
+    )
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+    defaults = json.dumps({"presence_penalty": 0.5})
+
+    page = staff_client.post(url, form_data(entry, sampling_defaults=defaults))
+
+    assert page.status_code == 200
+    assert "default sampler does not apply presence_penalty" in html.unescape(page.content.decode())
+    settings = json.dumps({"model": "/m", "sampler_type": "TRTLLMSampler"})
+    saved = staff_client.post(url, form_data(entry, sampling_defaults=defaults, runner_settings=settings))
+    assert saved.status_code == 302
+    entry.refresh_from_db()
+    assert entry.sampling_defaults == {"presence_penalty": 0.5}
 
 
 @pytest.mark.parametrize(

@@ -445,6 +445,8 @@ class PromptRenderer:
     max_top_logprobs: int = 20
     # The text of the tokenizer's special tokens, longest first: where a request writes one, it is text.
     special_tokens: tuple[str, ...] = ()
+    # Whether the runner applies frequency and presence penalties (else a request that sets one is refused).
+    penalties: bool = True
 
 
 class Runner(Protocol):

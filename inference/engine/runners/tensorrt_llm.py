@@ -91,6 +91,11 @@ _FINISH_REASONS: Final[dict[str, FinishReason]] = {
     "cancelled": "cancelled",
 }
 
+# The sampler that applies frequency and presence penalties: TensorRT-LLM 1.2's default, the TorchSampler, takes
+# only temperature, top-p and top-k from a request (``_torch/pyexecutor/sampler.py``, ``_request_get_sampling_params``)
+# and ignores the penalties ``SamplingParams`` accepts; the C++ sampler applies them.
+PENALTY_SAMPLER: Final = "TRTLLMSampler"
+
 # trtllm-serve's floor for a logprob, so that JSON never has to carry -inf.
 _MIN_LOGPROB: Final = -9999.0
 
@@ -208,9 +213,10 @@ class _Engine:
     def __init__(self, llm: Any, api: _API, *, max_seq_len: int | None) -> None:
         self.llm = llm
         self.api = api
-        # The PyTorch backend never refuses a prompt for max_seq_len: base_worker.py's
-        # _deduce_max_tokens clamps max_tokens to the room left, down to zero, and llm.py's
-        # _check_arguments checks only max_num_tokens. So the runner checks it before submitting.
+        # The PyTorch backend checks a prompt against max_seq_len only as it enqueues it: base_worker.py's
+        # _deduce_max_tokens shortens max_tokens to the room left, without a word, and refuses (RequestError)
+        # only a prompt that leaves no room at all; llm.py's _check_arguments checks only max_num_tokens.
+        # So the runner checks the prompt and max_tokens together before submitting.
         self.max_seq_len = max_seq_len
         self.loop = asyncio.new_event_loop()
         self._active: set[_Request] = set()
@@ -397,7 +403,7 @@ def _token_logprobs(
     result: list[TokenLogprob] = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         token = _token_bytes(tokenizer, token_id)
-        if isinstance(entry, dict):  # PyTorch backend: {token_id: Logprob(logprob, rank)}, top-k plus the sampled one
+        if isinstance(entry, dict):  # PyTorch backend: {token_id: Logprob(logprob, rank)}, the top k
             chosen = entry.get(token_id)
             logprob = max(chosen.logprob, _MIN_LOGPROB) if chosen is not None else _MIN_LOGPROB
             ranked = sorted(entry.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
@@ -429,6 +435,14 @@ def _llm_kwargs(settings: Mapping[str, Any], api: _API) -> dict[str, Any]:
             code="runner_unavailable",
         )
     kwargs = {k: v for k, v in settings.items() if k not in _NOT_LLM_ARGS}
+    if (backend_name := kwargs.get("backend", "pytorch")) != "pytorch":
+        # Any other value builds another backend (the TensorRT engine's, or AutoDeploy), with other checks, other
+        # logprobs and no structural tags, which tool calls are decoded under.
+        raise RunnerError(
+            f"tensorrt_llm setting backend must be 'pytorch' (or left out), not {backend_name!r}: the runner is "
+            "written for TensorRT-LLM's PyTorch backend",
+            code="runner_unavailable",
+        )
     # Without a backend, guided decoding (structured output, strict tools) has nothing to enforce it.
     # It must be xgrammar: the runner checks every guide with xgrammar before queueing it, and
     # llguidance takes no structural tags at all (grammar_matcher.py, LLGuidanceMatcherFactory.create:
@@ -687,8 +701,6 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         "top_p": sampling.top_p,
         "seed": _seed(sampling),
         "stop": list(sampling.stop) or None,
-        "frequency_penalty": sampling.frequency_penalty,
-        "presence_penalty": sampling.presence_penalty,
         # The prompt is a rendered chat template, which places BOS itself (trtllm-serve's chat default);
         # the renderer counted the prompt's tokens the same way.
         "add_special_tokens": False,
@@ -699,9 +711,23 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         # same choice, and what the LLM API itself counts as greedy (SamplingParams._greedy_decoding).
         kwargs["top_p"] = None
         kwargs["top_k"] = 1
+    if applies_penalties(job.runner_settings):
+        kwargs["frequency_penalty"] = sampling.frequency_penalty
+        kwargs["presence_penalty"] = sampling.presence_penalty
+    elif sampling.frequency_penalty or sampling.presence_penalty:
+        # The API process refuses such a request (PromptRenderer.penalties); one from an API process that did not
+        # would get an answer as if the penalties were 0.
+        raise RunnerError(
+            "this model's sampler applies no frequency or presence penalties", code="unsupported_parameter"
+        )
     if sampling.logprobs:
         limit = _max_top_logprobs(job.runner_settings)
-        kwargs["logprobs"] = max(1, min(sampling.top_logprobs, limit))
+        asked = max(1, min(sampling.top_logprobs, limit))
+        # The TorchSampler returns each token's top k (sampler.py, handle_logprobs), taken before it samples: a
+        # sampled token outside them has no logprob to report. Asking for as many as the entry returns makes
+        # that rare; the answer still lists only the alternatives the request asked for.
+        sampled = sampling.temperature > 0 and sampling.top_p > 0
+        kwargs["logprobs"] = max(asked, limit) if sampled and not applies_penalties(job.runner_settings) else asked
     guide = _guide(job.constraint, api)
     if guide is not None:
         kwargs["guided_decoding"] = guide
@@ -709,6 +735,11 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         return api.SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise RunnerError(f"TensorRT-LLM rejected the sampling parameters: {exc}", code="generation_failed") from exc
+
+
+def applies_penalties(settings: Mapping[str, Any]) -> bool:
+    """Whether the entry's sampler applies frequency and presence penalties (``PENALTY_SAMPLER``)."""
+    return settings.get("sampler_type") == PENALTY_SAMPLER
 
 
 def _seed(sampling: Sampling) -> int | None:
@@ -931,6 +962,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         schema_problem=schema_problem,
         max_top_logprobs=_max_top_logprobs(settings),
         special_tokens=_special_tokens(tokenizer),
+        penalties=applies_penalties(settings),
     )
 
 

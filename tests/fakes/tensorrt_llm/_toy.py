@@ -69,7 +69,7 @@ TOKENS_PER_BLOCK = 32
 # The toy model's config.json: what TensorRT-LLM falls back to when LLM() is given no max_seq_len.
 MAX_POSITION_EMBEDDINGS = 4096
 
-# Alternatives offered as top logprobs besides the token that was "sampled".
+# Tokens the toy model ranks after its likeliest ones, as top logprobs.
 _ALTERNATIVES = ("the", "a", "of", "and", "to")
 # A prompt word the toy model is unsure how to echo: "{heads|tails}".
 _CHOICE = re.compile(r"\{(\w+(?:\|\w+)+)\}")
@@ -334,15 +334,17 @@ class _Slot:
         if len(self.output) == len(self.plan):
             if not self.outputs_end_id:
                 return EngineResponse(self.request_id, [], END_ID, True)
+            logprobs = self._logprobs(self.end_id)
             self.output.append(self.end_id)
-            return EngineResponse(self.request_id, [self.end_id], END_ID, True, logprobs=self._logprobs(self.end_id))
+            return EngineResponse(self.request_id, [self.end_id], END_ID, True, logprobs=logprobs)
+        logprobs = self._logprobs(self.plan[len(self.output)])
         token = self._next_token()
         self.output.append(token)
         finish = LENGTH if len(self.output) >= self.max_tokens else None
         # The runtime looks for stop words in the generated ids after every token.
         if any(words and self.output[-len(words) :] == words for words in self.stop_words):
             finish = STOP_WORDS
-        return EngineResponse(self.request_id, [token], finish, finish is not None, logprobs=self._logprobs(token))
+        return EngineResponse(self.request_id, [token], finish, finish is not None, logprobs=logprobs)
 
     def _next_token(self) -> int:
         at = len(self.output)
@@ -353,15 +355,16 @@ class _Slot:
             return alternatives[0]
         return self.generator.choice(alternatives)
 
-    def _logprobs(self, token: int) -> list[dict[int, Logprob]] | None:
+    def _logprobs(self, likeliest: int) -> list[dict[int, Logprob]] | None:
+        """The next position's top ``top_logprobs`` tokens, taken before sampling (1.2's ``TorchSampler``:
+        ``torch.topk`` over the log-softmax, then ``handle_logprobs``): its likeliest token first (the plan's, or the
+        first of a choice), then a choice's other words, then the alternatives. A token sampled outside them is not
+        among them."""
         if not self.top_logprobs:
             return None
-        entry = {token: Logprob(logprob=-0.25, rank=1)}
-        for rank, alternative in enumerate((a for a in self.alternatives if a != token), start=2):
-            if rank > self.top_logprobs:
-                break
-            entry[alternative] = Logprob(logprob=-0.25 - rank, rank=rank)
-        return [entry]
+        ranked = dict.fromkeys([*(self.choices.get(len(self.output)) or [likeliest]), *self.alternatives])
+        entry = {token: Logprob(logprob=-0.25 - rank, rank=rank + 1) for rank, token in enumerate(ranked)}
+        return [dict(list(entry.items())[: self.top_logprobs])]
 
 
 class ToyExecutor:
@@ -397,10 +400,12 @@ class ToyExecutor:
         params: SamplingParams,
         max_tokens: int,
         deliver: Callable[[EngineResponse], None],
+        *,
+        error: str | None = None,
     ) -> int:
-        plan, choices, error = self._plan(prompt_token_ids, params)
-        if error is None:
-            error = params._sampling_config_error()
+        """Queues a request; ``error`` is what the executor refused it for as it enqueued it, sent as its response."""
+        plan, choices, guide_error = self._plan(prompt_token_ids, params)
+        error = error or guide_error
         generator: random.Random | None
         if params._greedy_decoding:
             generator = None

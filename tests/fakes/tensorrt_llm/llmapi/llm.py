@@ -1,7 +1,14 @@
-"""Mirrors ``tensorrt_llm/llmapi/llm.py``: ``LLM`` (PyTorch backend, the default) and ``RequestOutput``."""
+"""Mirrors ``tensorrt_llm/llmapi/llm.py``: ``LLM`` (PyTorch backend, the default) and ``RequestOutput``.
+
+What the executor refuses as it enqueues a request (``base_worker.py``, ``_enqueue_request``: ``max_tokens`` with no
+room left under ``max_seq_len``, a sampling config the runtime refuses) becomes a ``RequestError``: raised by
+``generate_async`` itself when the executor runs in this process (``TLLM_WORKER_USE_SINGLE_PROCESS=1``), and by the
+result's iteration when it runs in its own MPI process (the default), which sends the error back as a response.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -63,6 +70,9 @@ class LLM:
             **kwargs,
         )
         self._tokenizer = TransformersTokenizer(ToyTokenizer(str(tokenizer or model)))
+        # executor.py, GenerationExecutor.create: the worker in this process for tensor parallel size 1 when asked.
+        single_process = os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS", "0") == "1"
+        self._single_process = single_process and tensor_parallel_size == 1
         self._executor: ToyExecutor | None = ToyExecutor(
             self._tokenizer.tokenizer,
             max_batch_size=self.args.max_batch_size,
@@ -114,19 +124,37 @@ class LLM:
             tokenizer=self._tokenizer,
         )
         output._prompt = prompt
-        max_tokens = self._deduce_max_tokens(len(prompt_token_ids), sampling_params)
-        output.id = self._executor.submit(prompt_token_ids, sampling_params, max_tokens, output._deliver)
+        max_tokens = 0
+        try:
+            max_tokens = self._deduce_max_tokens(len(prompt_token_ids), sampling_params)
+            if (refused := sampling_params._sampling_config_error()) is not None:
+                raise ValueError(refused)
+        except ValueError as exc:
+            if self._single_process:
+                raise RequestError(str(exc)) from exc
+            error: str | None = str(exc)
+        else:
+            error = None
+        output.id = self._executor.submit(prompt_token_ids, sampling_params, max_tokens, output._deliver, error=error)
         return output
 
     def _deduce_max_tokens(self, prompt_len: int, sampling_params: SamplingParams) -> int:
-        """``_deduce_max_tokens`` in ``executor/base_worker.py``, for a request that sets ``max_tokens``.
-
-        Nothing refuses a prompt longer than ``max_seq_len``: ``max_tokens`` is only clamped to the
-        room left (with a logged warning), down to zero or below, and the request then ends at once
-        with finish reason "length".
-        """
+        """``_deduce_max_tokens`` in ``executor/base_worker.py``, for a request that sets ``max_tokens``: shortened to
+        the room left under ``max_seq_len`` with only a logged warning, refused when no room is left."""
         max_seq_len = self.args.max_seq_len or MAX_POSITION_EMBEDDINGS
-        return min(sampling_params.max_tokens, max_seq_len - prompt_len)
+        default_max_tokens = max_seq_len - prompt_len
+        if default_max_tokens <= 0:
+            raise ValueError(
+                f"`default_max_tokens` ({default_max_tokens}) must be greater than 0, "
+                f"`default_max_tokens` ({default_max_tokens}) = max_seq_len ({max_seq_len})"
+                f" - `splited_prompt_len` ({prompt_len}) - `query_token_len` (0)"
+            )
+        max_tokens = sampling_params.max_tokens
+        if max_tokens > default_max_tokens:
+            return default_max_tokens
+        if max_tokens <= 0:
+            raise ValueError(f"`max_tokens` ({max_tokens}) must be greater than 0")
+        return max_tokens
 
     def _prepare_sampling_params(self, sampling_params: SamplingParams | None = None) -> SamplingParams:
         if sampling_params is None:

@@ -33,7 +33,7 @@ from django.db import DatabaseError
 
 from inference import tasks
 from inference.engine import execution
-from inference.engine.exceptions import SchemaNotEnforceable, TooManyTopLogprobs
+from inference.engine.exceptions import PenaltyNotApplied, SchemaNotEnforceable, TooManyTopLogprobs
 from inference.engine.generation import GenerationRequest, prepare
 from inference.engine.runners import tensorrt_llm as runner_module
 from inference.engine.runners.base import (
@@ -238,7 +238,8 @@ def test_a_special_token_the_request_wrote_reaches_the_engine_as_text(engine: Se
 
 
 def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
-    runner = runner_module.load(SETTINGS)
+    settings = {**SETTINGS, "sampler_type": "TRTLLMSampler"}  # the sampler that applies penalties
+    runner = runner_module.load(settings)
     job = make_job(
         "a b",
         max_tokens=7,
@@ -248,6 +249,7 @@ def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
         seed=42,
         frequency_penalty=0.5,
         presence_penalty=-0.5,
+        settings=settings,
     )
 
     collect(runner.stream(job, never))
@@ -259,6 +261,25 @@ def test_it_passes_the_sampling_parameters_through(engine: Seen) -> None:
     assert params.add_special_tokens is False
     assert params.logprobs is None
     assert params.guided_decoding is None
+
+
+def test_the_default_sampler_which_ignores_penalties_is_sent_none(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    collect(runner.stream(make_job("a b"), never))
+
+    params = engine.calls[0].sampling_params
+    assert (params.frequency_penalty, params.presence_penalty) == (None, None)
+
+
+def test_a_job_with_a_penalty_the_default_sampler_would_ignore_is_refused(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("a b", presence_penalty=0.5), never))
+
+    assert raised.value.code == "unsupported_parameter"
+    assert engine.calls == []
 
 
 CHOICES = " ".join(["{heads|tails}"] * 24)  # the toy model draws each word: 2**24 answers
@@ -373,7 +394,7 @@ def test_a_stop_string_the_engine_matches_on_token_ids_leaves_none_of_itself_in_
 def test_it_returns_logprobs_when_asked(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
 
-    chunks, _ = collect(runner.stream(make_job("red green", logprobs=True, top_logprobs=2), never))
+    chunks, _ = collect(runner.stream(make_job("red green", logprobs=True, top_logprobs=2, temperature=0.0), never))
 
     assert engine.calls[0].sampling_params.logprobs == 2
     logprobs = [lp for c in chunks for lp in c.logprobs]
@@ -381,6 +402,36 @@ def test_it_returns_logprobs_when_asked(engine: Seen) -> None:
     assert all(lp.logprob == -0.25 for lp in logprobs)
     assert [len(lp.top) for lp in logprobs] == [2, 2]
     assert logprobs[0].top[0] == (b"red", -0.25)
+
+
+def test_the_stand_ins_logprobs_are_the_top_k_taken_before_sampling_as_tensorrt_llm_1_2s_are(engine: Seen) -> None:
+    trtllm = sys.modules["tensorrt_llm"]
+    llm = trtllm.LLM(model="/models/toy-chat")
+    params = trtllm.SamplingParams(max_tokens=24, temperature=1.0, logprobs=1, seed=1)
+
+    async def run() -> Any:
+        return await llm.generate_async(llm.tokenizer.encode(CHOICES), params, streaming=True).aresult()
+
+    completion = asyncio.run(run()).outputs[0]
+
+    drawn = [llm.tokenizer.decode([token]) for token in completion.token_ids[:24]]
+    listed = [[llm.tokenizer.decode([token]) for token in entry] for entry in completion.logprobs[:24]]
+    assert " tails" in drawn  # at least once in 24 draws of two words
+    # The top 1 is the likeliest word wherever the other was drawn.
+    assert listed == [["heads"]] + [[" heads"]] * 23
+
+
+def test_a_sampled_request_gets_its_tokens_logprobs_though_it_asks_for_one_alternative(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(runner.stream(make_job(CHOICES, logprobs=True, top_logprobs=1, temperature=1.0), never))
+
+    # The engine's top 1 would leave out every "tails" drawn: the runner asks it for the entry's 20.
+    assert engine.calls[0].sampling_params.logprobs == 20
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert {lp.token.strip() for lp in logprobs} == {b"heads", b"tails"}
+    assert {(lp.token.strip(), lp.logprob) for lp in logprobs} == {(b"heads", -0.25), (b"tails", -1.25)}
+    assert all(len(lp.top) == 1 and lp.top[0][0].strip() == b"heads" for lp in logprobs)
 
 
 def test_the_logprobs_of_the_pieces_of_a_character_carry_its_bytes(engine: Seen) -> None:
@@ -996,6 +1047,26 @@ def test_a_prompt_and_max_tokens_beyond_max_seq_len_are_refused_before_anything_
     assert engine.calls == []
 
 
+@pytest.mark.parametrize("single_process", [False, True], ids=["executor process", "single process"])
+def test_a_prompt_that_leaves_no_room_under_the_models_own_max_seq_len_is_refused_as_too_long(
+    engine: Seen, monkeypatch: pytest.MonkeyPatch, single_process: bool
+) -> None:
+    # No max_seq_len in the settings: the runner cannot check, and the executor refuses the prompt as it enqueues it
+    # (in generate_async itself when it runs in this process, in the result's iteration otherwise).
+    monkeypatch.setenv("TLLM_WORKER_USE_SINGLE_PROCESS", "1" if single_process else "0")
+    monkeypatch.setattr(sys.modules["tensorrt_llm._toy"], "MAX_POSITION_EMBEDDINGS", 8)
+    monkeypatch.setattr(sys.modules["tensorrt_llm.llmapi.llm"], "MAX_POSITION_EMBEDDINGS", 8)
+    runner = runner_module.load(SETTINGS)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job(words(9), max_tokens=5), never))
+
+    assert raised.value.code == "context_length_exceeded"
+    # One with room for fewer tokens than it asks for is shortened, as the library does.
+    chunks, finished = collect(runner.stream(make_job(words(6), max_tokens=5), never))
+    assert (finished.reason, finished.completion_tokens) == ("length", 2)
+
+
 def test_a_prompt_and_max_tokens_that_fit_max_seq_len_are_served(engine: Seen) -> None:
     settings = {"model": "/models/toy-chat", "max_seq_len": 8}
     runner = runner_module.load(settings)
@@ -1264,6 +1335,21 @@ async def test_top_logprobs_beyond_what_the_entry_returns_are_a_400(hf: Loads, f
     plain = GenerationRequest(messages=USER, logprobs=True)
     generation = await prepare(entry=toy_entry(max_top_logprobs=0), request=plain)
     assert generation.job.sampling.logprobs is True
+
+
+async def test_a_penalty_the_entrys_sampler_would_ignore_is_a_400_naming_it(hf: Loads, fresh_caches: None) -> None:
+    request = GenerationRequest(messages=USER, frequency_penalty=0.5)
+
+    with pytest.raises(PenaltyNotApplied) as raised:
+        await prepare(entry=toy_entry(), request=request)
+
+    error = from_exception(raised.value, ParamNames())
+    assert error is not None and (error.status, error.code) == (400, "unsupported_parameter")
+    assert error.param == "frequency_penalty"
+    zero = await prepare(entry=toy_entry(), request=GenerationRequest(messages=USER, frequency_penalty=0))
+    assert zero.job.sampling.frequency_penalty == 0
+    applied = await prepare(entry=toy_entry(sampler_type="TRTLLMSampler"), request=request)
+    assert applied.job.sampling.frequency_penalty == 0.5
 
 
 # -- the worker process: models are loaded when it starts --------------------------------------------
