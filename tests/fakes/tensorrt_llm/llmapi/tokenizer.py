@@ -43,10 +43,12 @@ class TransformersTokenizer(TokenizerBase):
         **kwargs: Any,
     ) -> tuple[str, dict[str, Any]]:
         """The new ids' text appended to what was decoded before: text once decoded is never taken back, and
-        ids that end in a piece of a character wait in ``states`` for the rest (``trtllm_decode_incrementally``)."""
+        ids that end in a piece of a character wait in ``states`` for the rest. As with the default Hugging Face
+        backend (``hf_decode_incrementally``, over ``tokenizers``' ``DecodeStream``), ``flush`` changes nothing: a
+        piece of a character the output ends with never becomes text."""
         pending = [*(states or {}).get("pending", []), *token_ids]
         text = self.decode(pending, **kwargs)
-        if not flush and text.endswith("\ufffd"):
+        if text.endswith("\ufffd"):
             return prev_text or "", {"pending": pending}
         return (prev_text or "") + text, {}
 

@@ -445,6 +445,16 @@ def test_the_logprobs_of_the_pieces_of_a_character_carry_its_bytes(engine: Seen)
     assert logprobs[2].top[0] == (b"\xf0", -0.25)
 
 
+def test_an_answer_cut_inside_a_character_ends_before_it_and_still_counts_its_tokens(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(runner.stream(make_job("fire 🔥", max_tokens=4, logprobs=True), never))
+
+    # The library's detokenizer never turns the character's first two bytes into text.
+    assert "".join(c.text for c in chunks) == "fire "
+    assert (finished.reason, finished.completion_tokens) == ("length", 4)
+
+
 # -- cancellation ------------------------------------------------------------------------------------
 
 
