@@ -288,6 +288,22 @@ async def test_a_forced_call_that_fits_its_budget_with_a_few_tokens_to_spare_is_
     assert finish_reason == "tool_calls"
 
 
+async def test_a_forced_call_its_budget_began_closing_is_whole_when_the_model_wrote_it_so_anyway(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    # A tool without parameters: the model writes {} whatever the budget, in few tokens.
+    body = chat_body(0, stream=False, choice="required", temperature=0)
+    body["tools"] = [{"type": "function", "function": {"name": "get_weather"}}]
+    unbounded, _, _ = await chat_call(api, openai_spec, body)
+    tokens = (await api.post("/v1/infer/chat/completions", body)).json()["usage"]["completion_tokens"]
+
+    # Closing begins a few tokens before the budget runs out, here before the call is written.
+    function, _, finish_reason = await chat_call(api, openai_spec, {**body, "max_tokens": tokens + 1})
+
+    assert function["arguments"] == unbounded["arguments"]
+    assert finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_forced_call_closed_early_by_its_budget_says_length_and_is_an_incomplete_item(
     api: API, openai_spec: OpenAISpec, stream: bool

@@ -38,7 +38,7 @@ import string
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import machinery
 from pathlib import Path
@@ -51,6 +51,7 @@ from django.conf import settings as django_settings
 from .base import (
     SCHEMA_DATA,
     SCHEMA_MAPS,
+    TOOL_OPEN,
     Constraint,
     Finished,
     GenerationJob,
@@ -266,6 +267,21 @@ class SchemaTooLarge(ValueError):
     """The schema's grammar would outgrow ``SchemaLimits``."""
 
 
+def _text_not_starting_with(converter: Any, literal: str) -> str:
+    """The name of a rule for any text but one that begins with ``literal``: a text may open with ``<`` (a model may
+    begin its answer with a tag of its own, ``<tool_response>``) as long as it does not spell a call's opening tag,
+    which only the call's own alternative may write."""
+    rule = ""
+    for at in range(len(literal) - 1, -1, -1):
+        char = f"\\x{ord(literal[at]):02X}"
+        differs = f"[^{char}\\x00] [^\\x00]*"
+        body = f"{differs} | [{char}] {rule}" if rule else differs
+        if at:  # past the first character the text may also end here
+            body = f'"" | {body}'
+        rule = converter._add_rule(f"free-text-{at}" if at else "free-text", body)
+    return rule
+
+
 def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> str:
     """A GBNF grammar for the constraint, built from its JSON schema; ``SchemaTooLarge`` past ``limits``."""
     limits = limits or SchemaLimits.from_settings()
@@ -286,8 +302,8 @@ def grammar_for(constraint: Constraint, limits: SchemaLimits | None = None) -> s
         call = converter.visit(whole["$defs"]["call"], "call")
         if "answer" in parts:
             answer = converter.visit(whole["$defs"]["answer"], "answer")
-        else:  # free text, not starting with a tag
-            answer = converter._add_rule("free-text", r"[^<\x00] [^\x00]*")
+        else:  # free text, not starting with a tool call
+            answer = _text_not_starting_with(converter, TOOL_OPEN)
         # A tool call in the Hermes format, or the answer.
         converter._add_rule("root", rf'"<tool_call>\n" {call} "\n</tool_call>" | {answer}')
     if "char" in converter._rules:
@@ -1013,6 +1029,8 @@ class _Sampler:
             # folded into the others, so that every seed repeats itself.
             self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else sampling.seed % 0xFFFFFFFF)
         self._candidates = _internals.LlamaTokenDataArray(n_vocab=model.n_vocab())
+        # Whether the last token closing took departs from the one the model would have taken (``Closing.choose``).
+        self.departed = False
         self._single_data = (lib.llama_token_data * 1)()
         self._single = lib.llama_token_data_array(data=self._single_data, size=1, selected=-1, sorted=False)
 
@@ -1092,7 +1110,8 @@ class _Sampler:
         candidates = self._candidates
         candidates.copy_logits(logits)
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
-        return closing.pick(candidates.candidates_data.logit)
+        token, self.departed = closing.choose(candidates.candidates_data.logit)
+        return token
 
 
 def _required(schema: Any, found: set[str] | None = None) -> set[str]:
@@ -1146,6 +1165,29 @@ class Closing:
 
     vocabulary: ClosingVocabulary
     closers: str
+    # Each token's bytes, to hold closing's choice against the model's (none: any other token departs from it).
+    pieces: Sequence[bytes] = ()
+    # Whether the text is inside a JSON string, where spaces are text (elsewhere they are nothing).
+    in_string: bool = False
+
+    def choose(self, allowed: np.ndarray) -> tuple[int, bool]:
+        """``pick``'s token, and whether it departs from the text the model was about to write (its likeliest allowed
+        token): closing then cut the value short, rather than finishing it as the model would have. Spaces between
+        JSON tokens count for nothing."""
+        token = self.pick(allowed)
+        own = int(np.argmax(allowed))
+        if token == own or not self.pieces:
+            return token, token != own
+        meant = self._text(own)
+        if token in self.vocabulary.ends:  # the value is whole: the model meant to end it too, or to write nothing
+            return token, bool(meant)
+        chosen = self._text(token)
+        # The same text in other tokens (more of it, or less) is the model's text still.
+        return token, not (chosen.startswith(meant) or meant.startswith(chosen))
+
+    def _text(self, token: int) -> bytes:
+        piece = self.pieces[token]
+        return piece if self.in_string else b"".join(piece.split())
 
     def pick(self, allowed: np.ndarray) -> int:
         """Of the tokens the grammar allows (finite ``allowed`` logits): an end of generation once the value is
@@ -1317,6 +1359,8 @@ class _Sequence:
         # A value that must be whole: how far it is from closed, followed as it is written.
         constraint = job.constraint
         self.tail = JsonTail(_required(constraint.schema)) if constraint and constraint.close_before_limit else None
+        # Whether closing it changed what the model wrote (then it was cut short, not finished).
+        self.steered = False
 
     @property
     def gone(self) -> bool:
@@ -1332,10 +1376,13 @@ class _Sequence:
         if self.tail is not None:
             closers = self.tail.closers()
             if self.max_tokens - self.produced <= len(closers) + CLOSING_SLACK + PROPERTY_COST * self.tail.missing():
-                closing = Closing(self.vocabulary.closing, closers)
+                in_string = self.tail.scan.in_string
+                closing = Closing(self.vocabulary.closing, closers, self.vocabulary.pieces, in_string)
         token = self.sampler.next(logits, closing=closing)
+        self.steered = self.steered or (closing is not None and self.sampler.departed)
         if self.vocabulary.is_end(token):
-            return self.finish("stop" if closing is None else "length")
+            # A value closed early is cut short, unless the model would have written it so anyway.
+            return self.finish("length" if self.steered else "stop")
         self.produced += 1
         sampling = self.job.sampling
         if sampling.logprobs:
@@ -1379,7 +1426,8 @@ class _Sequence:
 
     def finish(self, reason: str) -> bool:
         if reason != "cancelled":
-            self.pending += self.decoder.decode(b"", final=True)
+            # The first bytes of a character the output never finished (cut by the budget) are no text: dropped, not
+            # sent as U+FFFD (the tokens still count, and their logprobs carry those bytes).
             if self.pending or self.pending_ends:
                 self.out.put(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
         self.out.put(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
@@ -1670,8 +1718,9 @@ class LlamaCppRunner:
             slot.tokens.append(token)
             entries.append((sequence, sample))
 
-        # What each sequence reads this step: its last token, or the next chunk of its prompt (first come, first
-        # read, up to the chunk size in all).
+        # What each sequence reads this step: its last token, or the next chunk of its prompt, up to the chunk size in
+        # all. The prompt with the least left to read goes first (in arrival order among equals): a short prompt that
+        # comes while a long one is read gets its first token after a step or two, not after the whole long prompt.
         planned: dict[_Sequence, list[int]] = {}
         for sequence in list(self._active):
             if sequence.gone:
@@ -1680,14 +1729,13 @@ class LlamaCppRunner:
                 planned[sequence] = [sequence.next_token]
                 sequence.next_token = None
         room = min(self.settings.prefill_chunk, self._batch_size - len(planned))
-        for sequence in self._active:
+        for sequence in sorted((s for s in self._active if s.reading), key=lambda s: len(s.prompt) - s.read):
             if room <= 0:
                 break
-            if sequence.reading:
-                take = min(room, len(sequence.prompt) - sequence.read)
-                planned[sequence] = sequence.prompt[sequence.read : sequence.read + take]
-                sequence.read += take
-                room -= take
+            take = min(room, len(sequence.prompt) - sequence.read)
+            planned[sequence] = sequence.prompt[sequence.read : sequence.read + take]
+            sequence.read += take
+            room -= take
         # In slot order: with a cache per sequence, llama.cpp decodes sequences together in one pass only while their
         # ids rise one by one through the batch, and splits it into a pass per such run otherwise.
         for sequence in sorted(planned, key=_seq_id):

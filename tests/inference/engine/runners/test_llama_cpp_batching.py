@@ -209,6 +209,25 @@ def test_a_new_job_gets_its_first_token_while_the_others_are_still_generating(
     assert any(r.finished_at is not None and r.finished_at > newcomer.first_token_at for r in long_runs)
 
 
+def test_a_short_prompt_is_read_before_the_rest_of_a_long_one_that_came_first(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    long_prompt = render("Sum this up: " + "The river runs past the old mill by the bridge. " * 80)  # some 900 tokens
+    long_runs: list[Run] = []
+    reader = threading.Thread(target=lambda: long_runs.append(run(runner, job(long_prompt, max_tokens=4))))
+    reader.start()
+    while runner.stats().active < 1:
+        time.sleep(0.005)
+
+    short = run(runner, job(render("Say hello."), max_tokens=4))
+    reader.join(timeout=300)
+
+    [long_run] = long_runs
+    assert long_run.finished is not None and long_run.finished.prompt_tokens > 3 * llama_cpp.PREFILL_CHUNK
+    assert short.first_token_at is not None and long_run.first_token_at is not None
+    assert short.first_token_at < long_run.first_token_at
+
+
 def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
@@ -335,9 +354,26 @@ def test_a_token_ending_with_the_first_bytes_of_a_character_leaves_with_that_cha
         every_token.close()
 
     assert "\N{EARTH GLOBE EUROPE-AFRICA}" * 2 in globes.text and len(globes.chunks) > 1
-    for chunk in globes.chunks:
-        if not chunk.text.endswith("\N{REPLACEMENT CHARACTER}"):  # the budget cut a character in two
-            assert b"".join(logprob.token for logprob in chunk.logprobs) == chunk.text.encode()
+    for chunk in globes.chunks[:-1]:
+        assert b"".join(logprob.token for logprob in chunk.logprobs) == chunk.text.encode()
+
+
+def test_an_answer_the_budget_cuts_inside_a_character_ends_before_it(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    cut = []
+    for budget in range(2, 10):
+        globes = run(runner, job(render("Reply with three globe emojis."), max_tokens=budget, logprobs=True))
+        written = b"".join(logprob.token for chunk in globes.chunks for logprob in chunk.logprobs)
+        try:
+            written.decode()
+        except UnicodeDecodeError:  # its last token holds the first bytes of a character
+            cut.append(budget)
+            assert "\N{REPLACEMENT CHARACTER}" not in globes.text
+            assert written.startswith(globes.text.encode()) and len(written) > len(globes.text.encode())
+            assert globes.finished is not None and globes.finished.completion_tokens == budget
+
+    assert cut, "no budget ended inside a character"
 
 
 def test_a_wrong_number_in_the_settings_is_refused_by_name_before_anything_loads() -> None:

@@ -560,6 +560,23 @@ def test_two_tools_each_call_under_their_own_definition_of_the_same_name(vocab: 
     assert not accepts(vocab, schema, '{"name": "Person", "arguments": {"name": "Ann", "home": {"zip"')
 
 
+def test_beside_a_strict_tool_an_answer_may_open_with_a_tag_of_its_own_but_never_with_a_calls(vocab: Any) -> None:
+    plan = plan_decoding(
+        tools=[FunctionTool("get_weather", None, CITY, True)],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        reasoning=False,
+    )
+
+    assert accepts(vocab, plan.constraint, "<tool_response>52F and raining</tool_response> It rains in Eugene.")
+    assert accepts(vocab, plan.constraint, "<")
+    assert accepts(vocab, plan.constraint, "It rains.")
+    assert accepts(vocab, plan.constraint, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Eugene"}}')
+    # "<tool_call>" opens a call, which holds to its schema: no other text can begin so.
+    assert not accepts(vocab, plan.constraint, '<tool_call>\n{"name": "lookup"')
+    assert not accepts(vocab, plan.constraint, "<tool_call> It rains.")
+
+
 def test_a_strict_recursive_tool_compiles_under_auto(vocab: Any) -> None:
     node = {
         "type": "object",
@@ -779,6 +796,8 @@ def nested(levels: int) -> dict[str, Any]:
         ({"enum": ["x" * 1000] * 2000}, "more than the 1048576 allowed"),
         ({"enum": [f"v{i}" for i in range(2000)]}, "holds 1999 alternatives"),
         ({"type": "string", "pattern": "^(" + "|".join(f"abc{i}" for i in range(5000)) + ")$"}, "4999 alternatives"),
+        ({"type": "string", "pattern": "^" + ".*" * 200 + "$"}, "200 parts that may match nothing"),
+        ({"type": "string", "pattern": "^(a{0,999}){0,999}$"}, "1000 parts that may match nothing"),
     ],
     ids=[
         "maxLength",
@@ -791,6 +810,8 @@ def nested(levels: int) -> dict[str, Any]:
         "size",
         "enum-values",
         "pattern-alternatives",
+        "pattern-optional-parts",
+        "pattern-optional-parts-repeated",
     ],
 )
 def test_a_schema_past_the_bounds_is_refused_with_what_is_too_large(schema: dict[str, Any], says: str) -> None:
@@ -814,7 +835,7 @@ def test_the_bounds_are_settings(settings: Any) -> None:
     [
         string_of_at_most(1000),
         {"type": "string", "pattern": "^a{0,1000}$"},
-        {"type": "string", "pattern": "^(a{0,999}){0,999}$"},
+        {"type": "string", "pattern": "^(a{0,999}){1,16}$"},
         {"type": "array", "items": {"type": "string", "maxLength": 1000}, "minItems": 1000, "maxItems": 1000},
         {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(256)}},
         nested(15),
