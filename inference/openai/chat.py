@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
@@ -66,9 +66,17 @@ def normalize_stop(stop: StopParam) -> tuple[str, ...]:
 # --- chat completions: request ------------------------------------------------------------------
 
 
+class PromptCacheBreakpoint(WireModel):
+    """Where a reusable prompt prefix ends: a hint, as ``prompt_cache_options`` is (the runner reuses prefixes by
+    itself)."""
+
+    mode: Literal["explicit"]
+
+
 class TextPart(WireModel):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ImageURL(WireModel):
@@ -79,6 +87,7 @@ class ImageURL(WireModel):
 class ImagePart(WireModel):
     type: Literal["image_url"]
     image_url: ImageURL
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class RefusalPart(WireModel):
@@ -157,6 +166,14 @@ class AssistantMessage(WireModel):
     # Echoed back by clients that replay the message they received.
     reasoning_content: str | None = None
     annotations: list[Any] | None = None
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        """An earlier audio answer, by its id: this node neither makes nor reads audio."""
+        if value is not None:
+            raise PydanticCustomError(UNSUPPORTED, "audio in a message is not supported; this node serves text only")
+        return value
 
     @model_validator(mode="after")
     def _has_something(self) -> AssistantMessage:
@@ -372,8 +389,6 @@ class ChatCompletionRequest(WireModel):
             raise invalid_request(
                 "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
             )
-        if self.store:
-            raise unsupported_parameter("store", "store: true is not supported; this node stores nothing")
         if self.modalities and set(self.modalities) - {"text"}:
             raise unsupported_parameter("modalities", "only the text modality is supported")
         if self.service_tier not in (None, "auto", "default"):

@@ -300,7 +300,8 @@ def _capability_missing(exc: CapabilityMissing, names: ParamNames) -> APIError:
         return unsupported_parameter(names.tools, f"the model {model!r} does not support tool calls")
     if exc.capability == "reasoning":
         return unsupported_parameter(
-            names.reasoning, f"the model {model!r} does not reason: leave {names.reasoning} unset, or send none"
+            names.reasoning,
+            f"the model {model!r} does not reason: leave {names.reasoning} unset, or ask for an effort of none",
         )
     if exc.capability == "json_schema":
         return unsupported_parameter(names.output_format, f"the model {model!r} does not support structured output")

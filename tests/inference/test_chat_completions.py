@@ -603,7 +603,6 @@ async def test_more_than_128_tools_are_refused(api: API) -> None:
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("prediction", {"type": "content", "content": "x"}),
         ("web_search_options", {}),
-        ("store", True),
         ("modalities", ["text", "audio"]),
         ("moderation", {"model": "omni-moderation-latest"}),
     ],
@@ -617,6 +616,25 @@ async def test_known_but_unsupported_parameters_are_refused_by_name(api: API, pa
         "param": param,
         "code": "unsupported_parameter",
     }
+
+
+async def test_hints_that_change_no_answer_are_accepted(api: API, openai_spec: OpenAISpec) -> None:
+    marked = [{"type": "text", "text": QUESTION[0]["content"], "prompt_cache_breakpoint": {"mode": "explicit"}}]
+
+    plain = await complete(api, openai_spec, max_tokens=8)
+    hinted = await complete(api, openai_spec, max_tokens=8, store=True, messages=[{"role": "user", "content": marked}])
+
+    assert hinted["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+async def test_an_assistant_messages_audio_is_refused_by_its_place(api: API) -> None:
+    history = [*QUESTION, {"role": "assistant", "audio": {"id": "audio_1"}}, *QUESTION]
+
+    response = await api.post(CHAT, body(messages=history))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "messages.1.audio")
 
 
 @pytest.mark.parametrize(
