@@ -12,7 +12,6 @@ a body is bounded while it arrives, or a client declaring or sending gigabytes w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -112,7 +111,7 @@ class APIChannel(HTTPChannel):
             self._refuse(body_too_large())
             return
         if self.length is None and self._transferDecoder is not None:
-            self._transferDecoder.dataCallback = _bounded(self._transferDecoder.dataCallback, limit, self)
+            _bound_chunks(self._transferDecoder, limit, self)
         super().allHeadersReceived()
 
     def allContentReceived(self) -> None:  # noqa: N802 (Twisted's name)
@@ -176,20 +175,26 @@ def _drop(data: bytes) -> None:
     pass
 
 
-def _bounded(deliver: Callable[[bytes], None], limit: int, channel: APIChannel) -> Callable[[bytes], None]:
-    """``deliver`` for a body's pieces until they come to more than ``limit`` bytes in all; then the request is
-    refused and the rest dropped."""
+def _bound_chunks(decoder: Any, limit: int, channel: APIChannel) -> None:
+    """Bounds a chunked body (Twisted's ``_ChunkedTransferDecoder``) to ``limit`` bytes: a chunk whose declared size
+    takes it past the bound is refused once its size line is in, and the rest dropped."""
     received = 0
+    deliver, read_size = decoder.dataCallback, decoder._dataReceived_CHUNK_LENGTH
 
     def piece(data: bytes) -> None:
         nonlocal received
         received += len(data)
-        if received > limit:
-            channel._refuse(body_too_large())
-        elif not channel._refused:
+        if not channel._refused:
             deliver(data)
 
-    return piece
+    def size_line() -> bool:
+        more = bool(read_size())
+        if more and received + decoder.length > limit:
+            channel._refuse(body_too_large())
+        return more
+
+    decoder.dataCallback = piece
+    decoder._dataReceived_CHUNK_LENGTH = size_line
 
 
 class APIHTTPFactory(HTTPFactory):

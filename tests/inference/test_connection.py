@@ -272,6 +272,17 @@ def test_a_chunked_body_is_refused_with_a_413_once_it_passes_the_bound_not_after
         assert closed(sock)
 
 
+@pytest.mark.parametrize("size", [b"900000", b"7fffffff", b"f" * 20], ids=["9 MiB", "2 GiB", "20 digits"])
+def test_a_chunk_declared_past_the_bound_is_refused_with_a_413_before_its_bytes_come(
+    served: Served, size: bytes
+) -> None:
+    head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+    with served.connect() as sock:
+        sock.sendall(head + size + b"\r\n" + b"x" * 1000)
+        assert_refused(answer(sock), 413, "request_too_large")
+        assert closed(sock)
+
+
 def test_a_chunked_body_within_the_bound_is_answered(served: Served) -> None:
     body = json.dumps(QUESTION).encode()
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
