@@ -141,7 +141,9 @@ def agent_call_item(
     output: str | None = None,
     error: str | None = None,
 ) -> dict[str, Any]:
-    """A tool the service ran: its arguments, then its output, or its error when ``status`` is failed."""
+    """A tool the service ran: its arguments, then its output, or its error when ``status`` is failed. ``content`` is
+    empty: the openai SDKs read an item of a type they do not know as a message, and the Agents SDK goes through a
+    message's content (for a refusal), which must then be a list."""
     return {
         "id": item_id,
         "type": AGENT_CALL,
@@ -151,6 +153,7 @@ def agent_call_item(
         "arguments": arguments,
         "output": output,
         "error": error,
+        "content": [],
     }
 
 

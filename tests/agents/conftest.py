@@ -146,9 +146,11 @@ def validate_event(spec: OpenAISpec, event: dict[str, Any]) -> None:
 
 
 def check_agent_call(added: dict[str, Any], done: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    """The seed's ``agent_runtime:function_call``: its arguments when it starts; its output, or its error."""
-    keys = {"id", "type", "status", "call_id", "name", "arguments", "output", "error"}
+    """The seed's ``agent_runtime:function_call``: its arguments when it starts; its output, or its error; and an
+    empty ``content``, for the SDKs that read it as a message."""
+    keys = {"id", "type", "status", "call_id", "name", "arguments", "output", "error", "content"}
     assert set(added) == set(done) == keys
+    assert added["content"] == done["content"] == []
     assert (
         added["id"].startswith("atc_")
         and added["status"] == "in_progress"

@@ -168,6 +168,82 @@ def read_with_the_agents_sdk(stream: str, folder: Path) -> dict[str, object]:
     return run_sdk_script(AGENTS_SDK_REPLAY_SCRIPT, str(sent), folder=folder)
 
 
+AGENTS_SDK_TOOL_REPLAY_SCRIPT = """
+import asyncio, json, sys
+import httpx
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)
+with open(sys.argv[1], "rb") as sent:
+    stream = sent.read()
+
+def replay(request):
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
+
+asked = []
+
+@function_tool
+def ask_multiple_choice(question: str, options: list[str]) -> str:
+    \"\"\"Ask the user to pick one of the options.\"\"\"
+    asked.append(question)
+    return "4711"
+
+async def run():
+    client = AsyncOpenAI(
+        api_key="replayed",
+        base_url="https://runtime.invalid/v1",
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(replay)),
+        max_retries=0,
+    )
+    model = OpenAIResponsesModel(model="support.agent", openai_client=client)
+    agent = Agent(name="Spare parts", model=model, tools=[ask_multiple_choice], tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_streamed(agent, "Which belt fits my machine?", max_turns=1)
+    async for _ in result.stream_events():
+        pass
+    return {"final": result.final_output, "asked": len(asked)}
+
+print(json.dumps(asyncio.run(run())))
+"""
+ASK = {
+    "type": "function",
+    "name": "ask_multiple_choice",
+    "description": "Ask the user to pick one of the options.",
+    "parameters": {
+        "type": "object",
+        "properties": {"question": {"type": "string"}, "options": {"type": "array", "items": {"type": "string"}}},
+        "required": ["question", "options"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_agents_sdk_runs_its_own_tool_on_a_turn_that_holds_a_server_tools_call_too(
+    tenant: Tenant, spare_parts: AgentInstance, tmp_path: Path
+) -> None:
+    body = {
+        "model": spare_parts.instance_id,
+        "input": "Which belt fits my machine? Ask me which machine I have.",
+        "stream": True,
+        "tools": [ASK],
+        "tool_choice": {"type": "function", "name": "ask_multiple_choice"},
+    }
+    response = await tenant.post("/v1/responses", body, accept="text/event-stream")
+    assert response.status_code == 200, response.content
+    stream = await read_stream(response)
+    final = check_stream(tenant.spec, parse_events(stream))
+    assert [item["type"] for item in final["output"]] == [AGENT_CALL, "function_call"]
+
+    sent = tmp_path / "stream.sse"
+    sent.write_text(stream)
+    read = run_sdk_script(AGENTS_SDK_TOOL_REPLAY_SCRIPT, str(sent), folder=tmp_path)
+
+    # The runner read the server tool's item as a message with no content, and ran its own tool.
+    assert read == {"final": "4711", "asked": 1}
+
+
 @pytest.fixture
 def speechless_agent(make_instance: Callable[..., AgentInstance], toy_model: CatalogEntry) -> AgentInstance:  # noqa: F811
     """Searches first, on the toy model given a chat template that leaves it nothing to echo: it says nothing."""
