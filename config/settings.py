@@ -138,6 +138,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "channels",
+    "corsheaders",
     "config",
     "orgs",
     "inference",
@@ -145,6 +146,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: the API's own envelope answers its paths without the rest of the chain.
+    "corsheaders.middleware.CorsMiddleware",
     "inference.api.middleware.api_envelope",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -154,6 +157,24 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# Browsers may call the API from any origin, as OpenAI's API lets them: keys travel in a header, never in cookies,
+# so no origin gains anything a page could not send itself. Authorization must be named beside the wildcard.
+CORS_URLS_REGEX = r"^/v1/"
+CORS_ALLOW_ALL_ORIGINS = True
+CORS_ALLOW_HEADERS = ("*", "authorization")
+CORS_EXPOSE_HEADERS = (
+    "x-request-id",
+    "retry-after",
+    "x-should-retry",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+)
+CORS_PREFLIGHT_MAX_AGE = 600
 
 ROOT_URLCONF = "config.urls"
 ASGI_APPLICATION = "config.asgi.application"
