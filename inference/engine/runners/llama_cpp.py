@@ -1425,11 +1425,10 @@ class _Sequence:
         self.pending_whole = self.pending_whole[count:]
 
     def finish(self, reason: str) -> bool:
-        if reason != "cancelled":
-            # The first bytes of a character the output never finished (cut by the budget) are no text: dropped, not
-            # sent as U+FFFD (the tokens still count, and their logprobs carry those bytes).
-            if self.pending or self.pending_ends:
-                self.out.put(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
+        # The first bytes of a character the output never finished (cut by the budget) are no text: dropped, not sent
+        # as U+FFFD (the tokens still count, and their logprobs carry those bytes).
+        if reason != "cancelled" and (self.pending or self.pending_ends):
+            self.out.put(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
         self.out.put(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
         return True
 
