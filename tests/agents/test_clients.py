@@ -130,45 +130,8 @@ def test_the_agents_sdk_holds_a_conversation_with_the_demo_instance(
     assert previous == result["first_id"]
 
 
-# The same, reading a stream the runtime sent: replayed to the SDK in place of the network.
-AGENTS_SDK_REPLAY_SCRIPT = """
-import asyncio, json, sys
-import httpx
-from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
-from openai import AsyncOpenAI
-
-set_tracing_disabled(True)
-with open(sys.argv[1], "rb") as sent:
-    stream = sent.read()
-
-def replay(request):
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
-
-async def run():
-    client = AsyncOpenAI(
-        api_key="replayed",
-        base_url="https://runtime.invalid/v1",
-        http_client=httpx.AsyncClient(transport=httpx.MockTransport(replay)),
-        max_retries=0,
-    )
-    agent = Agent(name="Spare parts", model=OpenAIResponsesModel(model="support.agent", openai_client=client))
-    result = Runner.run_streamed(agent, "Which belt fits machine 4711?", max_turns=1)
-    async for _ in result.stream_events():
-        pass
-    return {"final": result.final_output, "id": result.last_response_id}
-
-print(json.dumps(asyncio.run(run())))
-"""
-
-
-def read_with_the_agents_sdk(stream: str, folder: Path) -> dict[str, object]:
-    """What the Agents SDK's streamed run makes of ``stream``: its final output and the response id it keeps."""
-    sent = folder / "stream.sse"
-    sent.write_text(stream)
-    return run_sdk_script(AGENTS_SDK_REPLAY_SCRIPT, str(sent), folder=folder)
-
-
-AGENTS_SDK_TOOL_REPLAY_SCRIPT = """
+# The same, reading a stream the runtime sent: replayed to the SDK in place of the network, by ``model``.
+REPLAYED_MODEL = """
 import asyncio, json, sys
 import httpx
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
@@ -181,6 +144,39 @@ with open(sys.argv[1], "rb") as sent:
 def replay(request):
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream)
 
+client = AsyncOpenAI(
+    api_key="replayed",
+    base_url="https://runtime.invalid/v1",
+    http_client=httpx.AsyncClient(transport=httpx.MockTransport(replay)),
+    max_retries=0,
+)
+model = OpenAIResponsesModel(model="support.agent", openai_client=client)
+"""
+AGENTS_SDK_REPLAY_SCRIPT = (
+    REPLAYED_MODEL
+    + """
+async def run():
+    agent = Agent(name="Spare parts", model=model)
+    result = Runner.run_streamed(agent, "Which belt fits machine 4711?", max_turns=1)
+    async for _ in result.stream_events():
+        pass
+    return {"final": result.final_output, "id": result.last_response_id}
+
+print(json.dumps(asyncio.run(run())))
+"""
+)
+
+
+def read_with_the_agents_sdk(stream: str, folder: Path) -> dict[str, object]:
+    """What the Agents SDK's streamed run makes of ``stream``: its final output and the response id it keeps."""
+    sent = folder / "stream.sse"
+    sent.write_text(stream)
+    return run_sdk_script(AGENTS_SDK_REPLAY_SCRIPT, str(sent), folder=folder)
+
+
+AGENTS_SDK_TOOL_REPLAY_SCRIPT = (
+    REPLAYED_MODEL
+    + """
 asked = []
 
 @function_tool
@@ -190,13 +186,6 @@ def ask_multiple_choice(question: str, options: list[str]) -> str:
     return "4711"
 
 async def run():
-    client = AsyncOpenAI(
-        api_key="replayed",
-        base_url="https://runtime.invalid/v1",
-        http_client=httpx.AsyncClient(transport=httpx.MockTransport(replay)),
-        max_retries=0,
-    )
-    model = OpenAIResponsesModel(model="support.agent", openai_client=client)
     agent = Agent(name="Spare parts", model=model, tools=[ask_multiple_choice], tool_use_behavior="stop_on_first_tool")
     result = Runner.run_streamed(agent, "Which belt fits my machine?", max_turns=1)
     async for _ in result.stream_events():
@@ -205,6 +194,7 @@ async def run():
 
 print(json.dumps(asyncio.run(run())))
 """
+)
 ASK = {
     "type": "function",
     "name": "ask_multiple_choice",

@@ -1595,6 +1595,8 @@ class LlamaCppRunner:
                 sequence.close()
                 raise RunnerError("the model is shutting down", code="runner_unavailable")
             if len(self._waiting) >= self.settings.queue and not self._free_slot():
+                self._drop_gone_waiting()  # a client that left holds no place, though the scheduler has not looked yet
+            if len(self._waiting) >= self.settings.queue and not self._free_slot():
                 sequence.close()
                 raise RunnerError(
                     f"all {self.settings.parallel} sequences of the model are busy and {len(self._waiting)} "
@@ -1675,6 +1677,7 @@ class LlamaCppRunner:
                 self._fail_active(RunnerError(f"generation failed: {type(exc).__name__}"))
 
     def _drop_gone_waiting(self) -> None:
+        """Ends the waiting jobs whose clients left (with the lock held)."""
         if any(sequence.gone for sequence in self._waiting):
             for sequence in [s for s in self._waiting if s.gone]:
                 self._waiting.remove(sequence)

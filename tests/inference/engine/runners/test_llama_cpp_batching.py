@@ -281,6 +281,37 @@ def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_re
     assert runner.stats().active == runner.stats().queued == 0
 
 
+def test_a_waiting_job_whose_client_left_holds_no_place_in_the_queue(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    # Four long prompts keep every slot reading for seconds, a step of it at a time; two jobs wait behind them.
+    stop, left = threading.Event(), threading.Event()
+    busy = [
+        job(render(f"Text {n}: " + "The river runs past the old mill by the bridge. " * 80), max_tokens=4)
+        for n in range(4)
+    ]
+    threads = [threading.Thread(target=run, args=(runner, each, lambda _: stop.is_set())) for each in busy]
+    waiting = [job(render(QUESTIONS[n]), max_tokens=4) for n in range(2)]
+    threads += [threading.Thread(target=run, args=(runner, each, lambda _: left.is_set())) for each in waiting]
+    for thread in threads[:4]:
+        thread.start()
+    while runner.stats().active < 4:
+        time.sleep(0.005)
+    for thread in threads[4:]:
+        thread.start()
+    while runner.stats().queued < 2:
+        time.sleep(0.005)
+
+    try:
+        left.set()  # both waiting clients hang up; the scheduler is busy reading prompts
+        runner.stream(job(render("Say hello.")), stop.is_set)  # takes a place of theirs at once
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert runner.stats().active == runner.stats().queued == 0
+
+
 @pytest.mark.django_db
 def test_a_worker_with_fewer_threads_than_its_models_hold_says_how_many_to_give_it(
     caplog: pytest.LogCaptureFixture,
