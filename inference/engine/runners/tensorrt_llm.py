@@ -25,7 +25,6 @@ queued: in the API process (``schema_problem``) and again in the worker.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import json
 import logging
@@ -34,7 +33,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -181,8 +180,9 @@ class _Request:
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.ended = False
         self._engine = engine
-        self.driver: concurrent.futures.Future[None] | None = None
         # Touched only in the loop thread.
+        self._driver: asyncio.Task[None] | None = None
+        self._stopped = False
         self._output: Any = None
         self._abort_requested = False
 
@@ -194,8 +194,21 @@ class _Request:
 
     def stop(self) -> None:
         """Stop reading the request's outputs: the coroutine would otherwise wait for a final one forever."""
-        if self.driver is not None:
-            self.driver.cancel()
+        try:
+            self._engine.loop.call_soon_threadsafe(self._stop_in_loop)
+        except RuntimeError:  # the loop is closed: nothing reads the request any more
+            pass
+
+    def _stop_in_loop(self) -> None:
+        self._stopped = True
+        if self._driver is not None:
+            self._driver.cancel()
+
+    def _start_in_loop(self, drive: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        # The coroutine is made here, in the loop, only for a request still wanted: one made in the worker's thread
+        # and stopped before the loop took it up would never be awaited.
+        if not self._stopped:
+            self._driver = self._engine.loop.create_task(drive())
 
     def _abort_in_loop(self) -> None:
         self._abort_requested = True
@@ -232,7 +245,7 @@ class _Engine:
         request = _Request(self)
         with self._lock:
             self._active.add(request)
-        request.driver = asyncio.run_coroutine_threadsafe(self._drive(request, job, params, top_logprobs), self.loop)
+        self.loop.call_soon_threadsafe(request._start_in_loop, lambda: self._drive(request, job, params, top_logprobs))
         return request
 
     def forget(self, request: _Request) -> None:
