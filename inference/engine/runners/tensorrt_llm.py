@@ -724,7 +724,10 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         # same choice, and what the LLM API itself counts as greedy (SamplingParams._greedy_decoding).
         kwargs["top_p"] = None
         kwargs["top_k"] = 1
-    if applies_penalties(job.runner_settings):
+    # The C++ sampler applies penalties; the default TorchSampler neither applies them nor reports a sampled token
+    # outside the top k of its logprobs.
+    torch_sampler = not applies_penalties(job.runner_settings)
+    if not torch_sampler:
         kwargs["frequency_penalty"] = sampling.frequency_penalty
         kwargs["presence_penalty"] = sampling.presence_penalty
     elif sampling.frequency_penalty or sampling.presence_penalty:
@@ -740,7 +743,7 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         # sampled token outside them has no logprob to report. Asking for as many as the entry returns makes
         # that rare; the answer still lists only the alternatives the request asked for.
         sampled = sampling.temperature > 0 and sampling.top_p > 0
-        kwargs["logprobs"] = max(asked, limit) if sampled and not applies_penalties(job.runner_settings) else asked
+        kwargs["logprobs"] = max(asked, limit) if sampled and torch_sampler else asked
     guide = _guide(job.constraint, api)
     if guide is not None:
         kwargs["guided_decoding"] = guide
