@@ -6,6 +6,7 @@ plain dicts, which are cheaper to serialize on the hot path than model instances
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator, model_validator
@@ -27,6 +28,7 @@ from .shared import (
     StreamOptions,
     WireModel,
     logprob_objects,
+    mentions_json,
     text_or_list,
     tool_choice_kind,
 )
@@ -365,6 +367,14 @@ class ChatCompletionRequest(WireModel):
     verbosity: Literal["low", "medium", "high"] | None = None
     moderation: dict[str, Any] | None = None
 
+    def _texts(self) -> Iterator[str]:
+        for message in self.messages:
+            content = message.content
+            if isinstance(content, str):
+                yield content
+            elif isinstance(content, list):
+                yield from (part.text for part in content if isinstance(part, TextPart))
+
     def refuse_unsupported(self) -> None:
         for name, message in CHAT_UNSUPPORTED.items():
             value = getattr(self, name)
@@ -393,6 +403,11 @@ class ChatCompletionRequest(WireModel):
             raise unsupported_parameter("modalities", "only the text modality is supported")
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")
+        if isinstance(self.response_format, ResponseFormatJSONObject) and not mentions_json(self._texts()):
+            raise invalid_request(
+                "'messages' must contain the word 'json' in some form, to use 'response_format' of type 'json_object'.",
+                param="messages",
+            )
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs: true.", param="top_logprobs", code="invalid_value")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

@@ -193,7 +193,7 @@ UNAVAILABLE_CODES = ("no_worker", "model_not_available", "service_unavailable", 
 # What a failed generation is called in front of the client, by the failure's code. The runner's own words
 # (file paths, a library's message, a queue's name) are for the log, never for the client.
 GENERATION_FAILURES: Mapping[str, str] = {
-    "no_worker": "no model worker took the job in time",
+    "no_worker": "no model worker is serving this model",
     "overloaded": "the model is serving as many requests as it can hold",
     "service_unavailable": "the service became temporarily unavailable",
     "worker_lost": "the model worker stopped responding mid-generation",

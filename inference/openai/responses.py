@@ -8,7 +8,7 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
@@ -27,6 +27,7 @@ from .shared import (
     ServiceTierResponses,
     StreamOptions,
     WireModel,
+    mentions_json,
     tagged,
     text_or_list,
     tool_choice_kind,
@@ -400,11 +401,31 @@ class ResponseCreateRequest(WireModel):
             )
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise unsupported_parameter("text.verbosity", "verbosity is not supported on this model")
+        if isinstance(self.text_format, FormatJSONObject) and not mentions_json(self._texts()):
+            raise invalid_request(
+                "Response input messages must contain the word 'json' in some form to use 'text.format' of type "
+                "'json_object'.",
+                param="input",
+            )
         for index, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available on this node")
         self._check_reasoning()
         self._check_tools()
+
+    def _texts(self) -> Iterator[str]:
+        """The instructions and the text of every input message."""
+        if self.instructions is not None:
+            yield self.instructions
+        if isinstance(self.input, str):
+            yield self.input
+            return
+        for item in self.input:
+            if isinstance(item, EasyInputMessage):
+                if isinstance(item.content, str):
+                    yield item.content
+                else:
+                    yield from (part.text for part in item.content if isinstance(part, InputText | OutputText))
 
     def _check_reasoning(self) -> None:
         if self.reasoning is None:

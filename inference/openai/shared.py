@@ -417,6 +417,12 @@ def delta_logprob_objects(items: LogprobItems) -> list[dict[str, Any]]:
     ]
 
 
+def mentions_json(texts: Iterator[str]) -> bool:
+    """Whether any of a request's texts names JSON, which OpenAI requires of a request for JSON mode: the model must
+    be told in words what it is asked to write, or it fills its budget with whitespace."""
+    return any("json" in text.lower() for text in texts)
+
+
 def now() -> int:
     return int(time.time())
 

@@ -193,14 +193,44 @@ async def test_json_schema_output_always_matches_the_schema(api: API, openai_spe
     jsonschema.validate(json.loads(data["choices"][0]["message"]["content"]), CITY_SCHEMA)
 
 
+JSON_QUESTION = [{"role": "user", "content": "Name one river in Oregon, in JSON."}]
+
+
 async def test_json_object_output_is_an_object(api: API, openai_spec: OpenAISpec) -> None:
-    data = await complete(api, openai_spec, response_format={"type": "json_object"}, max_tokens=60)
+    data = await complete(
+        api, openai_spec, messages=JSON_QUESTION, response_format={"type": "json_object"}, max_tokens=60
+    )
+    assert isinstance(json.loads(data["choices"][0]["message"]["content"]), dict)
+
+
+async def test_json_object_is_refused_when_no_message_asks_for_json(api: API) -> None:
+    response = await api.post(CHAT, body(response_format={"type": "json_object"}))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "messages")
+    assert "must contain the word 'json'" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "system", "content": "Answer in Json."},
+        {"role": "user", "content": [{"type": "text", "text": "A river, as JSON please."}]},
+    ],
+    ids=["system-text", "user-part"],
+)
+async def test_json_object_takes_the_word_json_from_any_message_in_any_case(
+    api: API, openai_spec: OpenAISpec, message: dict[str, Any]
+) -> None:
+    messages = [message, *QUESTION]
+    data = await complete(api, openai_spec, messages=messages, response_format={"type": "json_object"}, max_tokens=40)
     assert isinstance(json.loads(data["choices"][0]["message"]["content"]), dict)
 
 
 async def test_structured_output_is_refused_on_a_model_without_it(api: API, catalog_model: CatalogEntry) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(json_schema=False)
-    response = await api.post(CHAT, body(response_format={"type": "json_object"}))
+    response = await api.post(CHAT, body(messages=JSON_QUESTION, response_format={"type": "json_object"}))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "unsupported_parameter"
     assert response.json()["error"]["param"] == "response_format"

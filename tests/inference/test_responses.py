@@ -722,7 +722,7 @@ async def test_it_refuses_capabilities_the_model_lacks(api: API, catalog_model: 
     json_format = {"format": {"type": "json_object"}}
 
     assert_error(
-        await api.post(RESPONSES, ask(input="hi", text=json_format)), 400, "unsupported_parameter", "text.format"
+        await api.post(RESPONSES, ask(input="JSON?", text=json_format)), 400, "unsupported_parameter", "text.format"
     )
     assert_error(await api.post(RESPONSES, ask(input="hi", tools=[WEATHER])), 400, "unsupported_parameter", "tools")
 
@@ -940,6 +940,27 @@ async def test_text_format_makes_the_answer_json(
     answer = json.loads(output_text(result))
     assert isinstance(answer, dict) and (text_format["type"] == "json_object" or len(answer["river"]) >= 3)
     assert result["text"]["format"] == text_format
+
+
+async def test_json_object_is_refused_when_neither_instructions_nor_input_ask_for_json(api: API) -> None:
+    body = ask(input=[{"role": "user", "content": "Name one river."}], text={"format": {"type": "json_object"}})
+    error = assert_error(await api.post(RESPONSES, body), 400, "invalid_request", "input")
+    assert "must contain the word 'json'" in error["message"]
+
+
+async def test_json_object_takes_the_word_json_from_the_instructions(
+    api: API, openai_spec: OpenAISpec, toy_model: CatalogEntry
+) -> None:
+    body = {
+        "model": TOY_ID,
+        "instructions": "You answer in JSON.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Name one river in Oregon."}]}],
+        "text": {"format": {"type": "json_object"}},
+    }
+    result = (await api.post(RESPONSES, body)).json()
+
+    openai_spec.validate("Response", result)
+    assert isinstance(json.loads(output_text(result)), dict)
 
 
 # --- reasoning ------------------------------------------------------------------------------------
