@@ -9,10 +9,11 @@ from collections.abc import Collection
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
+from django.conf import settings
 from django.db import DatabaseError
 
-from inference.engine.dispatch import GENERATE_TASK, serve_job
+from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, serve_job
 from inference.engine.execution import get_capacity, get_runner
 from inference.engine.runners.base import GenerationJob
 from inference.models import CatalogEntry
@@ -111,6 +112,23 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
                 needed,
                 needed,
             )
+
+
+_presence: WorkerPresence | None = None
+
+
+@worker_ready.connect
+def _say_which_queues_are_served(**_: Any) -> None:
+    """Once the worker consumes its queues (its models loaded), jobs sent to them are told a worker is there."""
+    global _presence
+    if settings.DISTRIBUTED and _served_queues and _presence is None:
+        _presence = WorkerPresence(_served_queues).start()
+
+
+@worker_shutting_down.connect
+def _stop_saying_which_queues_are_served(**_: Any) -> None:
+    if _presence is not None:
+        _presence.stop()
 
 
 @worker_process_init.connect

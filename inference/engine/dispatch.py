@@ -10,7 +10,9 @@ Pub/sub keeps nothing for a subscriber that is not connected, so each message ca
 lost on the way ends the stream with an error instead of leaving a hole in its text. The worker keeps the stream
 alive with heartbeats, so a worker that dies is noticed within ``WORKER_SILENCE_TIMEOUT_SECONDS``; and it stops the
 job as soon as nobody listens on the reply channel any more: the client hung up (this process closed the channel),
-or this process is gone.
+or this process is gone. A worker also says which queues it consumes, by keeping a key per queue alive in Redis
+(``WorkerPresence``): a job on a queue no worker has kept alive for ``PRESENCE_TTL_SECONDS`` fails then, rather than
+wait out ``JOB_START_TIMEOUT_SECONDS`` for a worker that is not there.
 
 A Redis restart closes every connection to it, and one pooled on an event loop that is not running (a worker
 thread's, between jobs) or not reading (this process's subscriber, with no reply channel open) is found closed only
@@ -26,7 +28,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any, Protocol, TypeVar
 
 import redis.exceptions
@@ -35,7 +37,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from core.outages import REDIS_ERRORS
-from core.redis import async_client
+from core.redis import async_client, sync_client
 from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from inference.engine.runners.base import Finished, GenerationJob, RunnerError
 from inference.models import CatalogEntry
@@ -54,6 +56,19 @@ LISTENER_POLL_SECONDS = 0.2
 LISTENER_WAIT_SECONDS = 1.0
 LISTENER_WAIT_POLL_SECONDS = 0.02
 MESSAGE_TYPE = "job.events"
+# A worker refreshes its queues' keys every PRESENCE_BEAT_SECONDS; each lasts PRESENCE_TTL_SECONDS, and a job waiting
+# for its start gives up once its queue's key has been missing that long (a Redis restart empties them for a beat).
+PRESENCE_BEAT_SECONDS = 1.0
+PRESENCE_TTL_SECONDS = 5
+
+
+def presence_key(queue: str) -> str:
+    return f"b3os:queue-served:{queue}"
+
+
+class _Unserved(Exception):
+    """No worker has said for ``PRESENCE_TTL_SECONDS`` that it consumes the job's queue."""
+
 
 T = TypeVar("T")
 
@@ -135,7 +150,7 @@ class ChannelJob:
         while True:
             timeout = settings.WORKER_SILENCE_TIMEOUT_SECONDS if expected else settings.JOB_START_TIMEOUT_SECONDS
             try:
-                message = await self._next_message(reply, timeout)
+                message = await self._next_message(reply, timeout, first=not expected)
             except REDIS_ERRORS as exc:
                 # Redis went away under the job: its events cannot come back, so the stream ends here, cleanly.
                 logger.warning("job %s lost its reply channel: %s: %s", self._job.job_id, type(exc).__name__, exc)
@@ -146,6 +161,9 @@ class ChannelJob:
                     yield [JobFailed("worker_lost", "the model worker stopped responding mid-generation")]
                 else:
                     yield [JobFailed("no_worker", f"no worker took the job on queue {self._queue} in time")]
+                return
+            except _Unserved:
+                yield [JobFailed("no_worker", f"no worker consumes the queue {self._queue}")]
                 return
             if message is None:  # this side closed the channel: the job was cancelled
                 return
@@ -159,12 +177,14 @@ class ChannelJob:
             if events := decode(message["events"]):  # an empty one is the start or a heartbeat
                 yield events
 
-    async def _next_message(self, reply: str, timeout: float) -> dict[str, Any] | None:
+    async def _next_message(self, reply: str, timeout: float, *, first: bool) -> dict[str, Any] | None:
         """The next message on ``reply`` within ``timeout`` seconds, else ``TimeoutError``; None once the channel is
         closed. While waiting, Redis is asked every ``OUTAGE_CHECK_SECONDS`` whether it is still there, so a job does
-        not hold its client for the whole timeout once Redis is gone (the pub/sub layer reconnects quietly)."""
+        not hold its client for the whole timeout once Redis is gone (the pub/sub layer reconnects quietly); and, for
+        the ``first`` message, whether a worker consumes the queue (``_Unserved`` once none has for a while)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        served = loop.time()
         self._receive = receive = asyncio.ensure_future(self._layer.receive(reply))
         while not receive.done():
             await asyncio.wait({receive}, timeout=max(0.0, min(OUTAGE_CHECK_SECONDS, deadline - loop.time())))
@@ -172,7 +192,12 @@ class ChannelJob:
                 break
             if loop.time() >= deadline:
                 raise TimeoutError
-            await async_client().ping()
+            if not first:
+                await async_client().ping()
+            elif await async_client().exists(presence_key(self._queue)):
+                served = loop.time()
+            elif loop.time() - served >= PRESENCE_TTL_SECONDS:
+                raise _Unserved
         self._receive = None
         if receive.cancelled():
             return None
@@ -216,6 +241,34 @@ def warm_up_embedded() -> None:
 
 
 # --- worker side ---------------------------------------------------------------------------------
+
+
+class WorkerPresence:
+    """Keeps the presence keys of the queues this worker consumes alive, from a thread of its own, until stopped."""
+
+    def __init__(self, queues: Collection[str]) -> None:
+        self._queues = sorted(queues)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="queue-presence", daemon=True)
+
+    def start(self) -> WorkerPresence:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop refreshing: the keys lapse within ``PRESENCE_TTL_SECONDS`` unless another worker keeps them."""
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                with sync_client().pipeline(transaction=False) as pipe:
+                    for queue in self._queues:
+                        pipe.set(presence_key(queue), "1", ex=PRESENCE_TTL_SECONDS)
+                    pipe.execute()
+            except REDIS_ERRORS as exc:  # Redis away: jobs cannot come either; said again once it is back
+                logger.debug("could not renew the queues' presence: %s: %s", type(exc).__name__, exc)
+            self._stopped.wait(PRESENCE_BEAT_SECONDS)
 
 
 async def serve_job(job: GenerationJob, reply: str) -> None:

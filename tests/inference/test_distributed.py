@@ -23,7 +23,7 @@ import redis
 from channels.layers import get_channel_layer
 from django.test import override_settings
 
-from inference.engine.dispatch import MESSAGE_TYPE, ChannelJob
+from inference.engine.dispatch import MESSAGE_TYPE, PRESENCE_TTL_SECONDS, ChannelJob, presence_key
 from inference.engine.execution import Accepted, JobFailed
 from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http, wait_until
@@ -249,20 +249,29 @@ def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cl
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
-def test_no_worker_for_the_model_is_a_clear_error(cluster: Cluster) -> None:
+def queue_served(cluster: Cluster) -> bool:
+    return bool(redis.Redis.from_url(cluster.env["REDIS_URL"]).exists(presence_key(QUEUE)))
+
+
+def test_a_running_worker_says_it_consumes_its_queue(cluster: Cluster) -> None:
+    assert queue_served(cluster)
+
+
+def test_no_worker_for_the_model_is_a_clear_error_before_the_start_timeout(cluster: Cluster) -> None:
     cluster.worker.stop()
     try:
-        env_timeout = int(cluster.env["JOB_START_TIMEOUT_SECONDS"])
-        started = time.monotonic()
-        response = post(
-            cluster,
-            {**QUESTION, "max_tokens": 4},
-        )
+        assert wait_until(lambda: not queue_served(cluster), timeout=PRESENCE_TTL_SECONDS + 5)
+        response = post(cluster, {**QUESTION, "max_tokens": 4})
+
         assert response.status_code == 503
-        assert response.json()["error"]["code"] == "no_worker"
-        assert time.monotonic() - started < env_timeout + 10
+        error = response.json()["error"]
+        assert error["code"] == "no_worker"
+        assert "no model worker is serving this model" in error["message"]
+        # Told by the queue's lapsed presence, not by the start timeout (``JOB_START_TIMEOUT_SECONDS``).
+        assert f"no_worker: no worker consumes the queue {QUEUE}" in (cluster.var_dir / "server.log").read_text()
     finally:
         cluster.restart_worker()
+    assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
 def reply_channels(cluster: Cluster) -> list[str]:
