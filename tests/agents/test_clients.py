@@ -219,6 +219,7 @@ async def test_the_agents_sdk_runs_its_own_tool_on_a_turn_that_holds_a_server_to
         "stream": True,
         "tools": [ASK],
         "tool_choice": {"type": "function", "name": "ask_multiple_choice"},
+        "max_output_tokens": 200,  # the call is closed in time whatever its options run to
     }
     response = await tenant.post("/v1/responses", body, accept="text/event-stream")
     assert response.status_code == 200, response.content
