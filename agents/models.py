@@ -124,8 +124,73 @@ class MatchKind(models.TextChoices):
 COMPILE_ERRORS = (regex.error, RecursionError, OverflowError)
 
 
+# A counted repeat is compiled as that many copies of what it repeats: ``a{99999999}`` takes gigabytes and
+# seconds to compile. Counts are bounded before compiling: each alone, and the copies all of them make, a count
+# applied to a group multiplying what the group's own counts make.
+MAX_REPEAT_COUNT = 1000
+MAX_REPEATED_COPIES = 10_000
+_COUNT = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
+_BRACED_ESCAPE = regex.compile(r"\\[pPNxgkou]\{[^}]*\}")
+
+
+def _repeat_problem(expression: str) -> str | None:
+    """Why ``expression``'s counted repeats would make too large a pattern, or None."""
+    frames = [1]  # per open group: the most copies anything in it makes
+    last = 0  # the copies the atom just read makes (0: no atom to repeat)
+    made = 0  # the copies every count so far makes
+    at = 0
+    while at < len(expression):
+        char = expression[at]
+        if char == "\\":
+            braced = _BRACED_ESCAPE.match(expression, at)
+            at = braced.end() if braced else at + 2
+            last = 1
+            continue
+        if char == "[":
+            at = _class_end(expression, at)
+            last = 1
+            continue
+        if char == "(":
+            frames.append(1)
+            last = 0
+        elif char == ")" and len(frames) > 1:
+            last = frames.pop()
+        elif char == "{" and last and (count := _COUNT.match(expression, at)):
+            least, most = count.group(1), count.group(2)
+            bound = max(int(least or 0), int(most or 0)) if count.group(0).count(",") else int(least or 0)
+            if bound > MAX_REPEAT_COUNT:
+                return f"a repeat of {bound} is more than {MAX_REPEAT_COUNT}"
+            last *= max(bound, 1)
+            made += last
+            if made > MAX_REPEATED_COPIES:
+                return f"its repeats make {made} copies, more than {MAX_REPEATED_COPIES}"
+            frames[-1] = max(frames[-1], last)
+            at = count.end()
+            continue
+        else:
+            last = 1
+        frames[-1] = max(frames[-1], last)
+        at += 1
+    return None
+
+
+def _class_end(expression: str, at: int) -> int:
+    """Where the character class opening at ``at`` ends (past its ``]``)."""
+    at += 1
+    if expression[at : at + 1] == "^":
+        at += 1
+    if expression[at : at + 1] == "]":
+        at += 1
+    while at < len(expression) and expression[at] != "]":
+        at += 2 if expression[at] == "\\" else 1
+    return at + 1
+
+
 def compile_line(expression: str) -> Any:
-    """One expression as the guardrails match it: in any case."""
+    """One expression as the guardrails match it: in any case. Raises ``regex.error`` for one whose counted
+    repeats would take more memory and time to compile than a guardrail is worth."""
+    if problem := _repeat_problem(expression):
+        raise regex.error(problem)
     return regex.compile(expression, regex.IGNORECASE)
 
 

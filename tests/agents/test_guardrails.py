@@ -117,14 +117,28 @@ async def test_a_guardrail_that_does_not_compile_refuses_every_text_instead_of_f
 
 @pytest.mark.parametrize(
     ("patterns", "problem"),
-    [("(unclosed", "missing )"), ("(" * 5000 + ")" * 5000, "nests too deeply")],
-    ids=["unclosed", "nested too deeply"],
+    [
+        ("(unclosed", "missing )"),
+        ("(" * 5000 + ")" * 5000, "nests too deeply"),
+        ("a{99999999}", "a repeat of 99999999 is more than 1000"),
+        (r"(\w{2,100}){101}", "its repeats make 10200 copies, more than 10000"),
+        ("x{1000}" * 11, "its repeats make 11000 copies, more than 10000"),
+    ],
+    ids=["unclosed", "nested too deeply", "a huge count", "nested counts", "many counts"],
 )
 def test_a_regex_guardrail_that_does_not_compile_is_refused_by_the_admin(patterns: str, problem: str) -> None:
     guardrail = Guardrail(name="x", kind=MatchKind.REGEX, patterns=patterns)
 
     with pytest.raises(ValidationError, match=re.escape(problem)):
         guardrail.full_clean(exclude=["instance"])
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [r"\d{16}", r"(?:\d{3}-){2}\d{4}", r"\p{L}{3,}", r"[{}]{2}", r"a{e<=1}", r"\\{2}", r"(ab{2,5}){1000}"],
+)
+def test_a_regex_guardrail_with_modest_counts_compiles(pattern: str) -> None:
+    Guardrail(name="x", kind=MatchKind.REGEX, patterns=pattern).full_clean(exclude=["instance"])
 
 
 # --- what output guardrails may see: whole words, each piece after its own logprobs ---------------------------
