@@ -155,12 +155,19 @@ class KeyStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("active", "Active"), ("revoked", "Revoked"), ("expired", "Expired")]
+        return [
+            ("active", "Active"),
+            ("revoked", "Revoked"),
+            ("expired", "Expired"),
+            ("organization-inactive", "Organization inactive"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> QuerySet[APIKey]:
         now = timezone.now()
         if self.value() == "active":
-            return queryset.filter(revoked_at__isnull=True).exclude(expires_at__lte=now)
+            return queryset.filter(revoked_at__isnull=True, organization__active=True).exclude(expires_at__lte=now)
+        if self.value() == "organization-inactive":
+            return queryset.filter(revoked_at__isnull=True, organization__active=False).exclude(expires_at__lte=now)
         if self.value() == "revoked":
             return queryset.filter(revoked_at__isnull=False)
         if self.value() == "expired":
@@ -255,10 +262,13 @@ class APIKeyAdmin(ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: APIKey | None = None) -> bool:
         return False
 
-    @admin.action(description="Revoke selected keys")
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:
-        count = queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
-        self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
+        keys = list(queryset.filter(revoked_at__isnull=True))
+        APIKey.objects.filter(pk__in=[key.pk for key in keys]).update(revoked_at=timezone.now())
+        for key in keys:  # in each key's history, as a change made on its page would be
+            self.log_change(request, key, "Revoked.")
+        self.message_user(request, f"Revoked {len(keys)} key(s).", messages.SUCCESS)
 
 
 @admin.register(Limit)

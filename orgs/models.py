@@ -135,6 +135,8 @@ class APIKey(models.Model):
             return "revoked"
         if self.expires_at and self.expires_at <= timezone.now():
             return "expired"
+        if not self.organization.active:
+            return "organization inactive"  # refused as a revoked key is, until the organization is active again
         return "active"
 
     def revoke(self) -> None:

@@ -9,7 +9,9 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -338,3 +340,42 @@ def test_a_slug_create_org_accepts_is_accepted_by_the_admin(staff_client: Client
     )
 
     assert response.status_code == 302 and Organization.objects.get().slug == slug
+
+
+# --- revoking keys, and what the key list says of them --------------------------------------------------------
+
+
+def revoke(client: Client, key: APIKey) -> None:
+    client.post("/admin/orgs/apikey/", {"action": "revoke_keys", "_selected_action": [key.pk]})
+
+
+def test_revoking_keys_is_written_in_each_keys_history(staff_client: Client, api_key: str) -> None:
+    key = APIKey.objects.get()
+    revoke(staff_client, key)
+
+    key.refresh_from_db()
+    assert key.state == "revoked"
+    entry = LogEntry.objects.get(object_id=str(key.pk))
+    assert (entry.action_flag, entry.change_message) == (CHANGE, "Revoked.")
+
+
+def test_a_staff_user_who_may_only_view_keys_cannot_revoke_them(api_key: str) -> None:
+    viewer = get_user_model().objects.create_user("viewer", password="a-long-password", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_apikey"))
+    client = Client(raise_request_exception=False)
+    client.force_login(viewer)
+
+    assert "revoke_keys" not in client.get("/admin/orgs/apikey/").content.decode()
+    revoke(client, APIKey.objects.get())
+    assert APIKey.objects.get().state == "active"
+
+
+def test_a_key_of_an_inactive_organization_is_not_listed_as_active(
+    staff_client: Client, organization: Organization, api_key: str
+) -> None:
+    organization.active = False
+    organization.save()
+
+    assert APIKey.objects.get().state == "organization inactive"
+    assert "tests" not in staff_client.get("/admin/orgs/apikey/?state=active").content.decode()
+    assert "tests" in staff_client.get("/admin/orgs/apikey/?state=organization-inactive").content.decode()
