@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,6 +71,69 @@ def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
     return _once(_runners, runner, settings, lambda: _module(runner).load(settings))
 
 
+# A catalog entry whose runner settings change gets a runner loaded with the new ones. The one loaded with the old
+# ones is superseded, and closed (its memory freed) once it has run no job for ``RETIRE_AFTER_SECONDS``: long
+# enough that API processes still holding the old settings in their catalog cache (``catalog.CACHE_SECONDS``)
+# do not make it load and close in turns. Jobs say which entry they are for (``GenerationJob.model_id``), so two
+# entries on the same weights with settings of their own keep a runner each. Looked at as jobs start and end.
+RETIRE_AFTER_SECONDS = 30.0
+_current: dict[str, str] = {}  # model id → the cache key of its latest job
+_superseded: dict[str, float] = {}  # cache key → since when no model's latest job used it
+_running: dict[str, int] = {}  # cache key → the jobs running on its runner
+_last_used: dict[str, float] = {}  # cache key → when a job last started or ended on its runner
+
+
+def _job_started(job: GenerationJob) -> Runner:
+    key = _cache_key(job.runner, job.runner_settings)
+    with _lock:
+        runner = _runners.get(key)
+        if runner is None:
+            runner = _runners[key] = _module(job.runner).load(job.runner_settings)
+        now = time.monotonic()
+        _running[key] = _running.get(key, 0) + 1
+        _last_used[key] = now
+        _superseded.pop(key, None)
+        previous, _current[job.model_id] = _current.get(job.model_id), key
+        if previous is not None and previous != key and previous not in _current.values():
+            _superseded.setdefault(previous, now)
+        retired = _retire_idle(now)
+    _close_retired(retired)
+    return runner
+
+
+def _job_ended(job: GenerationJob) -> None:
+    key = _cache_key(job.runner, job.runner_settings)
+    with _lock:
+        now = time.monotonic()
+        _running[key] -= 1
+        _last_used[key] = now
+        retired = _retire_idle(now)
+    _close_retired(retired)
+
+
+def _retire_idle(now: float) -> list[Runner]:
+    """Out of the cache: the superseded runners idle long enough (with ``_lock`` held, so no job takes one)."""
+    retired = []
+    for key, since in list(_superseded.items()):
+        if not _running.get(key) and now - _last_used.get(key, since) >= RETIRE_AFTER_SECONDS:
+            del _superseded[key]
+            _running.pop(key, None)
+            _last_used.pop(key, None)
+            _renderers.pop(key, None)
+            if (runner := _runners.pop(key, None)) is not None:
+                retired.append(runner)
+    return retired
+
+
+def _close_retired(runners: list[Runner]) -> None:
+    for runner in runners:
+        logger.info("closing a runner whose model's settings changed")
+        try:
+            runner.close()
+        except Exception:
+            logger.exception("could not close a retired runner")
+
+
 def loaded_runner(runner: str, settings: dict[str, Any]) -> Runner | None:
     """The process's runner for this model if it has loaded it; never loads it."""
     return _runners.get(_cache_key(runner, settings))
@@ -125,8 +189,10 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
             cancelled.set()
 
     def work() -> None:
+        started = False
         try:
-            runner = get_runner(job.runner, job.runner_settings)
+            runner = _job_started(job)
+            started = True
             events = runner.stream(job, cancelled.is_set)
             put(Accepted())
             for event in events:
@@ -137,6 +203,8 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
             logger.exception("runner failed on job %s", job.job_id)
             put(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"))
         finally:
+            if started:
+                _job_ended(job)
             put(_DONE)
 
     loop.run_in_executor(_executor, work)

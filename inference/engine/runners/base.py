@@ -457,3 +457,7 @@ class Runner(Protocol):
     """
 
     def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]: ...
+
+    def close(self) -> None:
+        """Ends the jobs still running and frees what the model holds; the runner takes no job after it."""
+        ...

@@ -1589,6 +1589,8 @@ class LlamaCppRunner:
 
     def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
         """Queues ``job`` (or refuses it: the context check, the queue bound) and returns its events."""
+        if self._closed:  # its weights are freed: not even the prompt can be read
+            raise RunnerError("the model is shutting down", code="runner_unavailable")
         sequence = self._prepare(job, cancelled)
         with self._cond:
             if self._closed:
@@ -1653,6 +1655,10 @@ class LlamaCppRunner:
         self._active.clear()
         self._lib.llama_batch_free(self._batch)
         self._context.close()
+        self._model.close()  # the weights too: a runner closed before exit is one replaced by another
+        for close in (self.close, self._model.close):
+            if close in _loaded:
+                _loaded.remove(close)
 
     # --- the scheduler's side (its own thread, the only one that touches the context)
 
