@@ -401,6 +401,9 @@ LOGGING = {
     "loggers": {
         "django.server": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+        # llama.cpp's own log, which llama-cpp-python's callback prints at or above this logger's level: its lines
+        # on loading a model (over a thousand) only when debugging.
+        "llama-cpp-python": {"level": "DEBUG" if LOG_LEVEL == "DEBUG" else "WARNING"},
         # Its receive loop logs an error every second while Redis is away.
         "channels_redis.pubsub": {"filters": ["outages"]},
     },

@@ -87,7 +87,7 @@ class Grant:
         """Counts ``tokens`` more for new work of an admitted request (an agent's next step, which holds tool
         results), only if they fit its tokens per minute: else ``LimitExceeded``, and nothing is charged."""
         if self._charge_within is not None and tokens > 0:
-            await self._charge_within(tokens)
+            await self._charge_within(tokens, self.charged)
             self.charged += tokens
 
     async def settle(self, tokens: int) -> None:
@@ -512,18 +512,20 @@ async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -
 
 
 def _refusal(
-    limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False, step: bool = False
+    limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False, held: int | None = None
 ) -> LimitExceeded:
+    """Why ``decision`` refused a request for ``tokens`` (``held``: a step of a request already holding that many)."""
     value = {
         "requests_per_minute": limits.requests_per_minute,
         "tokens_per_minute": limits.tokens_per_minute,
         "requests_in_flight": limits.requests_in_flight,
     }[decision.limit]
     detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
-    never = _never_admitted(limits, decision.limit, tokens)
+    # A step's request is retried whole: admitted again, then the same step.
+    never = _never_admitted(limits, decision.limit, tokens + (held or 0))
     if decision.limit == "tokens_per_minute":
-        if step:
-            detail += f" The response's next step needs {tokens} more tokens for its input."
+        if held is not None:
+            detail += f" The response's next step needs {tokens} more tokens for its input, beside the {held} it holds."
         else:
             needs = "at least " if at_least else ""
             detail += f" This request needs {needs}{tokens} tokens (input estimate plus maximum output)."
@@ -580,14 +582,14 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.charge(key, tokens, clock() if at is None else at)
 
-    async def charge_within(tokens: int) -> None:
+    async def charge_within(tokens: int, held: int) -> None:
         only_tokens = Limits(tokens_per_minute=limits.tokens_per_minute)
         if isinstance(store, RedisStore):
             charged = await store.try_admit(key, only_tokens, tokens, "", clock(), tokens_only=True)
         else:
             charged = store.try_admit(key, only_tokens, tokens, "", clock(), tokens_only=True)
         if not charged.admitted:
-            raise _refusal(limits, charged, tokens, step=True)
+            raise _refusal(limits, charged, tokens, held=held)
 
     metered = limits.tokens_per_minute is not None
     return Grant(

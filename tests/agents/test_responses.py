@@ -1259,6 +1259,8 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "rate_limit_exceeded")
     assert events[-2]["type"] == "error" and events[-2]["code"] == "rate_limited"
     assert "tokens per minute" in response["error"]["message"]
+    # The turn retried would be admitted and refused at the same step again: it is not told to try again.
+    assert "It can never fit" in response["error"]["message"] and "Try again" not in response["error"]["message"]
     # The failed turn holds what admission charged and nothing more, as the next refusal's headers show.
     after = await tenant.post("/v1/responses", {**body, "stream": True, "max_output_tokens": tokens_per_minute})
     assert after.status_code == 429

@@ -8,6 +8,7 @@ from inference.engine import catalog
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage import records as usage
 from orgs import admission
+from orgs.exceptions import LimitExceeded
 from orgs.models import Limit, Organization
 from tests.conftest import API, MODEL_ID, read_stream
 
@@ -222,3 +223,21 @@ async def test_admissions_and_refusals_show_in_the_metrics(api: API) -> None:
         == before_refused + 1
     )
     assert sample("b3os_requests_in_flight", model=MODEL_ID) == 0
+
+
+async def test_a_step_that_fits_once_others_leave_the_window_is_told_when_and_one_that_never_fits_is_not(
+    api: API, clock: Clock
+) -> None:
+    await limit(tokens_per_minute=100)
+    org = await Organization.objects.aget(slug="acme")
+    await admission.admit(organization_id=org.pk, model_pk=None, tokens=40)  # another request's
+    turn = await admission.admit(organization_id=org.pk, model_pk=None, tokens=40)
+
+    with pytest.raises(LimitExceeded) as crowded:
+        await turn.charge_within(30)  # 40 + 40 + 30: over, though 40 + 30 alone fits
+    with pytest.raises(LimitExceeded) as never:
+        await turn.charge_within(61)  # 40 + 61: over whatever else the window holds
+
+    assert "beside the 40 it holds" in crowded.value.detail and "Try again in 60s" in crowded.value.detail
+    assert "It can never fit" in never.value.detail and never.value.retry_after is None
+    assert turn.charged == 40
