@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import string
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -14,8 +15,16 @@ from django.utils.text import slugify
 from . import keycache
 
 KEY_PREFIX = "b3os"
-PREFIX_LENGTH = 10  # random, URL-safe characters used to find the row
-SECRET_BYTES = 32
+PREFIX_LENGTH = 10  # random characters used to find the row
+SECRET_LENGTH = 43  # 256 bits of KEY_ALPHABET
+# Letters and digits: a key is selected whole by a double-click, where a '-' would end the selection mid-key.
+KEY_ALPHABET = string.ascii_letters + string.digits
+
+
+def _random_text(length: int) -> str:
+    return "".join(secrets.choice(KEY_ALPHABET) for _ in range(length))
+
+
 LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 
@@ -117,10 +126,10 @@ class APIKey(models.Model):
     ) -> tuple[APIKey, str]:
         """Create a key; the raw secret is returned here once and never stored."""
         while True:
-            prefix = secrets.token_urlsafe(PREFIX_LENGTH)[:PREFIX_LENGTH].replace("_", "x")
+            prefix = _random_text(PREFIX_LENGTH)
             if not cls.objects.filter(prefix=prefix).exists():
                 break
-        raw = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES).replace('_', 'x')}"
+        raw = f"{KEY_PREFIX}_{prefix}_{_random_text(SECRET_LENGTH)}"
         key = cls.objects.create(
             organization=organization, name=name, prefix=prefix, hashed_key=hash_key(raw), expires_at=expires_at
         )

@@ -51,6 +51,14 @@ def test_keys_are_high_entropy_and_distinct(organization: Organization) -> None:
     assert all(len(key) >= 50 for key in keys)
 
 
+def test_a_key_is_letters_and_digits_between_its_underscores_so_a_double_click_selects_it_whole(
+    organization: Organization,
+) -> None:
+    for _ in range(20):
+        key = create_api_key(organization=organization)
+        assert re.fullmatch(r"b3os_[A-Za-z0-9]{10}_[A-Za-z0-9]{43}", key), key
+
+
 async def test_it_accepts_an_active_key_and_records_its_last_use(api: API) -> None:
     response = await api.get("/v1/infer/models")
     assert response.status_code == 200
