@@ -1,9 +1,10 @@
 """Running generation jobs on this process's runners: shared by the embedded pool and Celery workers.
 
-A runner's ``stream`` is synchronous and blocks between tokens, so it runs on a thread; its events
-cross to the event loop through a queue and come out in batches: whatever arrived while the
-consumer was busy is handed over at once, which coalesces deltas exactly as much as the consumer
-needs, without adding delay.
+A job's events cross from the runner's thread to the event loop through a queue and come out in
+batches: whatever arrived while the consumer was busy is handed over at once, which coalesces deltas
+exactly as much as the consumer needs, without adding delay. A runner that pushes its events
+(``PushingRunner``: its scheduling thread hands each on as it comes) holds no thread per job; the
+others' blocking ``stream`` is read on a pool thread.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from inference.engine.runners.base import (
     Finished,
     GenerationJob,
     PromptRenderer,
+    PushingRunner,
     RawEvent,
     Runner,
     RunnerError,
@@ -178,7 +180,7 @@ _DONE = object()
 
 
 async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterator[list[JobEvent]]:
-    """Run ``job`` on a runner thread; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
+    """Run ``job`` on its runner; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -188,24 +190,37 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
         except RuntimeError:  # the reader's event loop is gone: nobody will read the rest
             cancelled.set()
 
+    def end(item: JobEvent, runner_started: bool) -> None:
+        if runner_started:
+            _job_ended(job)
+        put(item)
+        put(_DONE)
+
+    def handed_on(item: RawEvent | RunnerError) -> JobEvent:
+        return JobFailed(item.code, str(item)) if isinstance(item, RunnerError) else item
+
     def work() -> None:
-        started = False
+        runner = None
         try:
             runner = _job_started(job)
-            started = True
+            if isinstance(runner, PushingRunner):
+                # Its end comes through this pool: ending a job may close a retired runner, not for a runner's thread.
+                _start_pushing(
+                    runner, job, cancelled, put, end=lambda item: _executor.submit(end, handed_on(item), True)
+                )
+                return
             events = runner.stream(job, cancelled.is_set)
             put(Accepted())
             for event in events:
-                put(event)
+                if isinstance(event, Finished):
+                    end(event, True)
+                else:
+                    put(event)
         except RunnerError as exc:
-            put(JobFailed(exc.code, str(exc)))
+            end(JobFailed(exc.code, str(exc)), runner is not None)
         except Exception as exc:
             logger.exception("runner failed on job %s", job.job_id)
-            put(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"))
-        finally:
-            if started:
-                _job_ended(job)
-            put(_DONE)
+            end(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"), runner is not None)
 
     loop.run_in_executor(_executor, work)
     try:
@@ -221,6 +236,40 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
                 return
     finally:
         cancelled.set()
+
+
+def _start_pushing(
+    runner: PushingRunner,
+    job: GenerationJob,
+    cancelled: threading.Event,
+    put: Callable[[Any], None],
+    end: Callable[[RawEvent | RunnerError], object],
+) -> None:
+    """Starts ``job`` on a runner that pushes its events: they go to ``put`` from the runner's thread, after
+    ``Accepted`` (held back until ``start`` has returned, should the first come sooner), the last to ``end``."""
+    lock = threading.Lock()
+    held: list[RawEvent | RunnerError] = []
+    accepted = False
+
+    def deliver(item: RawEvent | RunnerError) -> None:
+        with lock:
+            if not accepted:
+                held.append(item)
+                return
+        forward(item)
+
+    def forward(item: RawEvent | RunnerError) -> None:
+        if isinstance(item, (Finished, RunnerError)):
+            end(item)
+        else:
+            put(item)
+
+    runner.start(job, cancelled.is_set, deliver)
+    with lock:
+        put(Accepted())
+        for item in held:
+            forward(item)
+        accepted = True
 
 
 # --- the wire form of events (Celery workers → Channels layer → API process) ----------------------

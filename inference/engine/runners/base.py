@@ -12,7 +12,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -447,6 +447,17 @@ class PromptRenderer:
     special_tokens: tuple[str, ...] = ()
     # Whether the runner applies frequency and presence penalties (else a request that sets one is refused).
     penalties: bool = True
+
+
+Delivery = Callable[[RawEvent | RunnerError], None]
+
+
+@runtime_checkable
+class PushingRunner(Protocol):
+    """A runner whose own thread hands each of a job's events to ``deliver`` as it comes, the last a ``Finished``
+    or a ``RunnerError``: no thread of the caller's waits on the job. ``start`` refuses a job as ``stream`` does."""
+
+    def start(self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Delivery) -> object: ...
 
 
 class Runner(Protocol):

@@ -1330,14 +1330,15 @@ class _Sequence:
         sampler: _Sampler,
         vocabulary: Vocabulary,
         stream_interval: float,
+        deliver: Callable[[RawEvent | RunnerError], None],
     ) -> None:
+        self.deliver = deliver
         self.job = job
         self.cancelled = cancelled
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampler = sampler
         self.vocabulary = vocabulary
-        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.abandoned = False  # the consumer stopped reading
         self.slot: _Slot | None = None
         self.read = 0  # prompt tokens in the KV cache (reused ones included)
@@ -1419,7 +1420,7 @@ class _Sequence:
         if not count or not (cut := self.pending_ends[count - 1]):
             return
         logprobs, self.pending_logprobs = self.pending_logprobs[:count], self.pending_logprobs[count:]
-        self.out.put(TextChunk(self.pending[:cut], count, tuple(logprobs)))
+        self.deliver(TextChunk(self.pending[:cut], count, tuple(logprobs)))
         self.pending = self.pending[cut:]
         self.pending_ends = [end - cut for end in self.pending_ends[count:]]
         self.pending_whole = self.pending_whole[count:]
@@ -1428,20 +1429,20 @@ class _Sequence:
         # The first bytes of a character the output never finished (cut by the budget) are no text: dropped, not sent
         # as U+FFFD (the tokens still count, and their logprobs carry those bytes).
         if reason != "cancelled" and (self.pending or self.pending_ends):
-            self.out.put(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
-        self.out.put(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
+            self.deliver(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
+        self.deliver(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
         return True
 
     def fail(self, error: RunnerError) -> None:
-        self.out.put(error)
+        self.deliver(error)
 
     def close(self) -> None:
         self.sampler.close()
 
-    def events(self) -> Iterator[RawEvent]:
+    def events(self, out: queue.SimpleQueue[RawEvent | RunnerError]) -> Iterator[RawEvent]:
         try:
             while True:
-                item = self.out.get()
+                item = out.get()
                 if isinstance(item, RunnerError):
                     raise item
                 yield item
@@ -1589,9 +1590,17 @@ class LlamaCppRunner:
 
     def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Iterator[RawEvent]:
         """Queues ``job`` (or refuses it: the context check, the queue bound) and returns its events."""
+        out: queue.SimpleQueue[RawEvent | RunnerError] = queue.SimpleQueue()
+        return self.start(job, cancelled, out.put).events(out)
+
+    def start(
+        self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Callable[[RawEvent | RunnerError], None]
+    ) -> _Sequence:
+        """Queues ``job`` (or refuses it, as ``stream``); the scheduling thread hands each of its events to
+        ``deliver`` as it comes, the last a ``Finished`` or a ``RunnerError``. No thread waits on the job."""
         if self._closed:  # its weights are freed: not even the prompt can be read
             raise RunnerError("the model is shutting down", code="runner_unavailable")
-        sequence = self._prepare(job, cancelled)
+        sequence = self._prepare(job, cancelled, deliver)
         with self._cond:
             if self._closed:
                 sequence.close()
@@ -1607,9 +1616,11 @@ class LlamaCppRunner:
                 )
             self._waiting.append(sequence)
             self._cond.notify()
-        return sequence.events()
+        return sequence
 
-    def _prepare(self, job: GenerationJob, cancelled: Callable[[], bool]) -> _Sequence:
+    def _prepare(
+        self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Callable[[RawEvent | RunnerError], None]
+    ) -> _Sequence:
         """Tokenizing and compiling the grammar happen on the caller's thread, never in the scheduler's way."""
         prompt = self.vocabulary.tokenize(job.prompt, job.literal)
         context = self.context_per_sequence
@@ -1628,7 +1639,8 @@ class LlamaCppRunner:
                 raise RunnerError("the output constraint could not be compiled to a grammar", code="invalid_constraint")
         sampler = _Sampler(self._model, job.sampling, grammar)
         max_tokens = min(job.sampling.max_tokens, context - len(prompt))
-        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, self.settings.stream_interval)
+        interval = self.settings.stream_interval
+        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, interval, deliver)
 
     def stats(self) -> RunnerStats:
         with self._cond:

