@@ -379,3 +379,28 @@ def test_a_key_of_an_inactive_organization_is_not_listed_as_active(
     assert APIKey.objects.get().state == "organization inactive"
     assert "tests" not in staff_client.get("/admin/orgs/apikey/?state=active").content.decode()
     assert "tests" in staff_client.get("/admin/orgs/apikey/?state=organization-inactive").content.decode()
+
+
+@pytest.mark.parametrize("pasted", ["whole", "as listed", "prefix only"])
+def test_a_key_is_found_by_searching_for_it_whole_or_as_the_key_list_shows_it(
+    staff_client: Client, organization: Organization, pasted: str
+) -> None:
+    key, raw = APIKey.generate(organization=organization, name="found")
+    APIKey.generate(organization=organization, name="other")
+    term = {"whole": raw, "as listed": key.display_prefix, "prefix only": f"b3os_{key.prefix}"}[pasted]
+
+    listing = staff_client.get("/admin/orgs/apikey/", {"q": f" {term} "}).content.decode()
+
+    assert "found (" in listing or ">found<" in listing
+    assert ">other<" not in listing and "other (" not in listing
+    assert "1 result" in listing
+
+
+def test_a_whole_key_that_is_not_one_finds_nothing_though_its_prefix_is_a_keys(
+    staff_client: Client, organization: Organization
+) -> None:
+    key, raw = APIKey.generate(organization=organization, name="found")
+
+    listing = staff_client.get("/admin/orgs/apikey/", {"q": raw[:-1] + ("A" if raw[-1] != "A" else "B")})
+
+    assert "0 results" in listing.content.decode()
