@@ -57,6 +57,7 @@ class AgentInstance(models.Model):
     max_output_tokens = models.PositiveIntegerField(
         null=True,
         blank=True,
+        validators=[MinValueValidator(1)],
         help_text="Per response, for requests that set none (blank: the catalog model's maximum).",
     )
     organizations = models.ManyToManyField(

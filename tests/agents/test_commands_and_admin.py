@@ -130,6 +130,14 @@ def test_an_instance_is_refused_tools_that_do_not_exist_or_a_first_step_it_canno
         make_instance("c.agent", reasons=True)
 
 
+def test_an_instance_is_refused_an_answer_budget_of_no_tokens(make_instance: Callable[..., AgentInstance]) -> None:
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError, match="max_output_tokens"):
+        make_instance("d.agent", max_output_tokens=0)
+    assert make_instance("e.agent", max_output_tokens=1).max_output_tokens == 1
+
+
 def test_a_guardrail_with_a_broken_regular_expression_is_refused(make_instance: Callable[..., AgentInstance]) -> None:
     from django.core.exceptions import ValidationError
 
