@@ -55,7 +55,7 @@ from inference.serving import responses
 from inference.serving.caller import generation_error
 from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
 
-from .guardrails import Guardrails
+from .guardrails import Guardrails, Rule
 from .models import FirstStep
 from .protocol import AGENT_CALL, AgentResponseRequest, agent_call_item
 from .tools.knowledge import KNOWLEDGE_SEARCH, found_documents
@@ -301,6 +301,10 @@ class AgentTurn:
     # Counts tokens against the organization's tokens per minute once the turn is admitted (``Grant.charge``).
     charge: Callable[[int], Awaitable[None]] | None = None
     _first: Generation | None = None
+    # What ``prepare_first`` found before the response began: the input guardrail's refusal, and the call of the
+    # search the instance runs first with its result.
+    _refusal: Rule | None = None
+    _searched: tuple[dict[str, str], dict[str, Any]] | None = None
     _running: Generation | None = None  # the step running now, not yet in ``steps``
     # The first step's prompt tokens, which admission charged before that step ran.
     _precharged: int = 0
@@ -402,11 +406,37 @@ class AgentTurn:
         return not (self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name)
 
     async def prepare_first(self) -> Generation:
-        """The first model step as it would run now: what admission charges for, and the context check
-        that can still be answered with a plain 400."""
+        """The first model step, before the response begins: what admission charges for, and the context check
+        that can still be answered with a plain 400. The input guardrail is checked, and the search an instance
+        runs first is run, here: its results are in that step's prompt, charged and checked with it."""
+        # The stored turns too, as when a client sends them all with store: false: a guardrail may have been added
+        # since a turn ran. Exchanges refused before are not read again (``refused_exchanges``).
+        checked = client_texts(self._read, instructions=self.params.instructions)
+        self._refusal = await self.agent.guardrails.check_input(checked)
+        if self._refusal is None and (search := self._search_first()) is not None:
+            arguments = json.dumps({"query": new_user_text(self.input_items)}, ensure_ascii=False)
+            call = self._call(search, arguments, new_call_id())
+            item = await self._run_tool(search, call)
+            self._transcript.add("output", item)
+            self._searched = (call, item)
         self._first = await self.prepare_step(0)
         self._precharged = self._first.prompt_tokens
         return self._first
+
+    def _search_first(self) -> ServerTool | None:
+        """The search the instance runs before the model's first step, if it runs one on this input."""
+        search = self.agent.tool(KNOWLEDGE_SEARCH.name)
+        if (
+            self.agent.first_step != FirstStep.SEARCH
+            or search is None
+            # A message of common words only ("Why is it so?") has nothing to search for: searched, it would be
+            # shown as a failed tool, which the runtime and not the model chose to run.
+            or not query_terms(new_user_text(self.input_items))
+            or self.params.tool_choice == "none"  # calls nothing: not even the search the instance runs first
+            or self.tool_calls_spent
+        ):
+            return None
+        return search
 
     # --- the stream
 
@@ -442,37 +472,25 @@ class AgentTurn:
                 yield responses.sse(event)
 
     async def _turn(self) -> AsyncGenerator[list[dict[str, Any]], None]:
-        user_text = new_user_text(self.input_items)
-        # The stored turns too, as when a client sends them all with store: false: a guardrail may have been added
-        # since a turn ran. Exchanges refused before are not read again (``refused_exchanges``).
-        checked = client_texts(self._read, instructions=self.params.instructions)
-        if (rule := await self.agent.guardrails.check_input(checked)) is not None:
-            yield self.encoder.refuse(rule.refusal)
+        if self._refusal is not None:
+            yield self.encoder.refuse(self._refusal.refusal)
             yield await self._finish("stop")
             return
-        search = self.agent.tool(KNOWLEDGE_SEARCH.name)
-        # A message of common words only ("Why is it so?") has nothing to search for: searched, it would be shown
-        # as a failed tool, which the runtime and not the model chose to run.
-        searchable = bool(query_terms(user_text))
-        if (
-            self.agent.first_step == FirstStep.SEARCH
-            and search is not None
-            and searchable
-            and self.params.tool_choice != "none"  # calls nothing: not even the search the instance runs first
-            and not self.tool_calls_spent
-        ):
-            arguments = json.dumps({"query": user_text}, ensure_ascii=False)
-            async for events in self._run_server_call(search, arguments, new_call_id()):
-                yield events
+        if self._searched is not None:
+            # Run before the response began; its item is in the transcript already.
+            searched, item = self._searched
+            index, opened = self.encoder.open_item(agent_call_item(**searched, status="in_progress"))
+            yield [*opened, *self.encoder.close_item(index, item)]
+            self._output_seen = len(self.encoder.output)
         finish_reason = "stop"
         for step in range(settings.AGENT_MAX_STEPS):
             if self.budget <= 0:
                 finish_reason = "length"
                 break
             first, self._first = self._first, None
-            generation = first if first is not None and step == 0 and not self.encoder.output else None
+            generation = first if step == 0 else None
             if generation is None:
-                # Later steps hold tool results; a first step rebuilt after the search holds its results.
+                # Later steps hold tool results.
                 generation = await self.prepare_step(step)
                 await self._charge_prompt(generation.prompt_tokens)
             self._precharged = 0
@@ -559,16 +577,20 @@ class AgentTurn:
     async def _run_server_call(
         self, tool: ServerTool, arguments: str, call_id: str
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
-        call = {
-            "item_id": f"atc_{secrets.token_hex(24)}",
-            "call_id": call_id,
-            "name": tool.name,
-            "arguments": arguments,
-        }
+        call = self._call(tool, arguments, call_id)
         index, events = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
         yield events
+        yield self.encoder.close_item(index, await self._run_tool(tool, call))
+
+    @staticmethod
+    def _call(tool: ServerTool, arguments: str, call_id: str) -> dict[str, str]:
+        item_id = f"atc_{secrets.token_hex(24)}"
+        return {"item_id": item_id, "call_id": call_id, "name": tool.name, "arguments": arguments}
+
+    async def _run_tool(self, tool: ServerTool, call: dict[str, str]) -> dict[str, Any]:
+        """Runs a server tool's ``call``; its item as it ended, its sources among the response's."""
         try:
-            parsed = json.loads(arguments)
+            parsed = json.loads(call["arguments"])
         except ValueError:
             outcome = ToolOutcome(output=None, error="The arguments are not valid JSON.", sources=())
         else:
@@ -577,10 +599,8 @@ class AgentTurn:
         known = {source.url for source in self.sources}
         self.sources += [source for source in dict.fromkeys(outcome.sources) if source.url not in known]
         if outcome.error is None:
-            item = agent_call_item(**call, status="completed", output=outcome.output)
-        else:
-            item = agent_call_item(**call, status="failed", error=outcome.error)
-        yield self.encoder.close_item(index, item)
+            return agent_call_item(**call, status="completed", output=outcome.output)
+        return agent_call_item(**call, status="failed", error=outcome.error)
 
     def _end_running_calls(self, error: str) -> None:
         """A server tool call the response ends in the middle of is kept failed: continued, the conversation shows

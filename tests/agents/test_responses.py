@@ -495,13 +495,18 @@ async def test_a_long_conversation_gives_the_model_each_document_once_and_goes_o
 
 @pytest.mark.database
 async def test_a_server_tool_the_client_hung_up_on_is_kept_failed_not_running_for_ever(
-    tenant: Tenant, spare_parts: AgentInstance
+    tenant: Tenant, searching_agent: AgentInstance
 ) -> None:
-    body = {"model": spare_parts.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True, **SHORT}
+    body = {
+        "model": searching_agent.instance_id,
+        "input": SPARE_PARTS_QUESTION,
+        "stream": True,
+        "max_output_tokens": SEARCH_AND_ANSWER_TOKENS,
+    }
     response = await tenant.post("/v1/responses", body, accept="text/event-stream")
     async for chunk in response.streaming_content:
         if f'"type":"{AGENT_CALL}"' in (chunk.decode() if isinstance(chunk, bytes) else chunk):
-            break  # the search is shown started, and the client goes away
+            break  # the search the model called is shown started, and the client goes away
     await response.source.aclose()
 
     deadline = time.monotonic() + 10
@@ -513,7 +518,7 @@ async def test_a_server_tool_the_client_hung_up_on_is_kept_failed_not_running_fo
     # Continued, the conversation shows a tool that ended, as every stored item has.
     assert (call["status"], call["output"]) == ("failed", None) and call["error"]
     _, follow = await tenant.stream(
-        model=spare_parts.instance_id, input="Thanks.", previous_response_id=turn.response_id, **SHORT
+        model=searching_agent.instance_id, input="Thanks.", previous_response_id=turn.response_id, **SHORT
     )
     assert follow["status"] in ("completed", "incomplete")
 
@@ -1066,22 +1071,18 @@ def cramped_agent(make_instance: Callable[..., AgentInstance], catalog_model: Ca
 
 
 @pytest.mark.database
-async def test_a_response_that_cannot_go_on_sends_an_error_then_fails_keeping_what_it_produced(
+async def test_a_first_step_that_the_search_run_first_pushes_past_the_context_is_refused_before_the_response_begins(
     tenant: Tenant, cramped_agent: AgentInstance
 ) -> None:
-    events, response = await tenant.stream(model=cramped_agent.instance_id, input=SPARE_PARTS_QUESTION)
+    body = {"model": cramped_agent.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True}
 
-    error, failed = events[-2:]
-    assert error["type"] == "error" and error["code"] == "context_length_exceeded" and error["message"]
-    assert failed["type"] == "response.failed" and response["status"] == "failed"
-    assert response["error"] == {"code": "invalid_prompt", "message": error["message"]}
-    (call,) = response["output"]
-    assert call["type"] == AGENT_CALL and call["status"] == "completed"
-    seen = SeedClient().read(events)
-    assert seen.failed and seen.keep_id is None and seen.activity == ["knowledge_search: completed"]
-    (turn,) = await records(endpoint="agents.responses")
-    assert (turn.status, turn.error_code) == (200, "context_length_exceeded")
-    assert (await StoredResponse.objects.aget()).status == "failed"
+    response = await tenant.post("/v1/responses", body)
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+    assert "120 tokens" in error["message"]
+    assert not await StoredResponse.objects.aexists()
 
 
 # --- reasoning, refusals before the stream, limits ---------------------------------------------------------------
@@ -1258,6 +1259,12 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
 
     assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "rate_limit_exceeded")
     assert events[-2]["type"] == "error" and events[-2]["code"] == "rate_limited"
+    # What it produced is kept, failed: the search and its result.
+    (call,) = response["output"]
+    assert call["type"] == AGENT_CALL and call["status"] == "completed"
+    seen = SeedClient().read(events)
+    assert seen.failed and seen.keep_id is None and seen.activity == ["knowledge_search: completed"]
+    assert (await StoredResponse.objects.order_by("created").alast()).status == "failed"
     assert "tokens per minute" in response["error"]["message"]
     # The turn retried would be admitted and refused at the same step again: it is not told to try again.
     assert "It can never fit" in response["error"]["message"] and "Try again" not in response["error"]["message"]
@@ -1265,6 +1272,29 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     after = await tenant.post("/v1/responses", {**body, "stream": True, "max_output_tokens": tokens_per_minute})
     assert after.status_code == 429
     assert int(after["x-ratelimit-remaining-tokens"]) == tokens_per_minute - admitted
+
+
+async def test_admission_charges_the_first_step_with_the_results_of_the_search_run_first(
+    tenant: Tenant, spare_parts: AgentInstance, organization: Organization
+) -> None:
+    await sync_to_async(set_limit)(
+        organization=organization,
+        model_id=None,
+        tokens_per_minute=100_000,
+        requests_per_minute=None,
+        requests_in_flight=None,
+    )
+    body = {"model": spare_parts.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True, **SHORT}
+
+    response = await tenant.post("/v1/responses", body, accept="text/event-stream")
+    await read_stream(response)
+
+    # The search ran before admission, so its one model step, the results in its prompt, was charged in full then.
+    admitted = 100_000 - int(response["x-ratelimit-remaining-tokens"])
+    (turn,) = await records(endpoint="agents.responses")
+    stored = await StoredResponse.objects.aget()
+    assert [item["type"] for item in stored.output_items][0] == AGENT_CALL
+    assert admitted == turn.input_tokens + SHORT["max_output_tokens"]
 
 
 async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
