@@ -165,9 +165,11 @@ class AssistantMessage(WireModel):
     tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # OpenAI refuses [] as empty_array
     function_call: Any = None
     audio: Any = None
-    # Echoed back by clients that replay the message they received.
+    # Echoed back by clients that replay the message they received (``parsed``: the openai SDK's ``parse`` and
+    # ``stream`` helpers put the structured answer there, and send it back with the message); not read.
     reasoning_content: str | None = None
     annotations: list[Any] | None = None
+    parsed: Any = None
 
     @field_validator("audio")
     @classmethod
@@ -413,6 +415,13 @@ class ChatCompletionRequest(WireModel):
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise invalid_request(
                 "tool_choice is only allowed when tools are specified.", param="tool_choice", code="invalid_value"
+            )
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise invalid_request(
+                "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed when 'tools' are "
+                "specified.",
+                param="parallel_tool_calls",
+                code="invalid_value",
             )
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
             names = {tool.function.name for tool in self.tools}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -70,6 +71,31 @@ def test_the_sdk_parses_into_a_pydantic_model(client: OpenAI) -> None:
     )
     city = completion.choices[0].message.parsed
     assert isinstance(city, City) and city.name
+
+
+def test_the_sdk_sends_back_a_parsed_message_as_the_conversations_next_turn(client: OpenAI) -> None:
+    class City(BaseModel):
+        name: str
+
+    messages: list[Any] = [{"role": "user", "content": "Name a city in Oregon, in JSON."}]
+    parsed = client.chat.completions.parse(
+        model=MODEL_ID, messages=messages, response_format=City, max_tokens=30, temperature=0
+    )
+    with client.chat.completions.stream(
+        model=MODEL_ID, messages=messages, response_format=City, max_tokens=30, temperature=0
+    ) as stream:
+        streamed = stream.get_final_completion()
+
+    # The messages as the helpers return them, their ``parsed`` answer with them, go back as they are.
+    for message in (parsed.choices[0].message, streamed.choices[0].message):
+        follow = client.chat.completions.with_raw_response.create(
+            model=MODEL_ID,
+            messages=[*messages, message, {"role": "user", "content": "Another one."}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert "parsed" in json.loads(follow.http_request.content)["messages"][1]
+        assert follow.parse().choices[0].message.content is not None
 
 
 def test_the_sdk_runs_a_tool_round_trip(client: OpenAI) -> None:

@@ -790,6 +790,16 @@ async def test_a_bad_content_part_is_named_at_its_own_index(
     assert "valid string" not in error["message"]  # the parts are not refused as a string they never were
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_parallel_tool_calls_without_tools_is_refused_as_openai_refuses_it(api: API, parallel: bool) -> None:
+    response = await api.post(CHAT, body(parallel_tool_calls=parallel))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("parallel_tool_calls", "invalid_value")
+    assert "only allowed when 'tools' are specified" in error["message"]
+
+
 async def test_a_named_tool_choice_without_its_function_names_the_function_as_missing(api: API) -> None:
     response = await api.post(CHAT, body(tools=[WEATHER_TOOL], tool_choice={"type": "function"}))
 
