@@ -1205,17 +1205,22 @@ async def test_truncation_auto_is_refused_by_name(tenant: Tenant, plain_agent: A
     assert "agent runtime" in error["message"]
 
 
+async def limit_tokens(organization: Organization, tokens_per_minute: int) -> None:
+    """The organization's only limit: ``tokens_per_minute``, on every model."""
+    await sync_to_async(set_limit)(
+        organization=organization,
+        model_id=None,
+        tokens_per_minute=tokens_per_minute,
+        requests_per_minute=None,
+        requests_in_flight=None,
+    )
+
+
 @pytest.mark.database
 async def test_admission_limits_apply_to_agent_requests(
     tenant: Tenant, plain_agent: AgentInstance, organization: Organization
 ) -> None:
-    await sync_to_async(set_limit)(
-        organization=organization,
-        model_id=None,
-        tokens_per_minute=10,
-        requests_per_minute=None,
-        requests_in_flight=None,
-    )
+    await limit_tokens(organization, 10)
 
     response = await tenant.post("/v1/responses", {"model": plain_agent.instance_id, "input": "Hi", "stream": True})
 
@@ -1229,16 +1234,7 @@ async def test_admission_limits_apply_to_agent_requests(
 async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_instead_of_overrunning_it(
     tenant: Tenant, searching_agent: AgentInstance, organization: Organization
 ) -> None:
-    async def limit(tokens_per_minute: int) -> None:
-        await sync_to_async(set_limit)(
-            organization=organization,
-            model_id=None,
-            tokens_per_minute=tokens_per_minute,
-            requests_per_minute=None,
-            requests_in_flight=None,
-        )
-
-    await limit(100_000)
+    await limit_tokens(organization, 100_000)
     body = {
         "model": searching_agent.instance_id,
         "input": SPARE_PARTS_QUESTION,
@@ -1252,7 +1248,7 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     assert whole > admitted, "the turn should have had a second step, with the search results in its prompt"
     memory_store.reset()
     # Room for the first step alone: the second, whatever query the model writes this time, cannot fit.
-    await limit(tokens_per_minute := admitted + 1)
+    await limit_tokens(organization, tokens_per_minute := admitted + 1)
     clear_limits_cache()  # the new limit at once, not within the seconds the old one is remembered
 
     events, response = await tenant.stream(**body)
@@ -1277,13 +1273,7 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
 async def test_admission_charges_the_first_step_with_the_results_of_the_search_run_first(
     tenant: Tenant, spare_parts: AgentInstance, organization: Organization
 ) -> None:
-    await sync_to_async(set_limit)(
-        organization=organization,
-        model_id=None,
-        tokens_per_minute=100_000,
-        requests_per_minute=None,
-        requests_in_flight=None,
-    )
+    await limit_tokens(organization, 100_000)
     body = {"model": spare_parts.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True, **SHORT}
 
     response = await tenant.post("/v1/responses", body, accept="text/event-stream")
@@ -1300,13 +1290,7 @@ async def test_admission_charges_the_first_step_with_the_results_of_the_search_r
 async def test_every_step_of_a_turn_counts_against_tokens_per_minute(
     tenant: Tenant, searching_agent: AgentInstance, organization: Organization
 ) -> None:
-    await sync_to_async(set_limit)(
-        organization=organization,
-        model_id=None,
-        tokens_per_minute=100_000,
-        requests_per_minute=None,
-        requests_in_flight=None,
-    )
+    await limit_tokens(organization, 100_000)
     body = {
         "model": searching_agent.instance_id,
         "input": SPARE_PARTS_QUESTION,
