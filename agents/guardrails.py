@@ -83,9 +83,18 @@ def as_read(text: str) -> str:
     return _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
 
 
+def _readings(text: str) -> list[str]:
+    """``text`` as read, and, where it holds characters that show nothing, read with each as a space too: between
+    two words (``credit<zero-width space>card``) one stands for the space a reader sees no less than the model."""
+    joined = as_read(text)
+    if not _INVISIBLE.search(text):
+        return [joined]
+    return [joined, _INVISIBLE.sub(" ", unicodedata.normalize("NFKC", text))]
+
+
 def _search(rules: tuple[Rule, ...], texts: list[str]) -> Rule | None:
     deadline = time.monotonic() + settings.AGENT_GUARDRAIL_TIMEOUT_MS / 1000
-    texts = [as_read(text) for text in texts]
+    texts = [reading for text in texts for reading in _readings(text)]
     for rule in rules:
         if rule.patterns is None:
             return rule

@@ -73,10 +73,19 @@ async def test_an_output_guardrail_sees_a_term_split_across_the_deltas_it_is_che
         ("my credit  card", True),
         ("my credit\u00a0card", True),
         ("my credit\t card", True),
+        ("my credit\u200bcard", True),
         ("my credit-card", False),
         ("credit cards", False),
     ],
-    ids=["a line break", "two spaces", "a no-break space", "a tab and a space", "a hyphen", "a longer word"],
+    ids=[
+        "a line break",
+        "two spaces",
+        "a no-break space",
+        "a tab and a space",
+        "a zero-width space",
+        "a hyphen",
+        "a longer word",
+    ],
 )
 async def test_a_phrase_matches_whatever_whitespace_separates_its_words(text: str, blocked: bool) -> None:
     checked = guardrails("credit card", kind=MatchKind.TERMS)
