@@ -155,14 +155,8 @@ class _Conversation:
                 f"{self.calls[item.call_id]}",
                 param=_at(where, "call_id"),
             )
-        try:
-            if item.status != "incomplete":  # a call the token budget cut short has its arguments as far as they got
-                json.loads(item.arguments)
-        except ValueError:
-            raise invalid_request(
-                f"the arguments of function_call {json.dumps(item.call_id)} are not valid JSON",
-                param=_at(where, "arguments"),
-            ) from None
+        # Its arguments go back as the model wrote them, JSON or not: a client answers a call whose arguments do not
+        # parse with an error for its output, and the model reads both (as in chat completions).
         self.calls[item.call_id] = where
         message = self.assistant("", join=True)
         call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}

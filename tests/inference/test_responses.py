@@ -418,17 +418,23 @@ OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "52F"}
             "input.2.call_id",
             'call_id "call_1" is already used by the function_call at input.1',
         ),
-        (
-            [QUESTION, {**CALL, "arguments": "{city"}, OUTPUT],
-            "input.1.arguments",
-            'the arguments of function_call "call_1" are not valid JSON',
-        ),
     ],
-    ids=["call-without-output", "second-output", "reused-call-id", "arguments-not-json"],
+    ids=["call-without-output", "second-output", "reused-call-id"],
 )
 async def test_it_refuses_input_items_that_do_not_fit_together(api: API, items: list, param: str, message: str) -> None:
     error = assert_error(await api.post(RESPONSES, ask(input=items)), 400, "invalid_request", param)
     assert error["message"] == message
+
+
+async def test_it_takes_back_a_call_whose_arguments_do_not_parse_with_the_error_its_client_answered(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    answer = {**OUTPUT, "output": "Error: the arguments are not valid JSON."}
+
+    response = await api.post(RESPONSES, ask(input=[QUESTION, {**CALL, "arguments": "{city"}, answer]))
+
+    assert response.status_code == 200, response.content
+    openai_spec.validate("Response", response.json())
 
 
 async def test_it_refuses_input_with_nothing_to_respond_to(api: API) -> None:
