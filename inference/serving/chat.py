@@ -228,6 +228,10 @@ async def complete(
         elif isinstance(event, Failed):
             raise generation_error(event, request_id=request_id)
         elif isinstance(event, Done):
+            if text or not calls:
+                # Tokens whose text never came (the first bytes of a character the budget cut) keep their logprobs:
+                # their bytes are in them.
+                logprobs.extend(pending)
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": "".join(text) if (text or not calls) else None,
@@ -317,6 +321,9 @@ async def stream_chunks(
                 return
             elif isinstance(event, Done):
                 ending.event = event
+                if want_logprobs and pending_logprobs and content is not None:
+                    # Tokens whose text never came (the first bytes of a character the budget cut), with their bytes.
+                    yield chunk({"content": ""}, logprobs=wire.logprobs_object(pending_logprobs))
                 yield chunk({}, finish_reason=event.finish_reason)
                 if include_usage:
                     yield chunk(None, usage=_usage(event))

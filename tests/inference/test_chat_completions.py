@@ -180,6 +180,18 @@ async def test_streamed_logprob_bytes_add_up_to_the_streamed_text(api: API, open
     assert_the_bytes_rebuild_the_content(items, text)
 
 
+async def test_the_tokens_of_a_character_the_budget_cut_keep_their_logprobs(api: API, openai_spec: OpenAISpec) -> None:
+    data = await complete(api, openai_spec, messages=EMOJI, max_tokens=1, logprobs=True)
+    chunks = await stream(api, openai_spec, messages=EMOJI, max_tokens=1, logprobs=True)
+
+    # The character never came, so there is no text; its first bytes are in the logprobs all the same.
+    assert data["choices"][0]["message"]["content"] == "" and data["usage"]["completion_tokens"] == 1
+    assert [item["token"] for item in data["choices"][0]["logprobs"]["content"]] == ["bytes:\\xf0\\x9f"]
+    streamed = [item for c in chunks if c["choices"][0]["logprobs"] for item in c["choices"][0]["logprobs"]["content"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+    assert streamed == data["choices"][0]["logprobs"]["content"]
+
+
 async def test_json_schema_output_always_matches_the_schema(api: API, openai_spec: OpenAISpec) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
     data = await complete(
