@@ -368,10 +368,10 @@ class ResponseCreateRequest(WireModel):
     truncation: Literal["auto", "disabled"] | None = None
     # Known but refused: accepted by the schema so they can be refused by name.
     previous_response_id: str | None = None
-    conversation: Any = None
-    prompt: Any = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
     background: bool | None = None
-    context_management: Any = None
+    context_management: list[Any] | None = None
     moderation: Any = None
     # This platform's: which way the request goes (a request for the gateway is forwarded, not parsed here).
     route: Literal["node", "gateway"] | None = None
@@ -391,7 +391,8 @@ class ResponseCreateRequest(WireModel):
 
     def refuse_unsupported(self) -> None:
         for name, message in self.REFUSED.items():
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and not (name == "background" and value is False):
                 raise unsupported_parameter(name, message)
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")

@@ -526,6 +526,17 @@ async def test_it_refuses_what_needs_stored_state_by_name(api: API, field: str, 
     assert_error(await api.post(RESPONSES, ask(input="hi", **{field: value})), 400, "unsupported_parameter", field)
 
 
+@pytest.mark.parametrize("field", ["conversation", "prompt", "context_management"])
+@pytest.mark.parametrize("value", [0, False, 0.0, ""])
+async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(
+    api: API, field: str, value: Any
+) -> None:
+    response = await api.post(RESPONSES, ask(input="hi", **{field: value}))
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["param"] == field
+
+
 @pytest.mark.parametrize(
     "tool",
     [
