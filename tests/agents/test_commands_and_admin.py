@@ -8,12 +8,14 @@ from collections.abc import Callable
 from io import StringIO
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client
 
 from agents.admin import DocumentForm
+from agents.guardrails import Guardrails
 from agents.models import AgentInstance, Feedback, FirstStep, Guardrail, StoredResponse
 from inference.models import CatalogEntry
 from orgs.models import Organization
@@ -49,6 +51,18 @@ def test_create_demo_instance_prints_the_id_alone_and_updates_rather_than_duplic
         catalog_model,
     )
     assert instance.documents.count() == 3 and instance.guardrails.count() == 1
+
+
+@pytest.mark.parametrize("question", ["What is my password?", "Where are my passwords?", "Keep my credit cards."])
+async def test_the_demo_guardrail_refuses_its_terms_singular_or_plural(
+    organization: Organization, catalog_model: CatalogEntry, question: str
+) -> None:
+    await sync_to_async(run)("create_demo_instance", "acme")
+    instance = await AgentInstance.objects.aget()
+    guardrails = await sync_to_async(lambda: Guardrails.of(instance.guardrails.all()))()
+
+    assert await guardrails.check_input([question]) is not None
+    assert await guardrails.check_input(["Which parts fit machine 4711?"]) is None
 
 
 def test_create_demo_instance_refuses_an_unknown_organization(catalog_model: CatalogEntry) -> None:

@@ -40,7 +40,8 @@ GUARDRAIL = {
     "name": "No payment or account secrets",
     "applies_to": Stage.BOTH,
     "kind": MatchKind.TERMS,
-    "patterns": "password\ncredit card\ncard number",
+    # Terms match whole words: each plural is a term of its own.
+    "patterns": "password\npasswords\ncredit card\ncredit cards\ncard number\ncard numbers",
     "refusal": "I can't help with passwords or payment details. Please contact our support team directly.",
 }
 
