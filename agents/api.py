@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hmac
 
+from django.conf import settings
 from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from core.db import db_task
 from inference.api.base import AsyncAPIView
-from inference.openai.errors import APIError
+from inference.openai.errors import APIError, stored_responses_not_offered
 from orgs.models import Organization
 
 from . import protocol, services
@@ -46,6 +47,24 @@ class ResponsesView(AsyncAPIView):
         self.names(request, params.param_names())
         caller = self.caller(request, route=services.ROUTE)
         return self.render_result(request, await services.create_response(params=params, caller=caller))
+
+
+class StoredResponseView(AsyncAPIView):
+    """``/responses/{id}`` and below (retrieve, delete, cancel, input items): not offered by the runtime."""
+
+    http_method_names = ["get", "post", "delete"]
+
+    async def get(self, request: Request, response_id: str) -> Response:
+        tenant(request)
+        days = settings.AGENT_RESPONSE_RETENTION_DAYS
+        kept = f"deleted {days} days after their last turn" if days else "kept until an operator deletes them"
+        raise stored_responses_not_offered(
+            "The agent runtime does not offer retrieving, deleting or cancelling a stored response, nor listing its "
+            "input items: go on with a conversation by its last response's id, as previous_response_id. Stored "
+            f"conversations are {kept}."
+        )
+
+    post = delete = get
 
 
 class InstancesView(AsyncAPIView):

@@ -141,6 +141,16 @@ def _get(summary: str, response: str, *, parameters: list[dict[str, Any]] | None
     return {"get": operation}
 
 
+def _not_offered(summary: str, *, tenant: bool = False) -> dict[str, Any]:
+    """OpenAI's endpoints on one stored response (retrieve, delete; cancel and input_items below the id): answered
+    with a 404 that says why they are not offered."""
+    parameters = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if tenant:
+        parameters.append(_tenant())
+    operation = {"summary": summary, "parameters": parameters, "responses": {"404": ERRORS["4XX"]}}
+    return {"get": operation, "post": operation, "delete": operation}
+
+
 def _tenant() -> dict[str, Any]:
     return {
         "name": TENANT_HEADER,
@@ -194,12 +204,16 @@ def document() -> dict[str, Any]:
                 "ResponseCreateRequest",
                 "Response",
             ),
+            "/v1/infer/responses/{response_id}": _not_offered("Not offered: this node keeps no response."),
             "/v1/infer/usage": _get(
                 "The organization's own usage.",
                 "OrganizationUsage",
                 parameters=[_query(name) for name in USAGE_PARAMS],
             ),
             "/v1/responses": _post("An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True),
+            "/v1/responses/{response_id}": _not_offered(
+                "Not offered: a stored conversation goes on by previous_response_id.", tenant=True
+            ),
             "/v1/instances": instances,
             "/v1/feedback": _post(
                 "A rating of a stored response.", "FeedbackRequest", "Feedback", stream=False, tenant=True

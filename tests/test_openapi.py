@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ def api_paths(patterns: list[Any] | None = None, prefix: str = "/") -> set[str]:
     """Every URL the project routes under /v1/, as OpenAPI writes paths."""
     found: set[str] = set()
     for pattern in patterns if patterns is not None else get_resolver().url_patterns:
-        route = prefix + str(pattern.pattern).replace("<path:model_id>", "{model_id}")
+        route = prefix + re.sub(r"<path:(\w+)>", r"{\1}", str(pattern.pattern))
         if isinstance(pattern, URLResolver):
             found |= api_paths(pattern.url_patterns, route)
         elif isinstance(pattern, URLPattern) and route.startswith("/v1/"):

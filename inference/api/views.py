@@ -14,6 +14,7 @@ from inference.models import CatalogEntry
 from inference.openai import shared
 from inference.openai import usage as usage_wire
 from inference.openai.chat import ChatCompletionRequest
+from inference.openai.errors import stored_responses_not_offered
 from inference.openai.responses import ResponseCreateRequest
 from inference.serving import chat, gateway, responses
 from inference.serving.caller import Caller, Result
@@ -91,6 +92,21 @@ class ResponsesView(_GenerationView):
         params = await self.parse(request, ResponseCreateRequest)
         self.names(request, params.param_names())
         return await responses.create_response(params=params, caller=caller)
+
+
+class StoredResponseView(AsyncAPIView):
+    """``/responses/{id}`` and below (retrieve, delete, cancel, input items): this node keeps no response."""
+
+    http_method_names = ["get", "post", "delete"]
+    WHY = (
+        "This node stores no responses, so none can be retrieved, deleted, cancelled or listed: each response is "
+        "sent once, as it is made. To go on with a conversation, send it whole as input."
+    )
+
+    async def get(self, request: Request, response_id: str) -> Response:
+        raise stored_responses_not_offered(self.WHY)
+
+    post = delete = get
 
 
 class UsageView(AsyncAPIView):

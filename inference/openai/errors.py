@@ -152,6 +152,12 @@ def not_found() -> APIError:
     return APIError("No API endpoint at this path.", code="not_found", status=404)
 
 
+def stored_responses_not_offered(why: str) -> APIError:
+    """OpenAI's endpoints on one stored response (retrieve, delete, cancel, list its input items), where they are
+    not offered: a 404 as for a response not found, saying why."""
+    return APIError(why, code="not_found", status=404)
+
+
 def method_not_allowed(detail: str = "Method not allowed.") -> APIError:
     return APIError(detail, code="method_not_allowed", status=405)
 

@@ -20,7 +20,12 @@ from tests.conftest import read_stream
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
-ENDPOINTS = [("post", "/v1/responses"), ("get", "/v1/instances"), ("post", "/v1/feedback")]
+ENDPOINTS = [
+    ("post", "/v1/responses"),
+    ("get", "/v1/instances"),
+    ("post", "/v1/feedback"),
+    ("get", "/v1/responses/resp_acme"),
+]
 
 
 async def call(client: Tenant, method: str, path: str, **who: str | None) -> object:
@@ -84,6 +89,26 @@ async def test_a_tenant_other_than_the_keys_organization_is_refused_alike_whethe
         await call(tenant, method, path, tenant=claimed), 403, "tenant_mismatch", "invalid_request_error"
     )
     assert error["message"] == "The tenant in X-Tenant-ID is not the organization of this API key."
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("get", "/v1/responses/resp_acme"),
+        ("delete", "/v1/responses/resp_acme"),
+        ("post", "/v1/responses/resp_acme/cancel"),
+        ("get", "/v1/responses/resp_acme/input_items"),
+    ],
+    ids=["retrieve", "delete", "cancel", "input-items"],
+)
+async def test_a_stored_response_is_not_offered_by_id_and_the_answer_says_how_to_go_on(
+    tenant: Tenant, acme_response: StoredResponse, method: str, path: str
+) -> None:
+    response = await getattr(tenant.client, method)(path, headers=tenant.headers())
+
+    error = assert_error(response, 404, "not_found")
+    assert "previous_response_id" in error["message"] and "days after their last turn" in error["message"]
+    assert await StoredResponse.objects.filter(response_id="resp_acme").aexists()
 
 
 async def test_a_bad_key_is_refused_before_the_tenant_is_looked_at(tenant: Tenant) -> None:

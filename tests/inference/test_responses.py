@@ -526,6 +526,20 @@ async def test_it_refuses_what_needs_stored_state_by_name(api: API, field: str, 
     assert_error(await api.post(RESPONSES, ask(input="hi", **{field: value})), 400, "unsupported_parameter", field)
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("get", "resp_1"), ("delete", "resp_1"), ("post", "resp_1/cancel"), ("get", "resp_1/input_items")],
+    ids=["retrieve", "delete", "cancel", "input-items"],
+)
+async def test_a_response_by_id_is_not_found_and_the_answer_says_this_node_keeps_none(
+    api: API, method: str, path: str
+) -> None:
+    response = await getattr(api.client, method)(f"{RESPONSES}/{path}", headers=api._headers(None))
+
+    error = assert_error(response, 404, "not_found", None)
+    assert "stores no responses" in error["message"] and "send it whole as input" in error["message"]
+
+
 @pytest.mark.parametrize("field", ["conversation", "prompt", "context_management"])
 @pytest.mark.parametrize("value", [0, False, 0.0, ""])
 async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(
