@@ -214,8 +214,9 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
             for event in events:
                 if isinstance(event, Finished):
                     end(event, True)
-                else:
-                    put(event)
+                    return
+                put(event)
+            raise RunnerError("the runner ended the job without finishing it")
         except RunnerError as exc:
             end(JobFailed(exc.code, str(exc)), runner is not None)
         except Exception as exc:

