@@ -122,15 +122,21 @@ class EagerRunner:
         pass
 
 
+async def events_on(runner: Any, monkeypatch: pytest.MonkeyPatch) -> list[JobEvent]:
+    """A job's events, run on ``runner`` in place of a loaded one."""
+    monkeypatch.setattr(execution, "_job_started", lambda job: runner)
+    monkeypatch.setattr(execution, "_job_ended", lambda job: None)
+    events: list[JobEvent] = []
+    async with asyncio.timeout(10):
+        async for batch in run_job(job("test/stand-in", OLD), threading.Event()):
+            events += batch
+    return events
+
+
 async def test_a_pushed_job_is_accepted_before_its_first_event_however_soon_that_comes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(execution, "_job_started", lambda job: EagerRunner())
-    monkeypatch.setattr(execution, "_job_ended", lambda job: None)
-
-    events: list[JobEvent] = []
-    async for batch in run_job(job("test/eager", OLD), threading.Event()):
-        events += batch
+    events = await events_on(EagerRunner(), monkeypatch)
 
     assert events == [Accepted(), TextChunk("Hello", 1), Finished("stop", 3, 1)]
 
@@ -148,13 +154,7 @@ class UnfinishedRunner:
 async def test_a_job_its_runner_ends_without_finishing_fails_instead_of_waiting_for_ever(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(execution, "_job_started", lambda job: UnfinishedRunner())
-    monkeypatch.setattr(execution, "_job_ended", lambda job: None)
-
-    events: list[JobEvent] = []
-    async with asyncio.timeout(10):
-        async for batch in run_job(job("test/unfinished", OLD), threading.Event()):
-            events += batch
+    events = await events_on(UnfinishedRunner(), monkeypatch)
 
     assert events[:2] == [Accepted(), TextChunk("Hello", 1)]
     assert isinstance(events[-1], JobFailed) and "without finishing" in events[-1].message
