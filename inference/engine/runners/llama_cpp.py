@@ -53,6 +53,7 @@ from .base import (
     SCHEMA_MAPS,
     TOOL_OPEN,
     Constraint,
+    Delivery,
     Finished,
     GenerationJob,
     JsonScan,
@@ -1330,7 +1331,7 @@ class _Sequence:
         sampler: _Sampler,
         vocabulary: Vocabulary,
         stream_interval: float,
-        deliver: Callable[[RawEvent | RunnerError], None],
+        deliver: Delivery,
     ) -> None:
         self.deliver = deliver
         self.job = job
@@ -1593,9 +1594,7 @@ class LlamaCppRunner:
         out: queue.SimpleQueue[RawEvent | RunnerError] = queue.SimpleQueue()
         return self.start(job, cancelled, out.put).events(out)
 
-    def start(
-        self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Callable[[RawEvent | RunnerError], None]
-    ) -> _Sequence:
+    def start(self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Delivery) -> _Sequence:
         """Queues ``job`` (or refuses it, as ``stream``); the scheduling thread hands each of its events to
         ``deliver`` as it comes, the last a ``Finished`` or a ``RunnerError``. No thread waits on the job."""
         if self._closed:  # its weights are freed: not even the prompt can be read
@@ -1618,9 +1617,7 @@ class LlamaCppRunner:
             self._cond.notify()
         return sequence
 
-    def _prepare(
-        self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Callable[[RawEvent | RunnerError], None]
-    ) -> _Sequence:
+    def _prepare(self, job: GenerationJob, cancelled: Callable[[], bool], deliver: Delivery) -> _Sequence:
         """Tokenizing and compiling the grammar happen on the caller's thread, never in the scheduler's way."""
         prompt = self.vocabulary.tokenize(job.prompt, job.literal)
         context = self.context_per_sequence
