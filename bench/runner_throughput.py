@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,11 +128,15 @@ def one_direct(server: Server, index: int, tokens: int) -> Stream:
 
 async def load(server: Server, streams: int, tokens: int, first_index: int) -> list[Stream]:
     if server.runner is not None:
-        return list(
-            await asyncio.gather(
-                *(asyncio.to_thread(one_direct, server, first_index + i, tokens) for i in range(streams))
+        # A thread per stream: the default executor's few threads would start the last streams late, their clocks
+        # with them, and hide their wait.
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            return list(
+                await asyncio.gather(
+                    *(loop.run_in_executor(pool, one_direct, server, first_index + i, tokens) for i in range(streams))
+                )
             )
-        )
     async with httpx.AsyncClient(timeout=600) as client:
         return list(
             await asyncio.gather(*(one_stream(client, server, first_index + i, tokens) for i in range(streams)))
