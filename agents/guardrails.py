@@ -12,6 +12,7 @@ so in the log, rather than failing the request or letting everything through.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import unicodedata
@@ -85,11 +86,30 @@ def as_read(text: str) -> str:
 
 def _readings(text: str) -> list[str]:
     """``text`` as read, and, where it holds characters that show nothing, read with each as a space too: between
-    two words (``credit<zero-width space>card``) one stands for the space a reader sees no less than the model."""
+    two words (``credit<zero-width space>card``) one stands for the space a reader sees no less than the model.
+    Where it holds letters of another script that look like ASCII ones (a Cyrillic ``а`` in ``pаssword``), each
+    reading is read once more with them as the letters they look like."""
     joined = as_read(text)
-    if not _INVISIBLE.search(text):
-        return [joined]
-    return [joined, _INVISIBLE.sub(" ", unicodedata.normalize("NFKC", text))]
+    readings = [joined]
+    if _INVISIBLE.search(text):
+        readings.append(_INVISIBLE.sub(" ", unicodedata.normalize("NFKC", text)))
+    if not joined.isascii():
+        look_alikes = _look_alikes()
+        readings += [seen for reading in readings if (seen := reading.translate(look_alikes)) != reading]
+    return readings
+
+
+@functools.cache
+def _look_alikes() -> dict[int, str]:
+    """Each character that Unicode's confusables list as looking like one ASCII letter or digit, mapped to it."""
+    from confusable_homoglyphs.confusables import confusables_data
+
+    table: dict[int, str] = {}
+    for char, glyphs in confusables_data.items():
+        alike = {g["c"] for g in glyphs if len(g["c"]) == 1 and g["c"].isascii() and g["c"].isalnum()}
+        if len(char) == 1 and not char.isascii() and len(alike) == 1:
+            table[ord(char)] = alike.pop()
+    return table
 
 
 def _search(rules: tuple[Rule, ...], texts: list[str]) -> Rule | None:

@@ -112,6 +112,27 @@ async def test_a_term_is_found_through_fullwidth_letters_and_characters_nobody_s
     assert (await checked.check_output(text) is not None) is blocked
 
 
+@pytest.mark.parametrize(
+    ("text", "blocked"),
+    [
+        ("What is my p\u0430ssword?", True),
+        ("What is my \u0440\u0430\u0455\u0455w\u043erd?", True),
+        ("What is my pa\u200b\u0455\u0455word?", True),
+        ("\u041a\u0430\u043a\u043e\u0439 \u043c\u043e\u0439 \u043f\u0430\u0440\u043e\u043b\u044c?", False),
+        ("What is my p\u0430ssport?", False),
+    ],
+    ids=["a Cyrillic a", "four Cyrillic letters", "Cyrillic letters and a zero-width space", "Russian", "another word"],
+)
+async def test_a_term_is_found_through_letters_of_another_script_that_look_like_its_own(
+    text: str, blocked: bool
+) -> None:
+    # To a reader, and to the model, p\u0430ssword with a Cyrillic \u0430 is the word.
+    checked = guardrails("password", kind=MatchKind.TERMS, applies_to=Stage.BOTH)
+
+    assert (await checked.check_input([text]) is not None) is blocked
+    assert (await checked.check_output(text) is not None) is blocked
+
+
 async def test_a_guardrail_that_does_not_compile_refuses_every_text_instead_of_failing_the_request(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
