@@ -368,6 +368,9 @@ GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096, least=1)
 GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600, least=1)
 # Largest upstream answer read whole (a non-streamed response, an error body); past it the client gets a 502.
 GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024, least=1)
+# Longest `serve` lets the requests under way finish once told to stop (SIGTERM, SIGINT): it listens no more at once,
+# and past this it ends the streams still running with a `server_shutting_down` error, each recorded.
+SHUTDOWN_GRACE_SECONDS = _int("SHUTDOWN_GRACE_SECONDS", 25, least=0)
 # Longest `serve` waits for a response to begin (a stream begins at once; streams have their own limits):
 # past it the client gets a 504. A generation ends after STREAM_MAX_SECONDS, so the default leaves room for one.
 HTTP_TIMEOUT_SECONDS = _int("HTTP_TIMEOUT_SECONDS", STREAM_MAX_SECONDS + 60, least=1)

@@ -199,15 +199,19 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
     def handed_on(item: RawEvent | RunnerError) -> JobEvent:
         return JobFailed(item.code, str(item)) if isinstance(item, RunnerError) else item
 
+    def end_pushed(item: RawEvent | RunnerError) -> None:
+        try:
+            _executor.submit(end, handed_on(item), True)
+        except RuntimeError:  # the interpreter is exiting (its runners closing, on its own thread): end it here
+            end(handed_on(item), True)
+
     def work() -> None:
         runner = None
         try:
             runner = _job_started(job)
             if isinstance(runner, PushingRunner):
                 # Its end comes through this pool: ending a job may close a retired runner, not for a runner's thread.
-                _start_pushing(
-                    runner, job, cancelled, put, end=lambda item: _executor.submit(end, handed_on(item), True)
-                )
+                _start_pushing(runner, job, cancelled, put, end=end_pushed)
                 return
             events = runner.stream(job, cancelled.is_set)
             put(Accepted())

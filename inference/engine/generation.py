@@ -84,6 +84,8 @@ class Generation:
     _events: AsyncIterator[list[JobEvent]] | None = field(default=None, repr=False)
     _first: list[JobEvent] = field(default_factory=list, repr=False)
     _accepted: bool = field(default=False, repr=False)
+    _interrupted: Failed | None = field(default=None, repr=False)
+    _wait: asyncio.Timeout | None = field(default=None, repr=False)  # the wait for the next batch, while it lasts
 
     @property
     def prompt_tokens(self) -> int:
@@ -127,13 +129,15 @@ class Generation:
         deadline = self.started + settings.STREAM_MAX_SECONDS
         while True:
             try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())) as self._wait:
                     batch = await anext(self._events)
             except StopAsyncIteration:
                 return
             except TimeoutError:
                 yield []
                 return
+            finally:
+                self._wait = None
             yield [event for event in batch if not isinstance(event, Accepted)]
 
     async def run(self) -> AsyncGenerator[GenerationEvent, None]:
@@ -143,8 +147,14 @@ class Generation:
         decoder = StreamDecoder(self.plan)
         reasoning_chars = 0
         deadline = self.started + settings.STREAM_MAX_SECONDS
+        _running[id(self)] = self
         try:
             async for batch in self._batches():
+                if self._interrupted is not None:
+                    await job.cancel()
+                    self.finished = True
+                    yield self._interrupted
+                    return
                 for event in _coalesce(batch):
                     if isinstance(event, TextChunk):
                         if self.first_token_at is None:
@@ -180,8 +190,31 @@ class Generation:
                     yield Done("length", self.prompt_tokens, self.completion_tokens, 0, 0)
                     return
         finally:
+            _running.pop(id(self), None)
             if not self.finished:
                 await job.cancel()
+
+    def interrupt(self, failure: Failed) -> None:
+        """Ends the running generation with ``failure``: at once if it waits for its job's next events, else when
+        they come. Its job is cancelled."""
+        self._interrupted = failure
+        if self._wait is not None:
+            self._wait.reschedule(asyncio.get_running_loop().time())
+
+
+# The generations running in this process (``Generation.run``), to end when it shuts down.
+_running: dict[int, Generation] = {}
+
+SHUTTING_DOWN = Failed("server_shutting_down", "the server shut down before the answer was complete")
+
+
+def interrupt_all(failure: Failed = SHUTTING_DOWN) -> int:
+    """Ends every generation running in this process with ``failure`` (each stream then ends as any failed one
+    does: an error event, and its usage recorded); returns how many."""
+    running = list(_running.values())
+    for generation in running:
+        generation.interrupt(failure)
+    return len(running)
 
 
 def _coalesce(batch: list[Any]) -> list[Any]:

@@ -194,7 +194,7 @@ def service_unavailable() -> APIError:
 
 
 # Generation failures that are the deployment's state, not the request's: worth retrying later.
-UNAVAILABLE_CODES = ("no_worker", "model_not_available", "service_unavailable", "overloaded")
+UNAVAILABLE_CODES = ("no_worker", "model_not_available", "service_unavailable", "overloaded", "server_shutting_down")
 
 # What a failed generation is called in front of the client, by the failure's code. The runner's own words
 # (file paths, a library's message, a queue's name) are for the log, never for the client.
@@ -203,6 +203,7 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "overloaded": "the model is serving as many requests as it can hold",
     "service_unavailable": "the service became temporarily unavailable",
     "worker_lost": "the model worker stopped responding mid-generation",
+    "server_shutting_down": "the server shut down before the answer was complete; retry the request",
     "runner_unavailable": "the model could not be loaded",
     "model_not_available": "the model is not available on this node",
     "context_length_exceeded": "the prompt and its answer do not fit the model's context",

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from twisted.web.http import _parseContentType
 
 from inference.management.commands.serve import media_type
-from tests.conftest import ROOT
+from tests.conftest import MODEL_ID, ROOT, LiveServer, start_server
 
 
 @pytest.mark.parametrize(
@@ -63,3 +67,58 @@ def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tm
 def test_serve_on_a_port_no_server_can_have_says_which_ports_there_are(port: str) -> None:
     with pytest.raises(CommandError, match=f"a port is a whole number from 1 to 65535, not '{port}'"):
         call_command("serve", f"--port={port}")
+
+
+def _stream_until_stopped(server: LiveServer, max_tokens: int) -> tuple[list[dict[str, Any]], int]:
+    """A streamed chat completion whose server is told to stop (SIGTERM) once its first delta has come: the
+    stream's events, and the server's exit status."""
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a long story about a river."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    events: list[dict[str, Any]] = []
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {server.key}"},
+        timeout=60,
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    server.process.send_signal(signal.SIGTERM)
+            elif line == "data: [DONE]":
+                events.append({"done": True})
+    return events, server.process.wait(timeout=60)
+
+
+def test_a_server_told_to_stop_lets_the_stream_under_way_finish_and_records_it(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "var")
+
+    events, status = _stream_until_stopped(server, max_tokens=48)
+
+    assert status == 0
+    assert events[-1] == {"done": True}
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert server.query("select status, error_code, output_tokens from inference_usagerecord") == [(200, "", 48)]
+
+
+def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_and_is_recorded(
+    tmp_path: Path,
+) -> None:
+    server = start_server(tmp_path / "var", extra_env={"SHUTDOWN_GRACE_SECONDS": "0"})
+
+    events, status = _stream_until_stopped(server, max_tokens=2000)
+
+    assert status == 0
+    assert events[-1]["error"]["code"] == "server_shutting_down"
+    assert "retry the request" in events[-1]["error"]["message"]
+    ((record_status, code, output_tokens),) = server.query(
+        "select status, error_code, output_tokens from inference_usagerecord"
+    )
+    assert (record_status, code) == (200, "server_shutting_down")
+    assert 0 < output_tokens < 2000

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -10,14 +12,20 @@ from daphne import http_protocol
 from daphne import server as daphne_server
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from twisted.internet import defer, reactor
 from twisted.web import http as twisted_http
 
 from inference.api.connection import APIHTTPFactory
-from inference.engine import dispatch
+from inference.engine import dispatch, generation
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.openai.errors import response_timeout
 from inference.usage.reports import start_periodic_rollup
+
+logger = logging.getLogger("inference.serving")
+
+# How long the streams ended at the end of the grace period have to send their last events.
+ENDING_SECONDS = 5
 
 
 class _HTTPOnlyRequest(http_protocol.WebRequest):
@@ -42,6 +50,50 @@ class _HTTPOnlyRequest(http_protocol.WebRequest):
         self.handle_reply({"type": "http.response.start", "status": 504, "headers": headers})
         self.handle_reply({"type": "http.response.body", "body": body})
         self.send_disconnect()
+
+
+class _DrainingServer(daphne_server.Server):
+    """Daphne's server, stopping gracefully: told to stop (SIGTERM, SIGINT), it listens no more at once, lets the
+    requests under way finish for up to ``SHUTDOWN_GRACE_SECONDS``, then ends the generations still running, each
+    stream with a ``server_shutting_down`` error and its usage recorded, as any failed one. Only what is left after
+    that (a gateway stream) is cut, as Daphne cuts every request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ports: list[Any] = []
+
+    def listen_success(self, port: Any) -> None:
+        self._ports.append(port)
+        super().listen_success(port)
+
+    def _under_way(self) -> int:
+        instances = (details.get("application_instance") for details in self.connections.values())
+        return sum(1 for instance in instances if instance is not None and not instance.done())
+
+    def kill_all_applications(self) -> defer.Deferred[Any]:
+        for port in self._ports:
+            port.stopListening()
+        drained: defer.Deferred[Any] = defer.Deferred()
+        grace = settings.SHUTDOWN_GRACE_SECONDS
+        started, interrupted = time.monotonic(), False
+        clock: Any = reactor  # Twisted's interfaces read as methods without self to mypy
+        if under_way := self._under_way():
+            logger.warning("shutting down: %d requests under way have up to %d s to finish", under_way, grace)
+
+        def check() -> None:
+            nonlocal interrupted
+            waited = time.monotonic() - started
+            if not self._under_way() or waited >= grace + ENDING_SECONDS:
+                drained.callback(None)
+                return
+            if waited >= grace and not interrupted:
+                interrupted = True
+                logger.warning("shutting down: %d generations ended unfinished", generation.interrupt_all())
+            clock.callLater(0.05, check)
+
+        check()
+        drained.addCallback(lambda _: super(_DrainingServer, self).kill_all_applications())
+        return drained
 
 
 def media_type(header: bytes) -> bytes:
@@ -107,7 +159,7 @@ class Command(BaseCommand):
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)", style_func=self.style.SUCCESS)
         interface = host.strip("[]")
         endpoint = f"tcp:port={port}:interface={interface.replace(':', chr(92) + ':')}"
-        server = daphne_server.Server(
+        server = _DrainingServer(
             application=application,
             endpoints=[endpoint],
             signal_handlers=True,
