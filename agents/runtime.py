@@ -44,6 +44,7 @@ from inference.engine.decoding import (
     ToolCallStart,
     ToolChoice,
     new_call_id,
+    parse_json,
 )
 from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
 from inference.engine.prompting import Message
@@ -590,7 +591,7 @@ class AgentTurn:
     async def _run_tool(self, tool: ServerTool, call: dict[str, str]) -> dict[str, Any]:
         """Runs a server tool's ``call``; its item as it ended, its sources among the response's."""
         try:
-            parsed = json.loads(call["arguments"])
+            parsed = parse_json(call["arguments"])
         except ValueError:
             outcome = ToolOutcome(output=None, error="The arguments are not valid JSON.", sources=())
         else:

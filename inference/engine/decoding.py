@@ -214,12 +214,23 @@ def tool_system_prompt(tools: tuple[FunctionTool, ...]) -> str:
     )
 
 
-def format_tool_call(name: str, arguments: str) -> str:
+def parse_json(text: str) -> Any:
+    """``text`` as JSON; ``ValueError`` where it is not, or where it nests deeper than Python's parser goes."""
     try:
-        parsed: Any = json.loads(arguments) if arguments else {}
-    except ValueError:
-        parsed = arguments
-    return f"{TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': parsed}, ensure_ascii=False)}\n{TOOL_CLOSE}"
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def format_tool_call(name: str, arguments: str) -> str:
+    """A call as the model writes one. Arguments that are not JSON, or that decode to what no prompt can hold (a
+    lone surrogate from a ``\\ud800`` escape), are written as the text they are."""
+    try:
+        call = json.dumps({"name": name, "arguments": parse_json(arguments) if arguments else {}}, ensure_ascii=False)
+        call.encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_OPEN}\n{call}\n{TOOL_CLOSE}"
 
 
 def new_call_id() -> str:
@@ -461,7 +472,7 @@ class StreamDecoder:
         complete = live.ended and not ran_out
         if complete:
             try:
-                json.loads(live.arguments)
+                parse_json(live.arguments)
             except ValueError:
                 complete = False
         self._cut |= not complete
@@ -479,7 +490,7 @@ class StreamDecoder:
 
     def _parse_call(self, body: str) -> ToolCallPiece | None:
         try:
-            data = json.loads(body.strip())
+            data = parse_json(body.strip())
         except ValueError:
             return None
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
@@ -492,7 +503,7 @@ class StreamDecoder:
         arguments = data.get("arguments", data.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = parse_json(arguments)
             except ValueError:
                 return None
         if not isinstance(arguments, dict):

@@ -287,6 +287,24 @@ async def test_text_parts_and_every_role_are_accepted(api: API, openai_spec: Ope
     assert data["usage"]["prompt_tokens"] > 50
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ["{city", '{"city": "\\ud800"}', "[" * 1000 + "]" * 1000],
+    ids=["not-json", "a-lone-surrogate-escaped", "nested-past-the-parser"],
+)
+async def test_a_call_whose_arguments_do_not_parse_is_taken_back_as_written(
+    api: API, openai_spec: OpenAISpec, arguments: str
+) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Error: the arguments are not valid JSON."},
+    ]
+
+    await complete(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], max_tokens=4)
+
+
 async def test_a_tool_message_must_answer_an_earlier_call(api: API) -> None:
     messages = [*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}]
     response = await api.post(CHAT, body(messages=messages))

@@ -426,12 +426,17 @@ async def test_it_refuses_input_items_that_do_not_fit_together(api: API, items: 
     assert error["message"] == message
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ["{city", '{"city": "\\ud800"}', "[" * 1000 + "]" * 1000],
+    ids=["not-json", "a-lone-surrogate-escaped", "nested-past-the-parser"],
+)
 async def test_it_takes_back_a_call_whose_arguments_do_not_parse_with_the_error_its_client_answered(
-    api: API, openai_spec: OpenAISpec
+    api: API, openai_spec: OpenAISpec, arguments: str
 ) -> None:
     answer = {**OUTPUT, "output": "Error: the arguments are not valid JSON."}
 
-    response = await api.post(RESPONSES, ask(input=[QUESTION, {**CALL, "arguments": "{city"}, answer]))
+    response = await api.post(RESPONSES, ask(input=[QUESTION, {**CALL, "arguments": arguments}, answer]))
 
     assert response.status_code == 200, response.content
     openai_spec.validate("Response", response.json())
