@@ -520,6 +520,30 @@ def _readable_pattern(pattern: str) -> str:
     index = 0
     while index < len(pattern):
         char = pattern[index]
+        if char != "\\" and not in_set and (group := _GROUP_OPENING.match(pattern, index)):
+            # A non-capturing or named group is a group: a grammar captures nothing. Lookaround is no grammar's.
+            if group.group() in ("(?=", "(?!", "(?<=", "(?<!") or group.group() == "(?":
+                raise ValueError(f"its pattern's {group.group()}...) cannot be enforced by this model's grammar")
+            written.append("(")
+            index = group.end()
+            continue
+        if char != "\\" and not in_set and (counted := _COUNTED.match(pattern, index)):
+            written.append(counted.group())
+            index = counted.end() + (pattern.startswith("?", counted.end()))  # lazy or not, the same strings
+            continue
+        if char in "*+?" and not in_set:
+            written.append(char)
+            index += 2 if pattern.startswith("?", index + 1) else 1  # lazy or not, the same strings
+            continue
+        if (
+            char in "^$"
+            and not in_set
+            and not (char == "^" and index == 0 or char == "$" and index == len(pattern) - 1)
+        ):
+            raise ValueError(
+                f"its pattern's {char} anywhere but at the start or end of the pattern or of one of its alternatives "
+                "cannot be enforced by this model's grammar"
+            )
         if char != "\\":
             if char == "[" and not in_set:
                 in_set, negated = True, pattern.startswith("^", index + 1)
@@ -551,6 +575,12 @@ def _readable_pattern(pattern: str) -> str:
             written.append("" if in_set else f"([\\x5C][{_JSON_ESCAPES[escaped]}])")
         elif escaped in "xu" and (code := _escaped_code(pattern, index, 2 if escaped == "x" else 4)) is not None:
             index += 2 if escaped == "x" else 4
+            if 0xD800 <= code < 0xDC00 and pattern.startswith("\\u", index):
+                low = _escaped_code(pattern, index + 2, 4)
+                if low is not None and 0xDC00 <= low < 0xE000:  # a pair of escapes: the one character it writes
+                    code, index = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00), index + 6
+            if 0xD800 <= code < 0xE000:
+                raise ValueError(f"its pattern's \\u{code:04X} is half of a character (a lone surrogate), no text")
             if (code < 0x20 or code in (0x22, 0x5C, 0x7F)) and not (in_set and negated):
                 raise ValueError(
                     f"its pattern's character U+{code:04X} is written escaped in JSON: this model's grammar cannot "
@@ -562,6 +592,10 @@ def _readable_pattern(pattern: str) -> str:
         else:  # a character that would mean something else unescaped: itself
             written.append(_code(ord(escaped)) if in_set else f"[{_code(ord(escaped))}]")
     return "".join(written)
+
+
+# The openings of groups other than plain ones: non-capturing, named, lookaround (a lone "(?" is none of them).
+_GROUP_OPENING = re.compile(r"\(\?(?::|=|!|<=|<!|<[A-Za-z][A-Za-z0-9_]*>)?")
 
 
 def _escaped_code(pattern: str, start: int, digits: int) -> int | None:
@@ -986,13 +1020,51 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
         elif key in SCHEMA_DATA:
             out[key] = value
         elif key == "pattern" and isinstance(value, str):
-            head = "" if value.startswith("^") else _STRING_CHARS
-            tail = "" if value.endswith("$") and not value.endswith("\\$") else _STRING_CHARS
-            core = value[1 if not head else 0 : len(value) - (1 if not tail else 0)]
-            out[key] = f"^{head}({core}){tail}$"
+            alternatives = _alternatives(value)
+            if len(alternatives) == 1:
+                out[key] = f"^{_anchored_alternative(value)}$"
+            else:
+                out[key] = f"^({'|'.join(_anchored_alternative(one) for one in alternatives)})$"
         else:
             out[key] = _anchored(value, in_map=key in SCHEMA_MAPS)
     return out
+
+
+def _anchored_alternative(alternative: str) -> str:
+    """One alternative of a pattern, anchored at both ends: an anchor it has (or several, ``^^a$$``) is dropped,
+    and a side without one allows any other text."""
+    core = alternative.lstrip("^")
+    head = "" if core != alternative else _STRING_CHARS
+    end = len(core)
+    while end and core[end - 1] == "$" and (end - 1 - len(core[: end - 1].rstrip("\\"))) % 2 == 0:
+        end -= 1  # an anchor, not an escaped dollar (an even run of backslashes before it)
+    tail = "" if end < len(core) else _STRING_CHARS
+    return f"{head}({core[:end]}){tail}"
+
+
+def _alternatives(pattern: str) -> list[str]:
+    """``pattern`` split at its top-level ``|`` (outside groups and sets)."""
+    parts, depth, start, index, in_set = [], 0, 0, 0, False
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            index += 2
+            continue
+        if in_set:
+            in_set = char != "]"
+        elif char == "[":
+            in_set = True
+            index += 2 if pattern.startswith("]", index + 1) or pattern.startswith("^]", index + 1) else 1
+            continue
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        elif char == "|" and depth == 0:
+            parts.append(pattern[start:index])
+            start = index + 1
+        index += 1
+    return [*parts, pattern[start:]]
 
 
 class _Sampler:
