@@ -41,6 +41,16 @@ def test_the_procfile_runs_the_api_workers_beat_and_the_balancer() -> None:
     assert procfile_names() == ["api1", "api2", "smollm2", "beat", "housekeeping", "lb"]
 
 
+def test_every_procfile_line_replaces_its_shell_with_its_program() -> None:
+    # Units from `honcho export systemd` run each line with `sh -lc` and stop only the main process: without exec,
+    # the shell went and its program stayed, holding its port.
+    lines = (DEPLOY / "Procfile").read_text().splitlines()
+    commands = [line.split(":", 1)[1].strip() for line in lines if re.match(r"^[A-Za-z0-9_-]+:", line)]
+
+    assert len(commands) == len(procfile_names())
+    assert all(command.startswith("exec ") for command in commands)
+
+
 def test_haproxy_accepts_its_configuration_with_the_example_environment() -> None:
     if shutil.which("haproxy") is None:
         pytest.fail("haproxy is not installed: `make test` installs it")
