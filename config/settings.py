@@ -84,6 +84,14 @@ def _secret_key() -> str:
 DEBUG = _bool("DEBUG", False)
 SECRET_KEY = _secret_key()
 SECRET_KEY_FROM_ENV = bool(os.environ.get("SECRET_KEY"))
+if SECRET_KEY.startswith("change-me"):
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E013",
+            "SECRET_KEY is deploy/env.example's placeholder.",
+            "Set it to a long random string: python3 -c 'import secrets; print(secrets.token_urlsafe(48))'.",
+        )
+    )
 ALLOWED_HOSTS = _list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = _list("CSRF_TRUSTED_ORIGINS", [])
 

@@ -11,6 +11,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
 from django.conf import settings
+from django.core import checks
 from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, serve_job
@@ -93,6 +94,26 @@ def jobs_held(queues: Collection[str]) -> int:
         return 0
     held = (get_capacity(entry.runner, entry.runner_settings) for entry in entries)
     return sum(capacity.sequences + capacity.queue for capacity in held if capacity is not None)
+
+
+def worker_configuration_problems() -> list[str]:
+    """What keeps this process from serving as a worker: the settings' errors, as ``manage.py check`` reports them
+    (an API process refuses to start on them too), and no broker an API process reaches."""
+    serious = [message for message in checks.run_checks() if message.is_serious()]
+    problems = [f"{message.id}: {message.msg} {message.hint or ''}".strip() for message in serious]
+    if not settings.DISTRIBUTED:
+        problems.append(
+            "REDIS_URL is not set: the worker would wait on a broker in its own memory, which no API process reaches. "
+            "Set REDIS_URL (and DATABASE_URL, SECRET_KEY) as the API processes have them."
+        )
+    return problems
+
+
+@worker_init.connect
+def _refuse_to_start_misconfigured(**_: Any) -> None:
+    """A worker whose settings are wrong exits at once, saying why, rather than taking jobs it can only fail."""
+    if problems := worker_configuration_problems():
+        raise SystemExit("The worker cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
 
 
 @worker_init.connect
