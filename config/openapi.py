@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from django.http import HttpRequest, JsonResponse
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_safe
 from pydantic.json_schema import models_json_schema
 
 from agents.api import TENANT_HEADER
@@ -229,6 +229,6 @@ def document() -> dict[str, Any]:
     }
 
 
-@require_GET
+@require_safe
 async def openapi(request: HttpRequest) -> JsonResponse:
     return JsonResponse(document())

@@ -212,6 +212,7 @@ def get_routes(organization: Organization) -> list[tuple[str, dict[str, str]]]:
         ("/v1/infer/models/no-such-model", {}),
         ("/v1/instances", tenant),
         ("/v1/infer/usage", {}),
+        ("/v1/openapi.json", {}),
     ]
 
 
