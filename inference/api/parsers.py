@@ -32,12 +32,17 @@ class JSONBodyParser(BaseParser):
         # Counted before parsing, which would build them all: brackets in strings are not objects or arrays.
         if brackets > containers and _containers(raw) > containers:
             raise body_too_complex(containers)
+        exact = _LONG_INTEGER.search(raw) is not None
         try:
-            data = orjson.loads(raw)
-            if exact := _LONG_INTEGER.search(raw) is not None:
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                if not exact:  # orjson refuses an integer of hundreds of digits: one Python reads is refused below
+                    raise
+            if exact:
                 # orjson reads an integer past 64 bits as a float; read exactly, it is refused as the number it is.
-                data = json.loads(raw)
-        except (orjson.JSONDecodeError, ValueError) as exc:  # ValueError: past Python's 4,300 digits too
+                data = json.loads(raw, parse_constant=_no_constant)
+        except ValueError as exc:  # orjson's error among them; past Python's 4,300 digits too
             raise ParseError(str(exc)) from None
         if exact and isinstance(data, dict | list) and (found := _past_64_bits(data)) is not None:
             # No parameter takes one, and nothing could write it back out (orjson, the upstream): refused by name.
@@ -57,7 +62,12 @@ class JSONBodyParser(BaseParser):
 
 # Twenty digits or more, not in a fraction or an exponent: an integer orjson may not hold in 64 bits (or digits in a
 # string, read again for nothing).
-_LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{20,}(?![\d.eE])")
+# An integer orjson may not read as one: 20 digits or more, or 19 with a minus (below -2**63).
+_LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{19,}(?![\d.eE])")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _past_64_bits(data: dict[str, Any] | list[Any]) -> tuple[str, int] | None:

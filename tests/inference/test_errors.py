@@ -106,11 +106,23 @@ async def test_a_body_that_is_not_an_object_is_a_400(api: API) -> None:
     assert_error(await api.post(CHAT, [1, 2]), 400, "invalid_json")
 
 
-@pytest.mark.parametrize(("field", "code"), [("seed", "integer_above_max_value"), ("n", "integer_above_max_value")])
-async def test_an_integer_past_64_bits_is_refused_as_the_integer_it_is(api: API, field: str, code: str) -> None:
-    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], field: 2**64 * 10})
+@pytest.mark.parametrize(
+    ("field", "value", "code"),
+    [
+        ("seed", 2**64 * 10, "integer_above_max_value"),
+        ("n", 2**64 * 10, "integer_above_max_value"),
+        ("max_tokens", 10**400, "integer_above_max_value"),
+        ("seed", -(2**63) - 1, "integer_below_min_value"),
+    ],
+    ids=["seed", "n", "hundreds-of-digits", "just-below-the-least"],
+)
+async def test_an_integer_past_64_bits_is_refused_as_the_integer_it_is(
+    api: API, field: str, value: int, code: str
+) -> None:
+    # Hundreds of digits were "not valid JSON", and -2**63 - 1 "a decimal number".
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], field: value})
     error = assert_error(await api.post(CHAT, body, raw=True), 400, code)
-    assert error["param"] == field and str(2**64 * 10) in error["message"]
+    assert error["param"] == field and str(value) in error["message"]
 
 
 async def test_an_integer_past_64_bits_anywhere_is_refused_where_it_is_not_written_back_out(api: API) -> None:
