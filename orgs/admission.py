@@ -514,16 +514,18 @@ async def precheck(*, organization_id: int, model_pk: int | None, tokens: int) -
 def _refusal(
     limits: Limits, decision: Decision, tokens: int, *, at_least: bool = False, held: int | None = None
 ) -> LimitExceeded:
-    """Why ``decision`` refused a request for ``tokens`` (``held``: a step of a request already holding that many)."""
+    """Why ``decision`` refused a request for ``tokens`` (``held``: a step of a request already holding that many).
+    A limit no wait would ever meet is named before the one that refused it now: retrying is of no use."""
+    # A step's request is retried whole: admitted again, then the same step.
+    limit = next((one for one in _DESCRIPTIONS if _never_admitted(limits, one, tokens + (held or 0))), decision.limit)
     value = {
         "requests_per_minute": limits.requests_per_minute,
         "tokens_per_minute": limits.tokens_per_minute,
         "requests_in_flight": limits.requests_in_flight,
-    }[decision.limit]
-    detail = f"Rate limit reached: {_DESCRIPTIONS[decision.limit]} (limit {value})."
-    # A step's request is retried whole: admitted again, then the same step.
-    never = _never_admitted(limits, decision.limit, tokens + (held or 0))
-    if decision.limit == "tokens_per_minute":
+    }[limit]
+    detail = f"Rate limit reached: {_DESCRIPTIONS[limit]} (limit {value})."
+    never = _never_admitted(limits, limit, tokens + (held or 0))
+    if limit == "tokens_per_minute":
         if held is not None:
             detail += f" The response's next step needs {tokens} more tokens for its input, beside the {held} it holds."
         else:
@@ -537,7 +539,7 @@ def _refusal(
     if retry is not None:
         detail += f" Try again in {retry}s."
     # The window as it stands: the limit that refused shows what is left of it, the others are untouched.
-    return LimitExceeded(limit=decision.limit, retry_after=retry, detail=detail, headers=_headers(limits, decision))
+    return LimitExceeded(limit=limit, retry_after=retry, detail=detail, headers=_headers(limits, decision))
 
 
 def _never_admitted(limits: Limits, limit: str, tokens: int) -> bool:

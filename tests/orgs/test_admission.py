@@ -135,6 +135,21 @@ async def test_a_request_no_wait_would_admit_says_so_and_asks_for_no_retry(
     assert "Retry-After" not in refused and refused["x-should-retry"] == "false"
 
 
+async def test_a_request_no_wait_would_admit_is_told_so_even_while_another_limit_is_full(api: API) -> None:
+    # It was told to retry when the minute's requests cleared, and then refused for good.
+    row = await limit(requests_per_minute=1, tokens_per_minute=5000)
+    assert (await api.post(CHAT, ask(max_tokens=1))).status_code == 200
+    row.tokens_per_minute = 5
+    await row.asave()
+    admission.clear_limits_cache()
+
+    refused = await api.post(CHAT, ask(max_tokens=10))
+
+    assert refused.status_code == 429
+    assert "It can never fit" in refused.json()["error"]["message"]
+    assert "Retry-After" not in refused and refused["x-should-retry"] == "false"
+
+
 async def test_requests_in_flight_are_released_when_the_stream_ends(api: API) -> None:
     await limit(requests_in_flight=1)
     held = await api.post(CHAT, ask(stream=True, max_tokens=4))
