@@ -23,7 +23,7 @@ from core.admin import ModelAdmin, register_auth_admins
 from .models import KEY_PREFIX, PREFIX_LENGTH, SLUG_RULE, APIKey, Limit, Organization, hash_key, split_key
 
 # A key as the key list shows it: its prefix, and maybe the underscore and ellipsis after it.
-DISPLAYED_KEY = re.compile(rf"{KEY_PREFIX}_(?P<prefix>[^_\s]{{{PREFIX_LENGTH}}})(?:_(?:…|\.\.\.)?)?")
+DISPLAYED_KEY = re.compile(rf"{KEY_PREFIX}_(?P<prefix>[^_\s]{{0,{PREFIX_LENGTH}}})(?:_(?:…|\.\.\.)?)?")
 
 
 def _one_limit_per_scope(scopes: list[object]) -> str | None:
@@ -212,13 +212,13 @@ class APIKeyAdmin(ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[APIKey], search_term: str
     ) -> tuple[QuerySet[APIKey], bool]:
-        """A key pasted whole is found if it is one (by its hash), and one pasted as the list shows it
-        (``b3os_<prefix>_…``) by its prefix; any other text is searched for as usual."""
+        """A key pasted whole is found if it is one (by its hash), and one typed as the list shows it
+        (``b3os_<prefix>_…``, or its start) by its prefix; any other text is searched for as usual."""
         term = search_term.strip()
         if split_key(term) is not None:
             return queryset.filter(hashed_key=hash_key(term)), False
         if shown := DISPLAYED_KEY.fullmatch(term):
-            return queryset.filter(prefix=shown["prefix"]), False
+            return queryset.filter(prefix__startswith=shown["prefix"]), False
         return super().get_search_results(request, queryset, search_term)
 
     def get_fields(self, request: HttpRequest, obj: APIKey | None = None) -> list[str]:

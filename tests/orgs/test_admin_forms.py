@@ -381,13 +381,18 @@ def test_a_key_of_an_inactive_organization_is_not_listed_as_active(
     assert "tests" in staff_client.get("/admin/orgs/apikey/?state=organization-inactive").content.decode()
 
 
-@pytest.mark.parametrize("pasted", ["whole", "as listed", "prefix only"])
+@pytest.mark.parametrize("pasted", ["whole", "as listed", "prefix only", "the start of its prefix"])
 def test_a_key_is_found_by_searching_for_it_whole_or_as_the_key_list_shows_it(
     staff_client: Client, organization: Organization, pasted: str
 ) -> None:
     key, raw = APIKey.generate(organization=organization, name="found")
     APIKey.generate(organization=organization, name="other")
-    term = {"whole": raw, "as listed": key.display_prefix, "prefix only": f"b3os_{key.prefix}"}[pasted]
+    term = {
+        "whole": raw,
+        "as listed": key.display_prefix,
+        "prefix only": f"b3os_{key.prefix}",
+        "the start of its prefix": f"b3os_{key.prefix[:6]}",
+    }[pasted]
 
     listing = staff_client.get("/admin/orgs/apikey/", {"q": f" {term} "}).content.decode()
 
