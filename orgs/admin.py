@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Any
 
@@ -20,10 +19,7 @@ from django.utils.html import format_html
 
 from core.admin import ModelAdmin, register_auth_admins
 
-from .models import KEY_PREFIX, PREFIX_LENGTH, SLUG_RULE, APIKey, Limit, Organization, hash_key, split_key
-
-# A key as the key list shows it: its prefix, and maybe the underscore and ellipsis after it.
-DISPLAYED_KEY = re.compile(rf"{KEY_PREFIX}_(?P<prefix>[^_\s]{{0,{PREFIX_LENGTH}}})(?:_(?:…|\.\.\.)?)?")
+from .models import DISPLAYED_KEY, SLUG_RULE, APIKey, Limit, Organization, hash_key, split_key
 
 
 def _one_limit_per_scope(scopes: list[object]) -> str | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import string
 from datetime import datetime, timedelta
@@ -79,6 +80,10 @@ class Organization(models.Model):
 def hash_key(raw_key: str) -> str:
     """Keyed hash of a whole API key; the only form in which a key is stored."""
     return hmac.new(settings.API_KEY_HASH_SECRET.encode(), raw_key.encode(), hashlib.sha256).hexdigest()
+
+
+# A key as the admin's key list shows it, or the start of that: its prefix, maybe the underscore and ellipsis after it.
+DISPLAYED_KEY = re.compile(rf"{KEY_PREFIX}_(?P<prefix>[^_\s]{{0,{PREFIX_LENGTH}}})(?:_(?:…|\.\.\.)?)?")
 
 
 def split_key(raw_key: str) -> str | None:

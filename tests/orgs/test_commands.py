@@ -11,7 +11,7 @@ from django.core.management.base import CommandError
 
 from inference.models import CatalogEntry
 from orgs.models import APIKey, Limit, Organization
-from orgs.services import authenticate_key
+from orgs.services import InvalidAPIKey, authenticate_key
 from tests.conftest import MODEL_ID, ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
@@ -23,7 +23,7 @@ def run(*args: str) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("command", ["create_org", "create_key", "set_limit", "serve", "bootstrap_demo"])
+@pytest.mark.parametrize("command", ["create_org", "create_key", "revoke_key", "set_limit", "serve", "bootstrap_demo"])
 def test_each_command_explains_itself_with_help(command: str) -> None:
     result = subprocess.run([sys.executable, "manage.py", command, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0
@@ -49,6 +49,28 @@ def test_create_key_prints_a_working_key_alone() -> None:
     key = authenticate_key(raw_key=output.strip())
     assert key.name == "ci" and key.organization.slug == "globex"
     assert APIKey.objects.count() == 1
+
+
+@pytest.mark.parametrize("given", ["whole", "as the admin lists it"])
+def test_revoke_key_revokes_a_key_given_whole_or_as_listed_and_it_is_refused_at_once(given: str) -> None:
+    run("create_org", "globex")
+    raw = run("create_key", "globex", "--name", "ci").strip()
+    other = run("create_key", "globex", "--name", "other").strip()
+    key = authenticate_key(raw_key=raw)
+
+    said = run("revoke_key", raw if given == "whole" else key.display_prefix)
+
+    assert said.strip() == f"Revoked {key.display_prefix} (ci) of 'globex'."
+    with pytest.raises(InvalidAPIKey):
+        authenticate_key(raw_key=raw)
+    assert authenticate_key(raw_key=other).name == "other"
+    assert "was revoked already" in run("revoke_key", raw)
+
+
+@pytest.mark.parametrize("given", ["b3os_abc", "not-a-key", "b3os_ABCDEFGHIJ_…"])
+def test_revoke_key_refuses_what_names_no_key(given: str) -> None:
+    with pytest.raises(CommandError, match="Give the key whole|No key"):
+        run("revoke_key", given)
 
 
 def test_create_key_refuses_an_unknown_organization() -> None:
