@@ -116,6 +116,21 @@ REDIS_MAX_CONNECTIONS = _int("REDIS_MAX_CONNECTIONS", 256, least=1)
 OUTAGE_RETRY_AFTER_SECONDS = _int("OUTAGE_RETRY_AFTER_SECONDS", 2, least=0)
 
 # --- database ----------------------------------------------------------------------------------
+
+
+def _readable_by_its_owner_only(database: Path) -> None:
+    """A SQLite database holds sessions and upstream keys: made, or kept, readable by its owner only (SQLite gives
+    its -wal and -shm files the database's mode). An empty file is an empty database."""
+    try:
+        if not database.exists():
+            os.close(os.open(database, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        for path in (database, database.with_name(database.name + "-wal"), database.with_name(database.name + "-shm")):
+            if path.exists() and path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+                path.chmod(0o600)
+    except OSError:  # another process made it first, or a path SQLite itself will report
+        pass
+
+
 _default_db = f"sqlite:///{VAR_DIR / 'b3os.sqlite3'}"
 try:
     DATABASES = {
@@ -134,6 +149,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     )
     # A file, not memory, for the test database: API tests reach it from several threads and processes.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
+    if str(DATABASES["default"]["NAME"]) not in ("", ":memory:"):
+        _readable_by_its_owner_only(Path(DATABASES["default"]["NAME"]))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [

@@ -123,4 +123,24 @@ def test_processes_starting_at_once_without_a_secret_key_generate_one_and_all_us
     (key,) = keys
     assert len(key) > 50 and (tmp_path / "secret_key").read_text() == key
     assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
-    assert [path.name for path in tmp_path.iterdir()] == ["secret_key"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["b3os.sqlite3", "secret_key"]  # no key half-written
+
+
+def test_the_sqlite_database_is_made_and_kept_readable_by_its_owner_only(tmp_path: Path) -> None:
+    # It holds sessions and upstream keys; it was made readable by every user of the host.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "b3os.sqlite3").touch(mode=0o644)
+    (old / "b3os.sqlite3").chmod(0o644)
+
+    for var_dir in (tmp_path, old):
+        assert run(CHECK, var_dir).returncode == 0
+
+    assert (tmp_path / "b3os.sqlite3").stat().st_mode & 0o777 == 0o600
+    assert (old / "b3os.sqlite3").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_example_secret_key_is_refused_by_the_checks(tmp_path: Path) -> None:
+    result = run(CHECK, tmp_path, SECRET_KEY="change-me-to-one-long-random-string")
+
+    assert result.returncode != 0 and "config.E013" in result.stderr
