@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,6 +62,13 @@ def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tm
     assert served.returncode != 0
     assert f"Cannot listen on 127.0.0.1:{port}: Address already in use" in served.stderr
     assert "Serving on" not in served.stderr
+
+
+@pytest.mark.parametrize("host", ["256.1.1.1", "no-such-host.invalid"])
+def test_serve_on_a_host_that_is_no_address_of_this_machine_says_so(host: str) -> None:
+    # It said to stop what holds the port.
+    with pytest.raises(CommandError, match=f"Cannot listen on {re.escape(host)}:.*Give an address of this machine"):
+        call_command("serve", f"--host={host}", "--port=8802")
 
 
 @pytest.mark.parametrize("port", ["99999", "-1", "0", "http"])

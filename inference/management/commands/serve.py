@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import socket
 import time
@@ -119,10 +120,11 @@ def check_port(host: str, port: int) -> None:
         try:
             probe.bind((interface, port))
         except OSError as exc:
-            raise CommandError(
-                f"Cannot listen on {host}:{port}: {exc.strerror}. Stop what holds the port, or choose another "
-                "(manage.py serve --port N, make run PORT=N)."
-            ) from None
+            if exc.errno == errno.EADDRINUSE or exc.errno == errno.EACCES:
+                hint = "Stop what holds the port, or choose another (manage.py serve --port N, make run PORT=N)."
+            else:  # a name that does not resolve, an address not this machine's
+                hint = "Give an address of this machine (manage.py serve --host 0.0.0.0, make run HOST=…)."
+            raise CommandError(f"Cannot listen on {host}:{port}: {exc.strerror}. {hint}") from None
 
 
 class Command(BaseCommand):
