@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -68,3 +69,16 @@ def test_running_add_gateway_model_again_changes_only_what_it_is_given() -> None
     run("add_gateway_model", "openai/gpt-4o", "--enable", "--upstream-url", "")
     entry.refresh_from_db()
     assert entry.enabled and entry.upstream_base_url == "" and entry.upstream_model == "gpt-4o"
+
+
+def test_add_gateway_model_without_an_upstream_anywhere_warns_that_its_requests_will_fail(
+    settings: Any,
+) -> None:
+    settings.GATEWAY_BASE_URL = ""
+    warned = StringIO()
+
+    call_command("add_gateway_model", "openai/gpt-4o", stdout=StringIO(), stderr=warned)
+    call_command("add_gateway_model", "openai/own", "--upstream-url", "https://up.example/v1", stderr=warned)
+
+    assert "openai/gpt-4o has no upstream: set GATEWAY_BASE_URL" in warned.getvalue()
+    assert "openai/own" not in warned.getvalue()
