@@ -8,6 +8,8 @@ from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth.models import Group, User
+from django.core.validators import MinValueValidator
+from django.db.models import Field, IntegerField
 from django.http import HttpRequest
 
 
@@ -24,7 +26,13 @@ class ReadableFilters:
 
 
 class ModelAdmin(ReadableFilters, admin.ModelAdmin):
-    pass
+    def formfield_for_dbfield(self, db_field: Field[Any, Any], request: HttpRequest, **kwargs: Any) -> Any:
+        """A number's form field with the model's least value (a count of at least 1), so that a number below it is
+        told that least, not the 0 of a positive integer's form field."""
+        least = [v.limit_value for v in db_field.validators if isinstance(v, MinValueValidator)]
+        if isinstance(db_field, IntegerField) and all(isinstance(value, int) for value in least) and least:
+            kwargs.setdefault("min_value", max(least))
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
 
 
 class UserAdmin(ReadableFilters, auth_admin.UserAdmin):

@@ -154,11 +154,13 @@ def test_a_catalog_model_without_agent_instances_that_need_them_drops_tool_calls
 
 
 @pytest.mark.parametrize("field", ["context_length", "max_output_tokens"])
-def test_a_catalog_model_with_room_for_no_token_is_not_saved(staff_client: Client, field: str) -> None:
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_catalog_model_with_room_for_no_token_is_not_saved(staff_client: Client, field: str, value: str) -> None:
+    # Below 0, it was told "greater than or equal to 0", which 0 is not either.
     entry = CatalogEntry.objects.create(public_id="acme/model")
     url = f"/admin/inference/catalogentry/{entry.pk}/change/"
 
-    page = staff_client.post(url, form_data(entry, **{field: "0"}))
+    page = staff_client.post(url, form_data(entry, **{field: value}))
 
     assert page.status_code == 200 and "Ensure this value is greater than or equal to 1." in page.content.decode()
     entry.refresh_from_db()
