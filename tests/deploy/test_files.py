@@ -96,6 +96,16 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
     return queries
 
 
+def test_every_dashboard_panel_reads_only_the_jobs_chosen_above_it() -> None:
+    # Most panels left the dashboard's job variable out and summed every job Prometheus scrapes.
+    dashboard = json.loads((DEPLOY / "grafana" / "b3os.json").read_text())
+    panels = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+    for query in panels:
+        assert queried_series(query), query
+        assert all("job" in labels for _, labels in queried_series(query)), query
+
+
 def queried_series(query: str) -> list[tuple[str, set[str]]]:
     """Each metric a PromQL query reads, with the labels it selects or groups that metric by."""
     query = re.sub(r'"[^"]*"', '""', query)  # label values are data, not names
