@@ -214,10 +214,36 @@ def _close_all() -> None:
         close()
 
 
+# ggml's log levels, as the vendored llama.cpp numbers them (ggml.h); 5 continues the line before.
+_GGML_LOG_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_native_log = logging.getLogger("llama-cpp-python")
+
+
+@functools.cache
+def _log_callback() -> Any:
+    """llama.cpp's log, written as llama-cpp-python writes it, at or above its logger's level. The library's own
+    callback reads the levels by an older numbering, under which a model's loading and its context (INFO) passed
+    for warnings and were printed at every start. Installed once; the reference it returns keeps it alive."""
+    from llama_cpp import llama_cpp as lib
+
+    last = logging.DEBUG
+
+    @lib.llama_log_callback  # type: ignore[untyped-decorator]
+    def write(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        nonlocal last
+        last = last if level == 5 else _GGML_LOG_LEVELS.get(level, logging.ERROR)
+        if _native_log.isEnabledFor(last):
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    lib.llama_log_set(write, ctypes.c_void_p(0))
+    return write
+
+
 def _load_model(path: str, *, vocab_only: bool) -> Any:
     from llama_cpp import _internals
     from llama_cpp import llama_cpp as lib
 
+    _log_callback()
     params = lib.llama_model_default_params()
     params.vocab_only = vocab_only
     try:
