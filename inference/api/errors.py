@@ -76,6 +76,7 @@ def render_exception(exc: BaseException, context: RequestContext | None) -> Json
     error = to_api_error(exc, context.params if context else None)
     if error is None:
         logger.error("unhandled error in request %s", context.request_id if context else "-", exc_info=exc)
+        metrics.INTERNAL_ERRORS.inc()
         error = internal_error()
     return render(error)
 
@@ -109,6 +110,7 @@ def handler404(request: HttpRequest, exception: Exception | None = None) -> Http
 
 
 def handler500(request: HttpRequest) -> HttpResponse:
+    metrics.INTERNAL_ERRORS.inc()
     return render(internal_error())
 
 

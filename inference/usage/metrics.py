@@ -75,6 +75,12 @@ UNAVAILABLE = Counter(
     ["service"],
     registry=REGISTRY,
 )
+INTERNAL_ERRORS = Counter(
+    "b3os_internal_errors",
+    "Requests answered 500 internal_error: a fault of the node, logged with the request's id. Most fail before "
+    "admission, where no usage record or b3os_requests counts them.",
+    registry=REGISTRY,
+)
 USAGE_RECORDS_DROPPED = Counter(
     "b3os_usage_records_dropped",
     "Usage records never written: the database stayed away past the pending bound, or the row was refused.",

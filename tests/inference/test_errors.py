@@ -13,6 +13,7 @@ from django.test import Client, override_settings
 
 from inference.models import CatalogEntry
 from inference.serving import chat
+from inference.usage import metrics
 from tests.conftest import API, MODEL_ID, read_stream, sse_data
 from tests.inference.test_responses import TOY_ID, toy_model  # noqa: F401 (a fixture)
 
@@ -399,10 +400,14 @@ async def test_an_unhandled_exception_is_a_500_in_the_error_shape(api: API, monk
         raise RuntimeError("boom")
 
     monkeypatch.setattr(chat, "create_chat_completion", explode)
+    counted = metrics.REGISTRY.get_sample_value("b3os_internal_errors_total") or 0
+
     response = await api.post(CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
+
     error = assert_error(response, 500, "internal_error")
     assert "boom" not in json.dumps(error)
     assert any(response["x-request-id"] in record.getMessage() for record in caplog.records)
+    assert metrics.REGISTRY.get_sample_value("b3os_internal_errors_total") == counted + 1  # seen in /metrics too
 
 
 async def test_an_accept_header_for_event_streams_is_never_refused(api: API) -> None:
