@@ -68,7 +68,8 @@ async def test_a_job_still_running_on_the_old_settings_finishes_before_their_run
     await run(job("test/draining", OLD))
     old = loaded_runner("llama_cpp", OLD)
     assert old is not None
-    long = asyncio.create_task(run(job("test/draining", OLD, max_tokens=48)))
+    # Long enough to outlast loading the new settings' runner on a busy machine.
+    long = asyncio.create_task(run(job("test/draining", OLD, max_tokens=400)))
     while old.stats().active < 1:
         await asyncio.sleep(0.01)
 
@@ -76,7 +77,7 @@ async def test_a_job_still_running_on_the_old_settings_finishes_before_their_run
     assert not is_closed(old)
 
     finished = await long
-    assert (finished.reason, finished.completion_tokens) == ("length", 48)
+    assert (finished.reason, finished.completion_tokens) == ("length", 400)
     assert is_closed(old)
 
 
