@@ -53,13 +53,15 @@ class Handler(ASGIHandler):
                     await source.aclose()
             return response
 
-        # As Django does: a client that disconnects cancels the response (and so the generation).
-        listener = asyncio.create_task(self.listen_for_disconnect(receive))
+        # As Django does: a client that disconnects cancels the response (and so the generation), here with the
+        # reason the server gave, if any (its own timeout), for the usage record.
+        listener = asyncio.create_task(_disconnected(receive))
         responder = asyncio.create_task(process_request())
         await asyncio.wait([listener, responder], return_when=asyncio.FIRST_COMPLETED)
+        reason = listener.result() if listener.done() and listener.exception() is None else None
         for task in (listener, responder):
             if not task.done():
-                task.cancel()
+                task.cancel(reason)
             try:
                 await task
             except (asyncio.CancelledError, RequestAborted):
@@ -67,6 +69,14 @@ class Handler(ASGIHandler):
         if not responder.cancelled() and responder.exception() is None:
             responder.result().close()  # type: ignore[attr-defined]
         body_file.close()
+
+
+async def _disconnected(receive) -> str | None:  # type: ignore[no-untyped-def]
+    """Waits for the client's ``http.disconnect`` and returns the reason it gives, if any."""
+    while (message := await receive())["type"] != "http.disconnect":
+        pass  # the body was read whole before: nothing else is sent
+    reason = message.get("reason")
+    return reason if isinstance(reason, str) else None
 
 
 application = ProtocolTypeRouter({"http": ASGIStaticFilesHandler(Handler()), "websocket": refuse_websocket})

@@ -37,12 +37,21 @@ OPERATIONS_PATHS = frozenset({"/health", "/metrics"})
 _host_logger = logging.getLogger("django.security.DisallowedHost")
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+# The ASGI scope extension in which ``manage.py serve`` hands over the id it gave the request.
+REQUEST_ID_EXTENSION = "b3os.request_id"
 
 
 def new_request_id() -> str:
     """``req_`` and 26 base-32 characters (130 random bits), drawn from one read of the system's randomness."""
     bits = int.from_bytes(secrets.token_bytes(17))
     return "req_" + "".join(_ALPHABET[(bits >> shift) & 31] for shift in range(0, 130, 5))
+
+
+def request_id_of(request: HttpRequest) -> str:
+    """The id the server gave the request, or else a new one."""
+    extensions = getattr(request, "scope", {}).get("extensions") or {}
+    given = (extensions.get(REQUEST_ID_EXTENSION) or {}).get("id")
+    return given if isinstance(given, str) else new_request_id()
 
 
 class RequestIdLogFilter(logging.Filter):
@@ -172,7 +181,7 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
         if disallowed is None and is_browser_path(path):
             return await self.get_response(request)
         started = time.perf_counter()
-        context = request.api_context = RequestContext(request_id=new_request_id())  # type: ignore[attr-defined]
+        context = request.api_context = RequestContext(request_id=request_id_of(request))  # type: ignore[attr-defined]
         token = _request_id.set(context.request_id)
         try:
             if disallowed is not None:

@@ -24,7 +24,7 @@ from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
-from .metered import CLIENT_DISCONNECTED, Chunk, Ending, Metered, generation_outcome
+from .metered import CLIENT_DISCONNECTED, RESPONSE_TIMED_OUT, Chunk, Ending, Metered, generation_outcome
 
 logger = logging.getLogger("inference.serving")
 
@@ -65,7 +65,9 @@ def record_error(meter: Meter, generation: Generation | None, exc: BaseException
     """The usage record of a request that failed before it could answer. One that failed before the model wrote a
     token (refused by a limit, a full queue, no worker, a client that hung up first) consumed nothing: its tokens
     are zero, so that what is billed from the records is what was served."""
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, asyncio.CancelledError) and RESPONSE_TIMED_OUT in exc.args:
+        status, code = 504, "timeout"
+    elif isinstance(exc, asyncio.CancelledError):
         status, code = CLIENT_DISCONNECTED, "client_disconnected"
     elif (error := from_exception(exc)) is not None:
         status, code = error.status, error.code

@@ -21,6 +21,10 @@ from orgs.admission import Grant
 Chunk = TypeVar("Chunk", str, bytes)
 
 CLIENT_DISCONNECTED = 499
+# The server's own timeout of a response that had not begun: it tells the application in its ``http.disconnect``
+# message (``reason``), and the request's task is cancelled with this as its message, so that the usage record says
+# 504, as the client was answered, not 499.
+RESPONSE_TIMED_OUT = "response_timed_out"
 
 logger = logging.getLogger("inference.serving")
 

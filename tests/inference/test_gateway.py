@@ -479,6 +479,8 @@ def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setu
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
     assert time.monotonic() - started < 12
+    # Its usage is recorded as the 504 the client got, under the id it was given, not as the client's hang-up.
+    assert setup.usage(response.headers["x-request-id"])[:3] == ("node", 504, "timeout")
     # A stream begins at once, and is never cut by that timeout however long it runs.
     lines, _ = stream_lines(setup, {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 2, "stream": True})
     assert lines[-1] == "[DONE]"

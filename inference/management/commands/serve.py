@@ -17,10 +17,12 @@ from twisted.internet import defer, reactor
 from twisted.web import http as twisted_http
 
 from inference.api.connection import APIHTTPFactory
+from inference.api.middleware import REQUEST_ID_EXTENSION, new_request_id
 from inference.engine import dispatch, generation
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.openai.errors import response_timeout
+from inference.serving.metered import RESPONSE_TIMED_OUT
 from inference.usage.reports import start_periodic_rollup
 
 logger = logging.getLogger("inference.serving")
@@ -34,9 +36,9 @@ class _HTTPOnlyRequest(http_protocol.WebRequest):
     so the endpoint answers it at once (405 with ``Allow: POST`` on the POST-only endpoints).
 
     A request whose response has not begun within ``HTTP_TIMEOUT_SECONDS`` gets a 504 in the API's error shape,
-    and the application is told the client is gone (so a generation behind it is cancelled). A response under way,
-    a stream, is never cut here: streams end at their own limits (``STREAM_MAX_SECONDS``,
-    ``GATEWAY_STREAM_MAX_SECONDS``), cleanly, where daphne would cut them mid-event."""
+    and the application is told the client is gone, and why (so a generation behind it is cancelled, and its usage
+    recorded as the 504 it was). A response under way, a stream, is never cut here: streams end at their own limits
+    (``STREAM_MAX_SECONDS``, ``GATEWAY_STREAM_MAX_SECONDS``), cleanly, where daphne would cut them mid-event."""
 
     def process(self) -> Any:
         self.requestHeaders.removeHeader(b"Upgrade")
@@ -48,9 +50,12 @@ class _HTTPOnlyRequest(http_protocol.WebRequest):
             return
         body = orjson.dumps(response_timeout(timeout).body())
         headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode())]
+        if request_id := getattr(self, "request_id", None):
+            headers.append((b"x-request-id", request_id.encode()))
+        if self.path:  # as ``send_disconnect``, saying why, before finishing the response sends the plain one
+            self.application_queue.put_nowait({"type": "http.disconnect", "reason": RESPONSE_TIMED_OUT})
         self.handle_reply({"type": "http.response.start", "status": 504, "headers": headers})
         self.handle_reply({"type": "http.response.body", "body": body})
-        self.send_disconnect()
 
 
 class _DrainingServer(daphne_server.Server):
@@ -62,6 +67,14 @@ class _DrainingServer(daphne_server.Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ports: list[Any] = []
+
+    def create_application(self, protocol: Any, scope: dict[str, Any]) -> Any:
+        """Numbers each HTTP request here, so that a 504 the server gives itself (``check_timeouts``) carries the id
+        the application logs and records it under (``REQUEST_ID_EXTENSION``)."""
+        if scope.get("type") == "http":
+            protocol.request_id = new_request_id()
+            scope.setdefault("extensions", {})[REQUEST_ID_EXTENSION] = {"id": protocol.request_id}
+        return super().create_application(protocol, scope)
 
     def listen_success(self, port: Any) -> None:
         self._ports.append(port)
