@@ -117,3 +117,4 @@ class Overloaded(EngineError):
         super().__init__(f"the model {model_id!r} is busy")
         self.model_id = model_id
         self.retry_after = retry_after
+        self.headers: dict[str, str] = {}  # the caller's rate-limit headers, once it was admitted

@@ -287,7 +287,7 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             code="overloaded",
             status=503,
             type=SERVER,
-            headers={"Retry-After": str(exc.retry_after)},
+            headers={**exc.headers, "Retry-After": str(exc.retry_after)},
         )
     if isinstance(exc, InvalidAPIKey):
         return invalid_api_key()

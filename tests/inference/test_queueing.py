@@ -18,6 +18,8 @@ from inference.engine.execution import get_runner
 from inference.engine.runners.base import GenerationJob, Sampling
 from inference.models import CatalogEntry, UsageRecord
 from inference.usage import records as usage
+from orgs import admission
+from orgs.models import Limit, Organization
 from tests.conftest import API, read_stream, sse_data
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -100,6 +102,19 @@ async def test_a_model_with_no_room_answers_503_with_retry_after_before_any_resp
     usage.flush()
     record = await UsageRecord.objects.filter(status=503).aget()
     assert (record.error_code, record.input_tokens, record.output_tokens) == ("overloaded", 0, 0)
+
+
+async def test_the_503_of_a_model_with_no_room_carries_the_callers_rate_limit_headers(
+    api: API, narrow_model: CatalogEntry, organization: Organization
+) -> None:
+    await Limit.objects.acreate(organization=organization, requests_per_minute=5)
+    admission.clear_limits_cache()
+    with busy(narrow_model):
+        refused = await api.post(CHAT, ask())
+
+    assert refused.status_code == 503
+    assert (refused["x-ratelimit-limit-requests"], refused["x-ratelimit-remaining-requests"]) == ("5", "4")
+    assert refused["Retry-After"] == "2"
 
 
 @override_settings(STREAM_MAX_SECONDS=2)
