@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -41,9 +42,13 @@ class JSONBodyParser(BaseParser):
                     raise
             if exact:
                 # orjson reads an integer past 64 bits as a float; read exactly, it is refused as the number it is.
-                data = json.loads(raw, parse_constant=_no_constant)
+                # Python's reader takes what orjson refuses, so those are refused here: a number past a double's
+                # range (read as infinity) and, below, a lone surrogate in a string.
+                data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
         except ValueError as exc:  # orjson's error among them; past Python's 4,300 digits too
             raise ParseError(str(exc)) from None
+        if exact and (surrogate := _lone_surrogate(data)) is not None:
+            raise ParseError(f"no low surrogate in string at '{surrogate}'")
         if exact and isinstance(data, dict | list) and (found := _past_64_bits(data)) is not None:
             # No parameter takes one, and nothing could write it back out (orjson, the upstream): refused by name.
             where, value = found
@@ -68,6 +73,34 @@ _LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{19,}(?![\d.eE])")
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    if math.isinf(value := float(text)):
+        raise ValueError(f"number is infinity when parsed as double: {text[:40]}")
+    return value
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """Where the first string (or key) holding half of a surrogate pair is, dotted: no text can hold one."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii() and _SURROGATE.search(node):
+                return where or "body"
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                return path
+            stack.append((path, value))
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _past_64_bits(data: dict[str, Any] | list[Any]) -> tuple[str, int] | None:

@@ -145,6 +145,18 @@ async def test_long_runs_of_digits_in_a_string_are_only_text(api: API) -> None:
     assert_error(await api.post(CHAT, body), 404, "model_not_available")
 
 
+@pytest.mark.parametrize(
+    "text",
+    ['"content": "id \\ud800"', '"temperature": 1e400', '"\\udfff": 1'],
+    ids=["a-lone-surrogate", "a-number-past-a-double", "a-lone-surrogate-in-a-key"],
+)
+async def test_a_body_read_again_for_its_long_integer_is_held_to_json_as_strictly(api: API, text: str) -> None:
+    # A string of 19 digits has the body read a second time, by a reader that takes what the first refuses.
+    body = '{"model": "%s", "user": "1234567890123456789", "messages": [{"role": "user", %s}]}'
+    body = body % (MODEL_ID, text if "content" in text else f'"content": "Hi", {text}')
+    assert_error(await api.post(CHAT, body, raw=True), 400, "invalid_json")
+
+
 async def test_a_body_that_is_not_declared_json_is_a_415(api: API) -> None:
     response = await api.client.post(
         CHAT,
