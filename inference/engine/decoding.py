@@ -307,6 +307,15 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _names_a_function(body: str) -> bool:
+    """Whether a call's body is one: a JSON object naming a function."""
+    try:
+        data = parse_json(body.strip())
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("name"), str)
+
+
 @dataclass
 class StreamDecoder:
     """Incrementally splits generated text into answer text, reasoning and tool calls.
@@ -427,11 +436,13 @@ class StreamDecoder:
                     # told which or is not one the client may get (never the template's markup as an answer).
                     if self.plan.parallel_tool_calls or not self._calls:
                         out.extend(filter(None, [self._cut_call(body)]))
-                elif call is None:
+                elif call is not None:
+                    out.append(call)
+                elif not _names_a_function(body):
                     # Not a well-formed call: it was text after all.
                     self._emit_text(out, TOOL_OPEN + body + ("" if end < 0 else TOOL_CLOSE))
-                else:
-                    out.append(call)
+                # Otherwise a call the client may not get (of a function not offered, or past the one it allows):
+                # not its to run, and no answer either, least of all in the template's markup. It is left out.
                 self._state = "text"
             if (self._state, len(self._buffer)) == before and not final:
                 return out

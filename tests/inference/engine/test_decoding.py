@@ -107,16 +107,26 @@ def test_a_streamed_call_the_budget_cut_short_ends_incomplete_with_what_was_sent
     assert whole.arguments == sent == '{"city": "Eu'
 
 
-def test_a_call_to_a_tool_that_was_not_offered_stays_text() -> None:
-    text = CALL.replace("get_weather", "get_stock_price")
+@pytest.mark.parametrize("split", [0, 5, 40])
+def test_a_call_to_a_tool_that_was_not_offered_is_left_out_never_sent_as_markup(split: int) -> None:
+    text = "Checking. " + CALL.replace("get_weather", "get_stock_price") + " Done."
 
-    assert decode(text, split=5) == [TextPiece(text)]
+    pieces = decode(text, split=split)
+
+    assert all(isinstance(p, TextPiece) for p in pieces)
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Checking.  Done."
+
+
+def test_text_that_only_looks_like_a_call_stays_text() -> None:
+    text = "<tool_call>\nnot a call\n</tool_call>"
+
+    assert decode(text, split=3) == [TextPiece(text)]
 
 
 def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:
     pieces = decode(CALL + "\n" + CALL, split=0, parallel=False)
 
-    assert [type(p) for p in pieces] == [ToolCallPiece, TextPiece]
+    assert [type(p) for p in pieces] == [ToolCallPiece]
 
 
 STOCKS = FunctionTool("get_stock_price", None, {"type": "object"}, None)
