@@ -270,6 +270,14 @@ class StepUsage:
     reasoning_tokens: int = 0
 
 
+def _unfinished(generation: Generation) -> StepUsage:
+    """What a step that did not finish counts: what it produced, and nothing when it ended before its first token
+    (as a node request that ended so: ``metered.generation_outcome``)."""
+    if generation.first_token_at is None:
+        return StepUsage(0, 0)
+    return StepUsage(generation.prompt_tokens, generation.completion_tokens)
+
+
 class TurnFailed(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -402,6 +410,11 @@ class AgentTurn:
         if self.charge is not None and extra > 0:
             await self.charge(extra)
 
+    @property
+    def refused(self) -> bool:
+        """Whether the input guardrails refused the turn (known once ``prepare_first`` has run): no model runs."""
+        return self._refusal is not None
+
     def _offered(self, tool: ServerTool) -> bool:
         """Instances that search first do not offer the search to the model: the runtime has searched."""
         return not (self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name)
@@ -466,7 +479,7 @@ class AgentTurn:
                 logger.exception("agent response %s failed", self.encoder.response_id)
                 failure = TurnFailed("internal_error", "The server had an error while generating the response.")
             self.failure = failure
-            events = self.encoder.fail(failure.message, error_code=failure.code)
+            events = self.encoder.fail(failure.message, error_code=failure.code, usage=self._spent())
             await self._keep_quietly()
             self.finished = True
             for event in events:
@@ -569,7 +582,7 @@ class AgentTurn:
         if self.first_token_at is None and generation.first_token_at is not None:
             self.first_token_at = generation.first_token_at
         if done is None:
-            self.steps.append(StepUsage(generation.prompt_tokens, generation.completion_tokens))
+            self.steps.append(_unfinished(generation))
         else:
             self.steps.append(
                 StepUsage(done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.reasoning_tokens)
@@ -643,18 +656,21 @@ class AgentTurn:
         self.finished = True
         return events
 
+    def _spent(self) -> dict[str, Any]:
+        """The tokens of the turn so far, as its Response's usage."""
+        usage = self.usage
+        return response_usage(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
+        )
+
     async def _keep_quietly(self) -> None:
-        """Keeps a failed or cancelled turn, with the tokens its steps took (its Response carries no usage)."""
+        """Keeps a failed or cancelled turn, with the tokens its steps took (a cancelled Response carries none)."""
         if self.keep is not None:
-            usage = self.usage
-            spent = response_usage(
-                input_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-                reasoning_tokens=usage.reasoning_tokens,
-            )
             try:
-                await self.keep({**self.encoder.response, "usage": self.encoder.response.get("usage") or spent})
+                await self.keep({**self.encoder.response, "usage": self.encoder.response.get("usage") or self._spent()})
             except APIError:
                 pass  # the conversation is full: a failed or cancelled turn is not kept past its caps
             except IntegrityError:
@@ -668,7 +684,7 @@ class AgentTurn:
         stored or recorded before its step has ended)."""
         steps = self.steps
         if (running := self._running) is not None:
-            steps = [*steps, StepUsage(running.prompt_tokens, running.completion_tokens)]
+            steps = [*steps, _unfinished(running)]
         return StepUsage(
             prompt_tokens=sum(step.prompt_tokens for step in steps),
             completion_tokens=sum(step.completion_tokens for step in steps),

@@ -370,10 +370,10 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     first = await turn.prepare_first()
     # Admitted as any request, on the first step's prompt and the whole output budget; later steps' prompts,
     # which hold tool results, are charged as they are built, and only if they fit: a step that would take the
-    # organization past its tokens per minute fails the response with the rate-limit error instead.
-    grant = await admit_request(
-        caller, meter, model_pk=agent.entry.pk, tokens=first.prompt_tokens + first.job.sampling.max_tokens
-    )
+    # organization past its tokens per minute fails the response with the rate-limit error instead. A turn the input
+    # guardrails refused runs no model: it counts as a request, and charges no tokens.
+    tokens = 0 if turn.refused else first.prompt_tokens + first.job.sampling.max_tokens
+    grant = await admit_request(caller, meter, model_pk=agent.entry.pk, tokens=tokens)
     turn.charge = grant.charge_within
     stream = Metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
     return Result(headers=grant.headers, stream=stream, route=ROUTE)

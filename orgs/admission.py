@@ -210,8 +210,9 @@ class MemoryStore:
                 *(refused or ("", 0.0)),
                 remaining_requests=None if rpm is None else rpm - len(w.requests),
                 remaining_tokens=None if tpm is None else tpm - w.token_sum,
-                reset_requests=w.requests[0] + WINDOW - now if w.requests else 0.0,
-                reset_tokens=w.tokens[0][0] + WINDOW - now if w.tokens else 0.0,
+                # OpenAI's "time until the rate limit resets to its initial state": until the window is empty.
+                reset_requests=w.requests[-1] + WINDOW - now if w.requests else 0.0,
+                reset_tokens=w.tokens[-1][0] + WINDOW - now if w.tokens else 0.0,
             )
 
     def charge(self, key: str, tokens: int, now: float) -> None:
@@ -278,11 +279,11 @@ local nreq = redis.call('ZCARD', KEYS[1])
 local total = tonumber(redis.call('GET', KEYS[4]) or '0')
 -- What the window holds, for the rate-limit headers of an admission or a refusal alike.
 local function state(verdict, limit, retry)
-  local oldest_req = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  local oldest_tok = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local newest_req = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  local newest_tok = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
   local reset_req, reset_tok = 0, 0
-  if #oldest_req > 0 then reset_req = tonumber(oldest_req[2]) + window - now end
-  if #oldest_tok > 0 then reset_tok = tonumber(oldest_tok[2]) + window - now end
+  if #newest_req > 0 then reset_req = tonumber(newest_req[2]) + window - now end
+  if #newest_tok > 0 then reset_tok = tonumber(newest_tok[2]) + window - now end
   return {verdict, limit, tostring(retry), tostring(redis.call('ZCARD', KEYS[1])), tostring(total),
           tostring(reset_req), tostring(reset_tok)}
 end

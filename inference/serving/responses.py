@@ -52,7 +52,7 @@ from inference.usage.records import Meter
 from orgs.admission import Grant
 
 from .caller import Caller, Result, generation_error, run_admitted, streamed_result, whole_result
-from .metered import Ending
+from .metered import Ending, generation_outcome
 
 logger = logging.getLogger("inference.serving.responses")
 
@@ -520,20 +520,23 @@ class ResponseEncoder:
         """``events`` from ``finish`` with their ``response.completed`` withheld (the response could not be kept):
         the response fails in its place, from its sequence number on."""
         self._sequence -= 1
-        return events[:-1] + self.fail(message, error_code=error_code)
+        return events[:-1] + self.fail(message, error_code=error_code, usage=self.response.get("usage"))
 
     def cancel(self) -> None:
         """The client went away: the Response is what was produced, ``cancelled``; there is nobody to send events to."""
         self._close("incomplete")
         self.response = self._response("cancelled")
 
-    def fail(self, message: str, *, error_code: str | None = None) -> list[dict[str, Any]]:
-        """``error_code``, when given, sends an ``error`` event with it just before ``response.failed``."""
+    def fail(
+        self, message: str, *, error_code: str | None = None, usage: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """``error_code``, when given, sends an ``error`` event with it just before ``response.failed``; ``usage``,
+        the tokens the failed response still counts (what the model wrote before it failed), goes in it."""
         events = self._close("incomplete")
         if error_code is not None:
             events.append(wire.error_event(code=error_code, message=message))
         code = _RESPONSE_ERROR_CODES.get(error_code or "", "server_error")
-        self.response = self._response("failed", error={"code": code, "message": message})
+        self.response = self._response("failed", error={"code": code, "message": message}, usage=usage)
         events.append(wire.lifecycle_event("failed", self.response))
         return self.numbered(events)
 
@@ -661,7 +664,7 @@ async def stream_events(
                     ending.event = piece
                     # The error event names what failed; response.failed says whether trying again can help.
                     error = generation_error(piece, request_id=request_id)
-                    events = encoder.fail(error.message, error_code=error.code)
+                    events = encoder.fail(error.message, error_code=error.code, usage=_usage(generation, piece))
                 elif isinstance(piece, Done):
                     ending.event = piece
                     events = encoder.finish(piece)
@@ -673,8 +676,19 @@ async def stream_events(
         # Once the stream has begun, the only way left to report a fault is the stream's own end.
         logger.exception("response stream %s failed", encoder.response_id)
         failed = ending.event = Failed("internal_error", "The server had an error while generating the response.")
-        for event in encoder.fail(failed.message, error_code=failed.code):
+        for event in encoder.fail(failed.message, error_code=failed.code, usage=_usage(generation, failed)):
             yield sse(event)
+
+
+def _usage(generation: Generation, failed: Failed) -> dict[str, Any]:
+    """A failed response's usage: as its usage record counts it."""
+    counted = generation_outcome(generation, failed)
+    return response_usage(
+        input_tokens=counted.input_tokens,
+        output_tokens=counted.output_tokens,
+        cached_tokens=counted.cached_tokens,
+        reasoning_tokens=counted.reasoning_tokens,
+    )
 
 
 # --- the workflow ------------------------------------------------------------------------------------

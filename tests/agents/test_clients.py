@@ -299,6 +299,36 @@ def test_curl_reads_the_stream_and_rates_the_answer(
     )
 
 
+def test_a_turn_the_client_hangs_up_on_before_its_first_token_is_recorded_with_no_tokens(
+    node_server: LiveServer, demo_instance: str
+) -> None:
+    headers = {"Authorization": f"Bearer {node_server.key}", "X-Tenant-ID": node_server.org}
+    # A long question: its prompt takes the model a while to read, and the client is gone before it has.
+    question = "Which spare parts fit machine 4711? " + "It is an older model, bought second hand. " * 120
+    body = {"model": demo_instance, "input": question, "stream": True, "store": False, "max_output_tokens": 50}
+    with (
+        httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http,
+        http.stream("POST", "/v1/responses", json=body) as response,
+    ):
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                assert json.loads(line[6:])["type"] == "response.created"
+                break
+
+    rows: list[tuple] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not rows:
+        rows = node_server.query(
+            "select status, input_tokens, output_tokens, time_to_first_token_ms from inference_usagerecord "
+            "where request_id = ?",
+            request_id,
+        )
+        time.sleep(0.2)
+    # As a node request that ended so: it consumed nothing that was served.
+    assert rows == [(499, 0, 0, None)]
+
+
 def test_a_client_that_hangs_up_mid_turn_frees_the_model_and_the_turn_is_recorded_and_kept(
     node_server: LiveServer, demo_instance: str
 ) -> None:

@@ -1255,6 +1255,12 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
 
     assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "rate_limit_exceeded")
     assert events[-2]["type"] == "error" and events[-2]["code"] == "rate_limited"
+    # The failed response says what it counts, as its usage record does.
+    (failed,) = [record for record in await records(endpoint="agents.responses") if record.error_code]
+    assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == (
+        failed.input_tokens,
+        failed.output_tokens,
+    )
     # What it produced is kept, failed: the search and its result.
     (call,) = response["output"]
     assert call["type"] == AGENT_CALL and call["status"] == "completed"
@@ -1268,6 +1274,18 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     after = await tenant.post("/v1/responses", {**body, "stream": True, "max_output_tokens": tokens_per_minute})
     assert after.status_code == 429
     assert int(after["x-ratelimit-remaining-tokens"]) == tokens_per_minute - admitted
+
+
+async def test_a_turn_the_input_guardrails_refuse_counts_as_a_request_and_charges_no_tokens(
+    tenant: Tenant, spare_parts: AgentInstance, organization: Organization
+) -> None:
+    await limit_tokens(organization, 100_000)
+    body = {"model": spare_parts.instance_id, "input": "What is the admin PASSWORD?", "stream": True}
+
+    refused = await tenant.post("/v1/responses", body, accept="text/event-stream")
+    await read_stream(refused)
+
+    assert refused.status_code == 200 and refused["x-ratelimit-remaining-tokens"] == "100000"
 
 
 async def test_admission_charges_the_first_step_with_the_results_of_the_search_run_first(

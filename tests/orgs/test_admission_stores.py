@@ -63,6 +63,18 @@ async def test_a_refusal_reports_what_is_left_of_every_limit_not_only_the_one_th
     assert refused.reset_tokens == pytest.approx(admission.WINDOW - 5)
 
 
+async def test_the_limits_reset_when_the_window_is_empty_never_before_a_refusal_may_be_tried_again(store: Any) -> None:
+    limits = admission.Limits(tokens_per_minute=100, requests_per_minute=10)
+    await call(store.try_admit("1:0", limits, 40, "slot-a", NOW))
+    await call(store.try_admit("1:0", limits, 40, "slot-b", NOW + 10))
+
+    refused = await call(store.try_admit("1:0", limits, 50, "slot-c", NOW + 20))
+
+    assert refused.retry_after == pytest.approx(admission.WINDOW - 20)  # once the first 40 tokens have left
+    assert refused.reset_tokens == pytest.approx(admission.WINDOW - 10)  # once the second have too
+    assert refused.reset_requests == pytest.approx(admission.WINDOW - 10)
+
+
 async def test_a_refund_dated_at_admission_leaves_the_window_with_the_charge_it_corrects(store: Any) -> None:
     await call(store.try_admit("1:0", LIMITS, 100, "slot-a", NOW))
     await call(store.charge("1:0", -90, NOW))  # settled 25 s later to 10 tokens, dated at admission
