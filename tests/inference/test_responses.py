@@ -1212,14 +1212,8 @@ async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
     record = await UsageRecord.objects.aget(model=TOY_ID)
     assert record.endpoint == "responses" and record.error_code == "context_length_exceeded"
     # The failed response counts what its record counts: nothing, as it failed before its first token.
-    assert (
-        (result["usage"]["input_tokens"], result["usage"]["output_tokens"])
-        == (0, 0)
-        == (
-            record.input_tokens,
-            record.output_tokens,
-        )
-    )
+    usage = result["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (record.input_tokens, record.output_tokens) == (0, 0)
 
 
 @pytest.mark.parametrize(
