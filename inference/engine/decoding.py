@@ -566,6 +566,12 @@ class StreamDecoder:
         return piece
 
     @property
+    def ended(self) -> bool:
+        """Whether nothing more of the output can be sent: the one call a request without parallel tool calls may
+        make is written whole."""
+        return not self.plan.parallel_tool_calls and self._calls > 0 and self._state == "text" and self._live is None
+
+    @property
     def cut_call(self) -> bool:
         """Whether the output ended inside a call."""
         return self._cut

@@ -44,7 +44,6 @@ from .exceptions import (
 from .execution import Accepted, JobEvent, JobFailed, get_renderer
 from .prompting import Message, RenderedPrompt, check_context, render_prompt
 from .runners.base import (
-    TOOL_CLOSE,
     Finished,
     GenerationJob,
     PromptRenderer,
@@ -172,6 +171,18 @@ class Generation:
                         for piece in _read(decoder, event):
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
+                        if decoder.ended:
+                            # The one call the request allows is written: nothing after it could be sent.
+                            await job.cancel()
+                            self.finished = True
+                            yield Done(
+                                finish_reason="tool_calls",
+                                prompt_tokens=self.prompt_tokens,
+                                completion_tokens=self.completion_tokens,
+                                cached_tokens=0,  # the runner tells it as the job ends, which it does not now
+                                reasoning_tokens=_reasoning_tokens(reasoning_chars, decoder, self.completion_tokens),
+                            )
+                            return
                     elif isinstance(event, Finished):
                         for piece in decoder.finish(ran_out=event.reason == "length"):
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
@@ -409,7 +420,9 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
             temperature=_or_default(request.temperature, entry, "temperature", 1.0),
             top_p=_or_default(request.top_p, entry, "top_p", 1.0),
             seed=request.seed,
-            stop=_stop_sequences(request, plan),
+            # Output that must be one whole JSON value (a schema, a JSON object, a forced call) ends where its
+            # grammar ends it: a stop sequence would cut it into something that does not parse.
+            stop=request.stop if plan.constraint is None or plan.constraint.free_text else (),
             frequency_penalty=_or_default(request.frequency_penalty, entry, "frequency_penalty", 0.0),
             presence_penalty=_or_default(request.presence_penalty, entry, "presence_penalty", 0.0),
             logprobs=request.logprobs,
@@ -418,18 +431,6 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
         constraint=plan.constraint,
     )
     return Generation(entry=entry, job=job, plan=plan)
-
-
-def _stop_sequences(request: GenerationRequest, plan: DecodePlan) -> tuple[str, ...]:
-    """The request's stop sequences, and the end of a call where it allows one call only: the output ends with
-    its first call, as nothing after it could be sent. None for output that must be one whole JSON value (a
-    schema, a JSON object, a forced call): it ends where its grammar ends it, and a stop sequence would cut it
-    into something that does not parse."""
-    if plan.constraint is not None and not plan.constraint.free_text:
-        return ()
-    if plan.reads_tool_calls and not plan.parallel_tool_calls:
-        return (*request.stop, TOOL_CLOSE)
-    return request.stop
 
 
 def _or_default(asked: float | None, entry: CatalogEntry, name: str, openai_default: float) -> float:

@@ -402,6 +402,28 @@ async def test_the_contents_logprobs_are_not_those_of_the_reasoning_before_it(
     assert "".join(logprob["token"] for logprob in logprobs).lstrip() == content == "The Willamette."
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_without_parallel_tool_calls_the_output_ends_with_its_first_call(
+    api: API,
+    openai_spec: OpenAISpec,
+    toy_model: CatalogEntry,  # noqa: F811  (the fixture, imported)
+    parallel: bool,
+) -> None:
+    # The toy model echoes its prompt: two calls, then words.
+    call = '<tool_call> {"name": "get_weather", "arguments": {"city": "%s"}} </tool_call>'
+    content = f"{call % 'Rome'} {call % 'Oslo'} and some words after them"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    asked = {"model": TOY_ID, "messages": [{"role": "user", "content": content}], "tools": [tool], "max_tokens": 256}
+
+    (choice,) = (await complete(api, openai_spec, **asked, parallel_tool_calls=parallel))["choices"]
+
+    cities = [json.loads(call["function"]["arguments"])["city"] for call in choice["message"]["tool_calls"]]
+    assert choice["finish_reason"] == "tool_calls"
+    assert cities == (["Rome", "Oslo"] if parallel else ["Rome"])
+    # Nothing after the one call it allows: not the second call, and no text either.
+    assert ("words after" in (choice["message"]["content"] or "")) is parallel
+
+
 async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: OpenAISpec) -> None:
     messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
     chunks = await stream(

@@ -1,19 +1,15 @@
 """A catalog entry's sampling defaults apply to requests that leave sampling unset, as the model's authors
-recommend; what a request sets wins; the admin accepts only sampling parameters in OpenAI's ranges. And the stop
-sequences a request's job gets."""
+recommend; what a request sets wins; the admin accepts only sampling parameters in OpenAI's ranges."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 from django.core.exceptions import ValidationError
 
-from inference.engine.decoding import FunctionTool
 from inference.engine.generation import GenerationRequest, prepare
-from inference.engine.runners.base import TOOL_CLOSE
 from inference.models import CatalogEntry
 from tests.conftest import API, MODEL_ID, manage
 
@@ -32,18 +28,6 @@ async def test_a_request_without_sampling_takes_the_models_defaults(catalog_mode
 
     assert (unset.temperature, unset.top_p, unset.frequency_penalty) == (0.2, 0.9, 0.0)
     assert (asked.temperature, asked.top_p) == (1.3, 1.0)
-
-
-async def test_a_request_that_allows_one_tool_call_ends_its_output_with_the_first(catalog_model: CatalogEntry) -> None:
-    tools = (FunctionTool("get_weather", None, {"type": "object"}, None),)
-
-    def asking(**asked: Any) -> GenerationRequest:
-        return GenerationRequest(messages=QUESTION, tools=tools, stop=("END",), **asked)
-
-    one = (await prepare(entry=catalog_model, request=asking(parallel_tool_calls=False))).job.sampling
-    many = (await prepare(entry=catalog_model, request=asking())).job.sampling
-
-    assert (one.stop, many.stop) == (("END", TOOL_CLOSE), ("END",))
 
 
 async def test_without_defaults_a_request_samples_as_openai_does(catalog_model: CatalogEntry) -> None:
