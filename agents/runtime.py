@@ -749,13 +749,12 @@ class WholeWords:
             out += self.rest()
             self.arrived = arrived
         logprobs = [*self.held_logprobs, *self.arrived]
-        self.held_logprobs, self.arrived = [], []
+        self.arrived = []
         last = _LAST_WORD.search(piece.text)
         cut = last.start() if last is not None else len(piece.text)
+        sent, self.held_logprobs = (logprobs, []) if last is None else _split(logprobs, len(piece.text[:cut].encode()))
         if cut:
-            out += [*logprobs, type(piece)(piece.text[:cut])]
-        else:
-            self.held_logprobs = logprobs
+            out += [*sent, type(piece)(piece.text[:cut])]
         if cut < len(piece.text):
             self.held = type(piece)(piece.text[cut:])
         return out
@@ -766,6 +765,25 @@ class WholeWords:
         out: list[Piece] = [*self.held_logprobs, *([held] if held is not None else []), *self.arrived]
         self.held_logprobs, self.arrived = [], []
         return out
+
+
+def _split(logprobs: list[Logprobs], size: int) -> tuple[list[Logprobs], list[Logprobs]]:
+    """The logprobs of the first ``size`` bytes of their text, and those of the rest: a token goes with the part
+    its last byte is in."""
+    sent: list[Logprobs] = []
+    kept: list[Logprobs] = []
+    for group in logprobs:
+        count = 0
+        for item in group.items:
+            if kept or len(item.token) > size:
+                break
+            size -= len(item.token)
+            count += 1
+        if count:
+            sent.append(group if count == len(group.items) else Logprobs(group.items[:count]))
+        if count < len(group.items):
+            kept.append(group if not count else Logprobs(group.items[count:]))
+    return sent, kept
 
 
 @dataclass

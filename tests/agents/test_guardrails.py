@@ -200,8 +200,19 @@ def test_each_piece_comes_after_its_own_logprobs_when_text_is_held_back() -> Non
     out = sent(pieces)
 
     assert out == [
-        lp("Think"), ReasoningPiece("Think"), lp("Hi"), lp(" there"), TextPiece("Hi "), TextPiece("there"), lp("{}"),
+        lp("Think"), ReasoningPiece("Think"), lp("Hi"), TextPiece("Hi "), lp(" there"), TextPiece("there"), lp("{}"),
         call,
+    ]  # fmt: skip
+
+
+def test_a_word_held_back_keeps_the_logprobs_of_its_tokens_however_they_arrived() -> None:
+    together = Logprobs(tuple(TokenLogprob(token.encode(), -0.1) for token in ("The", " spare", " part")))
+
+    out = sent([together, TextPiece("The spare part"), lp("s"), TextPiece("s fit")])
+
+    assert out == [
+        Logprobs(together.items[:2]), TextPiece("The spare "), Logprobs(together.items[2:]), lp("s"),
+        TextPiece("parts "), TextPiece("fit"),
     ]  # fmt: skip
 
 
