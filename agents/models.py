@@ -197,9 +197,14 @@ def compile_line(expression: str) -> Any:
 
 def _term(line: str) -> str:
     """A word or phrase as a pattern: literal, in the form the guardrails read text in (``guardrails.as_read``), its
-    words apart by any whitespace (a phrase wrapped onto the next line is the same phrase)."""
-    words = unicodedata.normalize("NFKC", line).split()
-    return r"\s+".join(regex.escape(word) for word in words)
+    words apart by any whitespace, dashes or underscores, or by nothing (a phrase wrapped onto the next line, written
+    ``credit-card`` or ``creditcard``, is the same phrase to a reader and to the model)."""
+    words = [word for word in _WORD_BREAK.split(unicodedata.normalize("NFKC", line)) if word]
+    return _BETWEEN_WORDS.join(regex.escape(word) for word in words)
+
+
+_WORD_BREAK = regex.compile(r"[\s\p{Pd}_]+")
+_BETWEEN_WORDS = r"[\s\p{Pd}_]*"
 
 
 class Guardrail(models.Model):

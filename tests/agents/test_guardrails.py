@@ -74,8 +74,12 @@ async def test_an_output_guardrail_sees_a_term_split_across_the_deltas_it_is_che
         ("my credit\u00a0card", True),
         ("my credit\t card", True),
         ("my credit\u200bcard", True),
-        ("my credit-card", False),
+        ("my credit-card", True),
+        ("my credit–card", True),
+        ("my credit_card", True),
+        ("my creditcard", True),
         ("credit cards", False),
+        ("discredit card", False),
     ],
     ids=[
         "a line break",
@@ -84,10 +88,16 @@ async def test_an_output_guardrail_sees_a_term_split_across_the_deltas_it_is_che
         "a tab and a space",
         "a zero-width space",
         "a hyphen",
+        "an en dash",
+        "an underscore",
+        "nothing",
         "a longer word",
+        "a longer first word",
     ],
 )
-async def test_a_phrase_matches_whatever_whitespace_separates_its_words(text: str, blocked: bool) -> None:
+async def test_a_phrase_matches_whatever_whitespace_dashes_or_nothing_separate_its_words(
+    text: str, blocked: bool
+) -> None:
     checked = guardrails("credit card", kind=MatchKind.TERMS)
 
     assert (await checked.check_input([text]) is not None) is blocked
