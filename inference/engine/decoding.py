@@ -331,6 +331,7 @@ class StreamDecoder:
     _seen_text: bool = False
     _cut: bool = False
     _live: _LiveCall | None = None
+    _after_call: bool = False  # a call has ended, and no text has come since
     raw: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -352,6 +353,16 @@ class StreamDecoder:
     def thinking(self) -> bool:
         """Inside the reasoning (between its tags)."""
         return self._state == "think"
+
+    @property
+    def calling(self) -> bool:
+        """Inside a call (its markup, or a forced call's JSON)."""
+        return self._state in ("call", "forced")
+
+    @property
+    def after_call(self) -> bool:
+        """A call has ended, and nothing but whitespace, which is left out, has come since."""
+        return self._after_call
 
     def feed(self, text: str) -> list[Piece]:
         self.raw.append(text)
@@ -417,11 +428,11 @@ class StreamDecoder:
                 if end >= 0:
                     out.append(self._end_live(ran_out=False))
                     self._buffer = self._buffer[end + len(TOOL_CLOSE) :]
-                    self._state = "text"
+                    self._state, self._after_call = "text", True
                 elif final:
                     out.append(self._end_live(ran_out=ran_out))
                     self._buffer = ""
-                    self._state = "text"
+                    self._state, self._after_call = "text", True
                 else:
                     return out
             elif self._state == "call":
@@ -443,6 +454,7 @@ class StreamDecoder:
                     self._emit_text(out, TOOL_OPEN + body + ("" if end < 0 else TOOL_CLOSE))
                 # Otherwise a call the client may not get (of a function not offered, or past the one it allows):
                 # not its to run, and no answer either, least of all in the template's markup. It is left out.
+                self._after_call = call is not None or _names_a_function(body) or ran_out
                 self._state = "text"
             if (self._state, len(self._buffer)) == before and not final:
                 return out
@@ -491,8 +503,13 @@ class StreamDecoder:
         return ToolCallPiece(start.index, start.call_id, start.name, live.arguments, complete=complete)
 
     def _emit_text(self, out: list[Piece], text: str) -> None:
-        if self._calls and not text.strip():
-            return  # whitespace between tool calls is not an answer
+        if self._after_call:
+            # The whitespace after a call, up to the next call or the text it ends with, is not an answer: left out
+            # however the output arrives, a token at a time or many together.
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
         if not self._seen_text:
             text = text.lstrip() if self.plan.reasoning else text
         if text:

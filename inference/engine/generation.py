@@ -251,12 +251,12 @@ def _coalesce(batch: list[Any]) -> list[Any]:
 
 def _read(decoder: StreamDecoder, chunk: TextChunk) -> Iterator[Logprobs | Piece]:
     """A chunk's pieces, each token's logprobs just before the pieces it ends. The reasoning's tokens, its tags
-    among them, have none: the answer's logprobs are those of the answer's tokens (whose text a tag may hold back
-    and let go with a later one)."""
+    among them, have none, nor have a call's (its markup too, and the whitespace left out after it): the answer's
+    logprobs are those of the answer's tokens (whose text a tag may hold back and let go with a later one)."""
     for text, logprobs in _by_token(chunk):
-        thinking = decoder.thinking
+        elsewhere = decoder.thinking or decoder.calling
         pieces = decoder.feed(text)
-        if logprobs and not (thinking or decoder.thinking):
+        if logprobs and not (elsewhere or decoder.thinking or decoder.calling or decoder.after_call):
             yield Logprobs(logprobs)
         yield from pieces
 

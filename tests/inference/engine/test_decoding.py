@@ -114,7 +114,7 @@ def test_a_call_to_a_tool_that_was_not_offered_is_left_out_never_sent_as_markup(
     pieces = decode(text, split=split)
 
     assert all(isinstance(p, TextPiece) for p in pieces)
-    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Checking.  Done."
+    assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Checking. Done."
 
 
 def test_text_that_only_looks_like_a_call_stays_text() -> None:

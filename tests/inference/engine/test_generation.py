@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference.engine.decoding import DecodePlan, ReasoningPiece, StreamDecoder, TextPiece
+from inference.engine.decoding import (
+    DecodePlan,
+    FunctionTool,
+    ReasoningPiece,
+    StreamDecoder,
+    TextPiece,
+    ToolCallPiece,
+    plan_decoding,
+)
 from inference.engine.generation import Logprobs, _read
 from inference.engine.runners.base import TextChunk, TokenLogprob
 
@@ -12,9 +20,9 @@ from inference.engine.runners.base import TextChunk, TokenLogprob
 TOKENS = ["<think>", "\n", "The user wants a river.", "\n", "</think>", "\n\n", "The", " Willamette."]
 
 
-def read(chunks: list[list[str]]) -> tuple[str, str, list[str]]:
+def read(chunks: list[list[str]], plan: DecodePlan | None = None) -> tuple[str, str, list[str]]:
     """The reasoning, the answer, and the tokens the answer's logprobs are of."""
-    decoder = StreamDecoder(DecodePlan(reasoning=True))
+    decoder = StreamDecoder(plan or DecodePlan(reasoning=True))
     events: list[Any] = []
     for tokens in chunks:
         logprobs = tuple(TokenLogprob(token.encode(), -0.5) for token in tokens)
@@ -40,3 +48,29 @@ def test_the_answers_logprobs_leave_out_the_reasoning_and_its_tags_however_the_t
         assert reasoning.strip() == "The user wants a river."
         assert answer == "The Willamette."
         assert "".join(logprobs).lstrip() == answer and "</think>" not in logprobs
+
+
+WEATHER = FunctionTool("get_weather", None, {"type": "object"}, None)
+# A call, one the request does not allow (of a function it did not offer), the whitespace after each, and text.
+CALLS = [
+    "Sure.", " ", "<tool_call>", '\n{"name": "get_weather", "arguments": {}}\n', "</tool_call>", "\n", "\n",
+    "<tool_call>", '\n{"name": "get_time", "arguments": {}}\n', "</tool_call>", "\n\n", "Done", " now.",
+]  # fmt: skip
+
+
+def test_the_answers_logprobs_leave_out_every_calls_tokens_and_the_whitespace_after_them() -> None:
+    plan = plan_decoding(tools=(WEATHER,), tool_choice="auto", parallel_tool_calls=True, reasoning=False)
+    for chunks in ([[token] for token in CALLS], [CALLS], [CALLS[:6], CALLS[6:]]):
+        _, answer, logprobs = read(chunks, plan)
+
+        # The same text however the tokens arrive, each of its tokens' logprobs and nothing else.
+        assert answer == "Sure. Done now."
+        assert logprobs == ["Sure.", " ", "Done", " now."]
+
+
+def test_a_call_the_request_allows_is_read_back_beside_the_answer() -> None:
+    plan = plan_decoding(tools=(WEATHER,), tool_choice="auto", parallel_tool_calls=True, reasoning=False)
+    decoder = StreamDecoder(plan)
+    pieces = [piece for token in CALLS for piece in decoder.feed(token)] + decoder.finish()
+
+    assert [piece.name for piece in pieces if isinstance(piece, ToolCallPiece)] == ["get_weather"]
