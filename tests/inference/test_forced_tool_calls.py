@@ -112,6 +112,30 @@ async def test_a_forced_call_that_outgrows_its_budget_is_closed_in_time(
     assert finish_reason in ("tool_calls", "length")
 
 
+# A required property whose name alone takes 15 tokens.
+LONG_NAME = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer"},
+        "the_full_postal_address_of_the_customer_including_zip_code": {"type": "boolean"},
+    },
+    "required": ["a", "the_full_postal_address_of_the_customer_including_zip_code"],
+}
+
+
+@pytest.mark.parametrize("max_tokens", [44, 48])
+async def test_a_forced_call_whose_required_name_is_long_is_closed_in_time(
+    api: API, openai_spec: OpenAISpec, max_tokens: int
+) -> None:
+    # Closing in time counts the tokens of each required name not written yet, not a flat guess of six.
+    body = chat_body(0, stream=False, choice="required", schema=LONG_NAME, max_tokens=max_tokens, temperature=0)
+
+    function, _, finish_reason = await chat_call(api, openai_spec, body)
+
+    jsonschema.validate(json.loads(function["arguments"]), LONG_NAME)
+    assert finish_reason in ("tool_calls", "length")
+
+
 @pytest.mark.parametrize("stop", ['"', ":", "city", "{"])
 async def test_a_stop_sequence_never_cuts_a_forced_call(api: API, openai_spec: OpenAISpec, stop: str) -> None:
     body = chat_body(0, stream=False, choice="required", max_tokens=40, stop=stop)

@@ -74,10 +74,11 @@ logger = logging.getLogger(__name__)
 
 # A value that must be whole JSON (``Constraint.close_before_limit``) starts closing once the budget left is no more
 # than what closing it may take: a token per open quote and bracket, CLOSING_SLACK more (a separator, a number's
-# digit, the end), and PROPERTY_COST for each property its schema requires that it has not written yet (its name and
-# an empty value). Closing sooner cuts calls that would have fit; later, calls that cannot close in time.
+# digit, the end), and for each property its schema requires that it has not written yet, its name's tokens and
+# PROPERTY_COST more (the colon, an empty value, a separator). Closing sooner cuts calls that would have fit; later,
+# calls that cannot close in time.
 CLOSING_SLACK = 4
-PROPERTY_COST = 6
+PROPERTY_COST = 3
 # Sampling under a grammar checks these many likeliest tokens first, then the rest of the vocabulary in slices of
 # GRAMMAR_SLICE, until a slice holds a token the grammar allows (``_Sampler._draw_allowed``).
 LIKELIEST = 512
@@ -847,9 +848,52 @@ def _unenforceable(schema: dict[str, Any]) -> str | None:
     return _misread(schema)
 
 
+# Keywords that hold a value to something: left out beside the keyword the converter reads a schema by, output
+# breaking them would pass as valid.
+_ASSERTIONS = frozenset(
+    {
+        *("properties", "required", "additionalProperties", "minProperties", "maxProperties"),
+        *("items", "prefixItems", "minItems", "maxItems"),
+        *("pattern", "minLength", "maxLength", "format"),
+        *("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+        *("const", "enum", "allOf", "anyOf", "oneOf", "$ref"),
+    }
+)
+# What the converter reads a schema by, first to last, when it holds one: it then leaves every other keyword out.
+_READ_ALONE = ("$ref", "oneOf", "anyOf", "const", "enum")
+
+
+def _left_out(schema: dict[str, Any]) -> str | None:
+    """A keyword the converter would leave out beside the one it reads ``schema`` by: the 400's reason, or None."""
+    if reader := next((keyword for keyword in _READ_ALONE if keyword in schema), None):
+        beside = sorted(schema.keys() & _ASSERTIONS - {reader})
+    elif "properties" in schema or schema.get("additionalProperties", True) is not True:
+        reader, beside = "properties", ["allOf"] if "allOf" in schema else []
+    elif "pattern" in schema:
+        reader, beside = "pattern", sorted(schema.keys() & {"minLength", "maxLength"})
+    else:
+        return None
+    if not beside:
+        return None
+    return f"its {beside[0]!r} beside {reader!r} cannot be enforced by this model's grammar: {_WRITE_INSTEAD[reader]}"
+
+
+_WRITE_INSTEAD = {
+    "$ref": "write it in the schema the '$ref' points to",
+    "oneOf": "write it in each branch",
+    "anyOf": "write it in each branch",
+    "const": "write the constant alone",
+    "enum": "list only the values it allows",
+    "properties": "write the properties in one place",
+    "pattern": "write the length into the pattern",
+}
+
+
 def _misread(schema: dict[str, Any]) -> str | None:
     """What the converter would read otherwise than JSON Schema means it, so that output breaking the schema would
     pass as valid: the 400's reason, or None."""
+    if problem := _left_out(schema):
+        return problem
     for low, high, what in _LENGTHS:
         least, most = schema.get(low), schema.get(high)
         for keyword, value in ((low, least), (high, most)):
@@ -1231,17 +1275,25 @@ class JsonTail:
     """How far a JSON text written so far is from whole, as far as its strings and brackets go, and which of the
     properties it must hold it has not named yet."""
 
-    def __init__(self, required: Iterable[str] = ()) -> None:
+    def __init__(self, required: Iterable[str] = (), cost: Callable[[str], int] = lambda name: 0) -> None:
         self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
         self.scan = JsonScan()
-        self.unnamed = {json.dumps(name) for name in required}
+        # Each required name, as the text may write it (its characters as they are, or escaped), and the tokens
+        # writing it with an empty value takes (``cost`` of its JSON string, spelled the longer way).
+        spellings = {name: {json.dumps(name, ensure_ascii=False), json.dumps(name)} for name in required}
+        self.unnamed = {name: (spelled, max(map(cost, spelled))) for name, spelled in spellings.items()}
         self.text = ""
 
     def missing(self) -> int:
-        """How many required properties the text has not named (a name met in a string counts: a guess, cheap)."""
+        """The tokens the required properties the text has not named take to write (a name met in a string counts:
+        a guess, cheap)."""
         if self.unnamed:
-            self.unnamed = {name for name in self.unnamed if name not in self.text}
-        return len(self.unnamed)
+            self.unnamed = {
+                name: (spellings, cost)
+                for name, (spellings, cost) in self.unnamed.items()
+                if not any(spelling in self.text for spelling in spellings)
+            }
+        return sum(cost for _, cost in self.unnamed.values())
 
     def feed(self, text: str) -> None:
         self.text += text
@@ -1458,7 +1510,11 @@ class _Sequence:
         self.sent_at = -math.inf
         # A value that must be whole: how far it is from closed, followed as it is written.
         constraint = job.constraint
-        self.tail = JsonTail(_required(constraint.schema)) if constraint and constraint.close_before_limit else None
+        self.tail = None
+        if constraint and constraint.close_before_limit:
+            self.tail = JsonTail(
+                _required(constraint.schema), lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST
+            )
         # Whether closing it changed what the model wrote (then it was cut short, not finished).
         self.steered = False
 
@@ -1475,7 +1531,7 @@ class _Sequence:
         closing = None
         if self.tail is not None:
             closers = self.tail.closers()
-            if self.max_tokens - self.produced <= len(closers) + CLOSING_SLACK + PROPERTY_COST * self.tail.missing():
+            if self.max_tokens - self.produced <= len(closers) + CLOSING_SLACK + self.tail.missing():
                 in_string = self.tail.scan.in_string
                 closing = Closing(self.vocabulary.closing, closers, self.vocabulary.pieces, in_string)
         token = self.sampler.next(logits, closing=closing)

@@ -382,6 +382,17 @@ def test_a_bounded_numbers_fraction_holds_at_most_sixteen_digits_as_llama_cpps_o
         ({"type": "array", "items": False}, "a schema of true or false"),
         ({"type": "object", "properties": {"a": True}}, "a schema of true or false"),
         ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "'allOf' can be enforced by this model's grammar only"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "'maxLength' beside 'pattern'"),
+        ({"const": "abcdef", "maxLength": 2}, "'maxLength' beside 'const'"),
+        ({"type": "string", "enum": ["abcdef", "x"], "maxLength": 2}, "'maxLength' beside 'enum'"),
+        ({"$ref": "#", "maxLength": 2}, "'maxLength' beside '$ref'"),
+        ({"anyOf": [{"type": "string"}], "minLength": 8}, "'minLength' beside 'anyOf'"),
+        ({"oneOf": [{"type": "string"}], "anyOf": [{"type": "integer"}]}, "'anyOf' beside 'oneOf'"),
+        (
+            {"properties": {"a": {"type": "string"}}, "required": ["a"], "anyOf": [{"required": ["b"]}]},
+            "beside 'anyOf'",
+        ),
+        ({"properties": {"a": {"type": "string"}}, "allOf": [{"required": ["a"]}]}, "'allOf' beside 'properties'"),
     ],
     ids=[
         "fractional-number-bound",
@@ -403,6 +414,14 @@ def test_a_bounded_numbers_fraction_holds_at_most_sixteen_digits_as_llama_cpps_o
         "items-false",
         "property-true",
         "allOf-of-strings",
+        "length-beside-a-pattern",
+        "length-beside-a-const",
+        "length-beside-an-enum",
+        "length-beside-a-ref",
+        "length-beside-anyOf",
+        "anyOf-beside-oneOf",
+        "properties-beside-anyOf",
+        "allOf-beside-properties",
     ],
 )
 def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(schema: dict[str, Any], says: str) -> None:
