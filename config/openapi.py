@@ -112,6 +112,12 @@ EXTENSIONS: dict[str, dict[str, Any]] = {
             "b3os": _ref("B3OSRoute"),
         },
     },
+    "TokenCounts": {
+        "description": "OpenAI's input token count of a Responses request.",
+        "type": "object",
+        "required": ["object", "input_tokens"],
+        "properties": {"object": {"const": "response.input_tokens"}, "input_tokens": {"type": "integer"}},
+    },
     "OrganizationUsage": {"type": "object", "required": ["object", "data", "total"]},
     "InstanceList": {"type": "object", "required": ["object", "data"]},
     "Feedback": {"type": "object", "required": ["object", "message_id", "rating"]},
@@ -203,6 +209,12 @@ def document() -> dict[str, Any]:
                 'Responses, stateless; "route": "gateway" sends it to the upstream.',
                 "ResponseCreateRequest",
                 "Response",
+            ),
+            "/v1/infer/responses/input_tokens": _post(
+                "The input tokens a Responses request takes on its model; nothing runs.",
+                "ResponseCreateRequest",
+                "TokenCounts",
+                stream=False,
             ),
             "/v1/infer/responses/{response_id}": _not_offered("Not offered: this node keeps no response."),
             "/v1/infer/usage": _get(

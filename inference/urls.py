@@ -7,6 +7,7 @@ urlpatterns = [
     path("models/<path:model_id>", api.ModelDetailView.as_view()),
     path("chat/completions", api.ChatCompletionsView.as_view()),
     path("responses", api.ResponsesView.as_view()),
+    path("responses/input_tokens", api.ResponseInputTokensView.as_view()),
     path("responses/<path:response_id>", api.StoredResponseView.as_view()),
     path("usage", api.UsageView.as_view()),
 ]

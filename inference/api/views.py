@@ -94,6 +94,17 @@ class ResponsesView(_GenerationView):
         return await responses.create_response(params=params, caller=caller)
 
 
+class ResponseInputTokensView(AsyncAPIView):
+    """``POST /responses/input_tokens``: how many tokens a Responses request's input takes on its model."""
+
+    http_method_names = ["post"]
+
+    async def post(self, request: Request) -> Response:
+        params = await self.parse(request, ResponseCreateRequest)
+        self.names(request, params.param_names())
+        return Response(await responses.count_input_tokens(params=params))
+
+
 class StoredResponseView(AsyncAPIView):
     """``/responses/{id}`` and below (retrieve, delete, cancel, input items): this node keeps no response."""
 
@@ -102,9 +113,13 @@ class StoredResponseView(AsyncAPIView):
         "This node stores no responses, so none can be retrieved, deleted, cancelled or listed: each response is "
         "sent once, as it is made. To go on with a conversation, send it whole as input."
     )
+    COMPACT = (
+        "This node does not compact conversations (POST /responses/compact): send the conversation whole as input, "
+        'with truncation: "auto" to let its oldest turns go when it outgrows the model\'s context.'
+    )
 
     async def get(self, request: Request, response_id: str) -> Response:
-        raise stored_responses_not_offered(self.WHY)
+        raise stored_responses_not_offered(self.COMPACT if response_id.strip("/") == "compact" else self.WHY)
 
     post = delete = get
 

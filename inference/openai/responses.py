@@ -589,6 +589,11 @@ def response_object(
     return response
 
 
+def input_tokens_object(input_tokens: int) -> dict[str, Any]:
+    """``TokenCountsResource``: what ``POST /responses/input_tokens`` answers."""
+    return {"object": "response.input_tokens", "input_tokens": input_tokens}
+
+
 def request_echo(request: ResponseCreateRequest, *, tool_choice: str | dict[str, Any]) -> dict[str, Any]:
     """The parts of a Response that repeat the request's settings, as applied."""
     reasoning = request.reasoning

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inference.engine import capabilities
+from inference.engine.catalog import get_enabled_model
 from inference.engine.decoding import (
     ForcedFunction,
     FunctionTool,
@@ -27,6 +28,7 @@ from inference.engine.decoding import (
     ToolCallStart,
     ToolChoice,
 )
+from inference.engine.exceptions import ModelNotServed
 from inference.engine.generation import (
     Done,
     Failed,
@@ -692,6 +694,16 @@ def _usage(generation: Generation, failed: Failed) -> dict[str, Any]:
 
 
 # --- the workflow ------------------------------------------------------------------------------------
+
+
+async def count_input_tokens(*, params: wire.ResponseCreateRequest) -> dict[str, Any]:
+    """``POST /responses/input_tokens``: the tokens the request's input takes on its model, as a response to it would
+    count them (its instructions, tools and output format included). Nothing runs, and nothing is metered."""
+    entry = await get_enabled_model(params.model)
+    if not entry.served_here:
+        raise ModelNotServed(params.model)
+    generation = await prepare(entry=entry, request=to_generation_request(params, entry))
+    return wire.input_tokens_object(generation.prompt_tokens)
 
 
 async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller) -> Result:

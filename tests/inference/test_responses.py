@@ -545,6 +545,23 @@ async def test_a_response_by_id_is_not_found_and_the_answer_says_this_node_keeps
     assert "stores no responses" in error["message"] and "send it whole as input" in error["message"]
 
 
+async def test_compacting_is_not_found_and_the_answer_says_what_to_do_instead(api: API) -> None:
+    response = await api.post(f"{RESPONSES}/compact", ask(input="hi"))
+
+    error = assert_error(response, 404, "not_found", None)
+    assert "does not compact" in error["message"] and 'truncation: "auto"' in error["message"]
+
+
+async def test_the_input_tokens_of_a_request_are_counted_without_running_it(api: API, openai_spec: OpenAISpec) -> None:
+    counted = await api.post(f"{RESPONSES}/input_tokens", {"model": MODEL_ID, "input": "Name one river in Oregon."})
+
+    assert counted.status_code == 200
+    openai_spec.validate("TokenCountsResource", counted.json())
+    assert counted.json()["input_tokens"] > 5
+    flush()
+    assert not await UsageRecord.objects.aexists()  # nothing ran, nothing to meter
+
+
 @pytest.mark.parametrize("field", ["conversation", "prompt", "context_management"])
 @pytest.mark.parametrize("value", [0, False, 0.0, ""])
 async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(

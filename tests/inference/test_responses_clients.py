@@ -47,6 +47,18 @@ def test_the_sdk_creates_a_response(client: OpenAI) -> None:
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
 
 
+def test_the_sdk_counts_a_requests_input_tokens_as_its_response_counts_them(
+    client: OpenAI, openai_spec: OpenAISpec
+) -> None:
+    asked = {"model": MODEL_ID, "instructions": "Be brief.", "input": "Name one river in Oregon.", "tools": [WEATHER]}
+
+    counted = client.responses.input_tokens.count(**asked)  # type: ignore[arg-type]
+    response = client.responses.create(**asked, max_output_tokens=16, temperature=0)  # type: ignore[call-overload]
+
+    openai_spec.validate("TokenCountsResource", counted.model_dump())
+    assert response.usage is not None and counted.input_tokens == response.usage.input_tokens
+
+
 def test_the_sdk_stream_helper_reads_the_event_stream(client: OpenAI) -> None:
     # A short answer: the helper's final response needs response.completed, not response.incomplete.
     with client.responses.stream(model=MODEL_ID, input="Say hello.", max_output_tokens=48, temperature=0) as stream:
