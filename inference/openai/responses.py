@@ -123,13 +123,30 @@ class ItemReference(LooseModel):
     id: str
 
 
-class OtherItem(LooseModel):
-    """An item type this node does not take (server tools' calls); refused by type."""
-
-    type: str
-
-
 _ITEM_TYPES = frozenset({"message", "function_call", "function_call_output", "reasoning", "item_reference"})
+# Every type of input item OpenAI's API knows. One of them this node does not take is refused as unsupported; any
+# other names no item at all (a misspelt "message"), an invalid value.
+OPENAI_ITEM_TYPES = _ITEM_TYPES | {
+    *("additional_tools", "apply_patch_call", "apply_patch_call_output", "code_interpreter_call", "compaction"),
+    *("compaction_trigger", "computer_call", "computer_call_output", "custom_tool_call", "custom_tool_call_output"),
+    *("file_search_call", "image_generation_call", "local_shell_call", "local_shell_call_output"),
+    *("mcp_approval_request", "mcp_approval_response", "mcp_call", "mcp_list_tools", "program", "program_output"),
+    *("shell_call", "shell_call_output", "tool_search_call", "tool_search_output", "web_search_call"),
+}
+
+
+def _openai_item_type(value: str) -> str:
+    # A namespaced type is a platform's own (the agent runtime's agent_runtime:function_call): its reader decides.
+    if value not in OPENAI_ITEM_TYPES and ":" not in value:
+        supported = ", ".join(f"'{kind}'" for kind in sorted(_ITEM_TYPES))
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": supported})
+    return value
+
+
+class OtherItem(LooseModel):
+    """An item type OpenAI knows and this node does not take (server tools' calls); refused by type."""
+
+    type: Annotated[str, AfterValidator(_openai_item_type)]
 
 
 def _item_kind(value: Any) -> str:
@@ -372,7 +389,7 @@ class ResponseCreateRequest(WireModel):
     prompt: dict[str, Any] | None = None
     background: bool | None = None
     context_management: list[Any] | None = None
-    moderation: Any = None
+    moderation: dict[str, Any] | None = None
     # This platform's: which way the request goes (a request for the gateway is forwarded, not parsed here).
     route: Literal["node", "gateway"] | None = None
 

@@ -24,7 +24,7 @@ from inference.engine import execution
 from inference.engine.generation import Generation
 from inference.engine.runners import tensorrt_llm as tensorrt_llm_runner
 from inference.models import CatalogEntry, UsageRecord
-from inference.openai.responses import INCLUDE_LOGPROBS, OPENAI_TOOL_TYPES, ResponseCreateRequest
+from inference.openai.responses import INCLUDE_LOGPROBS, OPENAI_ITEM_TYPES, OPENAI_TOOL_TYPES, ResponseCreateRequest
 from inference.openai.shared import parse
 from inference.serving import responses
 from inference.usage.records import flush
@@ -562,7 +562,7 @@ async def test_the_input_tokens_of_a_request_are_counted_without_running_it(api:
     assert not await UsageRecord.objects.aexists()  # nothing ran, nothing to meter
 
 
-@pytest.mark.parametrize("field", ["conversation", "prompt", "context_management"])
+@pytest.mark.parametrize("field", ["conversation", "prompt", "context_management", "moderation"])
 @pytest.mark.parametrize("value", [0, False, 0.0, ""])
 async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(
     api: API, field: str, value: Any
@@ -571,6 +571,7 @@ async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_to
 
     assert response.status_code == 400, response.content
     assert response.json()["error"]["param"] == field
+    assert response.json()["error"]["code"] == "invalid_type" or field == "conversation" and value == ""
 
 
 @pytest.mark.parametrize(
@@ -611,7 +612,7 @@ async def test_a_misspelt_tool_type_is_an_invalid_value_not_a_tool_the_node_lack
     assert "Supported values are: 'function'" in error["message"]
 
 
-def test_every_tool_type_in_openais_spec_is_one_the_node_refuses_as_unsupported_not_as_unknown(
+def test_every_tool_and_item_type_in_openais_spec_is_one_the_node_refuses_as_unsupported_not_as_unknown(
     openai_spec: OpenAISpec,
 ) -> None:
     schemas = openai_spec.document["components"]["schemas"]
@@ -631,6 +632,17 @@ def test_every_tool_type_in_openais_spec_is_one_the_node_refuses_as_unsupported_
         return found
 
     assert types("Tool") | types("ToolChoiceParam") <= OPENAI_TOOL_TYPES
+    assert types("InputItem") <= OPENAI_ITEM_TYPES
+
+
+async def test_an_input_item_of_a_type_openai_does_not_know_is_an_invalid_value(api: API) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, ask(input=[{"type": "mesage", "role": "user"}, QUESTION])),
+        400,
+        "invalid_value",
+        "input.0.type",
+    )
+    assert "'mesage'" in error["message"] and "'message'" in error["message"]
 
 
 @pytest.mark.parametrize("kind", ["item_reference", "web_search_call", "computer_call_output", "mcp_call"])
