@@ -571,10 +571,16 @@ class AgentTurn:
         if (rule := await self.agent.guardrails.check_output(shown)) is not None:
             outcome.refused = True
             return self.encoder.refuse(rule.refusal)
-        if isinstance(piece, ToolCallPiece) and self.agent.tool(piece.name) is not None:
-            if piece.complete:  # a call the budget cut short is not run: the response ends incomplete
+        if isinstance(piece, ToolCallPiece) and (tool := self.agent.tool(piece.name)) is not None:
+            if piece.complete:
                 outcome.server_calls.append(piece)
-            return []
+                return []
+            # A call the budget cut short is not run, and is shown failed, with what the model wrote of it: the
+            # response ends incomplete.
+            call = self._call(tool, piece.arguments, piece.call_id)
+            index, opened = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
+            cut = "The call was cut short by the output token budget (max_output_tokens), so it was not run."
+            return [*opened, *self.encoder.close_item(index, agent_call_item(**call, status="failed", error=cut))]
         outcome.external_call |= isinstance(piece, ToolCallPiece)
         return self.encoder.feed(piece)
 

@@ -146,16 +146,14 @@ def validate_event(spec: OpenAISpec, event: dict[str, Any]) -> None:
 
 
 def check_agent_call(added: dict[str, Any], done: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    """The seed's ``agent_runtime:function_call``: its arguments when it starts; its output, or its error; and an
-    empty ``content``, for the SDKs that read it as a message."""
+    """The seed's ``agent_runtime:function_call``: its arguments when it starts (whole JSON, unless the budget cut
+    the call short); its output, or its error; and an empty ``content``, for the SDKs that read it as a message."""
     keys = {"id", "type", "status", "call_id", "name", "arguments", "output", "error", "content"}
     assert set(added) == set(done) == keys
     assert added["content"] == done["content"] == []
-    assert (
-        added["id"].startswith("atc_")
-        and added["status"] == "in_progress"
-        and json.loads(added["arguments"]) is not None
-    )
+    assert added["id"].startswith("atc_") and added["status"] == "in_progress"
+    if "cut short" not in (done["error"] or ""):
+        assert json.loads(added["arguments"]) is not None
     assert (added["id"], added["call_id"], added["name"], added["arguments"]) == (
         done["id"],
         done["call_id"],

@@ -545,6 +545,28 @@ async def test_a_failing_server_tool_ends_its_item_failed_with_its_error_and_the
     assert (turn.model, turn.status, turn.error_code) == (MODEL_ID, 200, "")
 
 
+async def test_a_server_tool_call_the_budget_cut_short_is_shown_failed_and_not_run(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance]
+) -> None:
+    instance = await sync_to_async(make_instance)(
+        "support.agent.searcher", tools=["knowledge_search"], first_step=FirstStep.TOOL, temperature=0
+    )
+
+    # Too few tokens for the forced search's query.
+    events, response = await tenant.stream(model=instance.instance_id, input=SPARE_PARTS_QUESTION, max_output_tokens=16)
+
+    assert response["status"] == "incomplete"
+    call, *_ = response["output"]
+    assert (call["type"], call["status"], call["output"]) == (AGENT_CALL, "failed", None)
+    assert "cut short" in call["error"] and "not run" in call["error"]
+    assert SeedClient().read(events).activity == ["knowledge_search: failed"]
+    # The conversation goes on from it, the call's unfinished arguments and all.
+    _, follow = await tenant.stream(
+        model=instance.instance_id, input="Thanks.", previous_response_id=response["id"], **SHORT
+    )
+    assert follow["status"] in ("completed", "incomplete")
+
+
 @pytest.mark.database
 async def test_output_holding_u0000_is_stored_with_u_fffd_in_its_place_and_the_conversation_goes_on(
     tenant: Tenant, make_instance: Callable[..., AgentInstance], monkeypatch: pytest.MonkeyPatch
