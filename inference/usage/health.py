@@ -4,7 +4,8 @@ Embedded mode: a model is healthy when this process has its runner loaded, or ca
 weights are where the catalog says). Distributed mode: when some Celery worker consumes its queue,
 asked with a short broadcast. Nothing here loads a model or runs a job.
 
-The overall status is ``down`` when the database or Redis fails (nothing can be served),
+The overall status is ``down`` when the database or Redis fails, or when none of the node's own models can be
+served and no gateway is configured to serve instead (nothing can be served: a load balancer takes the node out),
 ``degraded`` when only some models have no worker, and ``ok`` otherwise.
 
 Load balancers and anyone else may call ``/health`` as often as they like, without a key: a result is
@@ -190,6 +191,8 @@ async def check() -> Health:
     models = await check_models(broker_answers=redis.status == "ok") if database.status == "ok" else []
     if database.status == "error" or redis.status == "error":
         status: Literal["ok", "degraded", "down"] = "down"
+    elif models and all(model.status != "ok" for model in models) and not settings.GATEWAY_BASE_URL:
+        status = "down"
     elif any(model.status != "ok" for model in models):
         status = "degraded"
     else:

@@ -151,6 +151,18 @@ async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: 
     assert "b3os/off" not in {m["id"] for m in body["models"]}
 
 
+async def test_a_node_none_of_whose_models_can_be_served_is_down(catalog_model: CatalogEntry) -> None:
+    catalog_model.runner_settings = {"model_path": "/nowhere/model.gguf"}
+    await catalog_model.asave()
+
+    status, body = await get_health()
+
+    assert (status, body["status"]) == (503, "down")
+    with override_settings(GATEWAY_BASE_URL="http://upstream.example/v1"):  # the gateway still serves
+        health.clear_cache()
+        assert (await get_health())[1]["status"] == "degraded"
+
+
 @pytest.mark.parametrize("token", [None, "wrong"])
 async def test_without_the_metrics_token_health_tells_only_whether_it_can_serve(
     catalog_model: CatalogEntry, token: str | None
