@@ -43,15 +43,7 @@ from .exceptions import (
 )
 from .execution import Accepted, JobEvent, JobFailed, get_renderer
 from .prompting import Message, RenderedPrompt, check_context, render_prompt
-from .runners.base import (
-    Finished,
-    GenerationJob,
-    PromptRenderer,
-    RunnerError,
-    Sampling,
-    TextChunk,
-    TokenLogprob,
-)
+from .runners.base import Finished, GenerationJob, PromptRenderer, RunnerError, Sampling, TextChunk, TokenLogprob
 
 logger = logging.getLogger("inference.engine.generation")
 
