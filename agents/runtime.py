@@ -275,7 +275,7 @@ def _unfinished(generation: Generation) -> StepUsage:
     (as a node request that ended so: ``metered.generation_outcome``)."""
     if generation.first_token_at is None:
         return StepUsage(0, 0)
-    return StepUsage(generation.prompt_tokens, generation.completion_tokens)
+    return StepUsage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
 
 
 class TurnFailed(Exception):

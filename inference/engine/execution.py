@@ -285,7 +285,7 @@ def encode(events: list[JobEvent]) -> list[list[Any]]:
     for event in events:
         if isinstance(event, TextChunk):
             logprobs = [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs]
-            out.append(["t", event.text, event.tokens, logprobs])
+            out.append(["t", event.text, event.tokens, logprobs, event.cached_tokens])
         elif isinstance(event, Finished):
             out.append(["f", event.reason, event.prompt_tokens, event.completion_tokens, event.cached_tokens])
         elif isinstance(event, Accepted):
@@ -301,7 +301,7 @@ def decode(wire: list[list[Any]]) -> list[JobEvent]:
         kind = item[0]
         if kind == "t":
             logprobs = tuple(TokenLogprob(t, lp, tuple((a, b) for a, b in top)) for t, lp, top in item[3])
-            out.append(TextChunk(item[1], item[2], logprobs))
+            out.append(TextChunk(item[1], item[2], logprobs, item[4]))
         elif kind == "f":
             out.append(Finished(item[1], item[2], item[3], item[4]))
         elif kind == "a":

@@ -79,6 +79,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finished: bool = False
     _job: Job | None = field(default=None, repr=False)
     _events: AsyncIterator[list[JobEvent]] | None = field(default=None, repr=False)
@@ -160,6 +161,7 @@ class Generation:
                         if self.first_token_at is None:
                             self.first_token_at = time.monotonic()
                         self.completion_tokens += event.tokens
+                        self.cached_tokens = event.cached_tokens
                         for piece in _read(decoder, event):
                             reasoning_chars += len(piece.text) if isinstance(piece, ReasoningPiece) else 0
                             yield piece
@@ -171,7 +173,7 @@ class Generation:
                                 finish_reason="tool_calls",
                                 prompt_tokens=self.prompt_tokens,
                                 completion_tokens=self.completion_tokens,
-                                cached_tokens=0,  # the runner tells it as the job ends, which it does not now
+                                cached_tokens=self.cached_tokens,
                                 reasoning_tokens=_reasoning_tokens(reasoning_chars, decoder, self.completion_tokens),
                             )
                             return
@@ -199,7 +201,8 @@ class Generation:
                     for piece in decoder.finish(ran_out=True):
                         yield piece
                     self.finished = True
-                    yield Done("length", self.prompt_tokens, self.completion_tokens, 0, 0)
+                    reasoning = _reasoning_tokens(reasoning_chars, decoder, self.completion_tokens)
+                    yield Done("length", self.prompt_tokens, self.completion_tokens, self.cached_tokens, reasoning)
                     return
         finally:
             _running.pop(id(self), None)
@@ -235,7 +238,9 @@ def _coalesce(batch: list[Any]) -> list[Any]:
     for event in batch:
         if isinstance(event, TextChunk) and out and isinstance(out[-1], TextChunk):
             last = out[-1]
-            out[-1] = TextChunk(last.text + event.text, last.tokens + event.tokens, last.logprobs + event.logprobs)
+            out[-1] = TextChunk(
+                last.text + event.text, last.tokens + event.tokens, last.logprobs + event.logprobs, event.cached_tokens
+            )
         else:
             out.append(event)
     return out

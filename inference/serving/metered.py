@@ -69,7 +69,11 @@ def generation_outcome(generation: Generation, end: Done | Failed | None) -> Str
         return StreamOutcome(
             200, "", end.prompt_tokens, end.completion_tokens, end.reasoning_tokens, end.cached_tokens, ttft
         )
-    produced = {"input_tokens": generation.prompt_tokens, "output_tokens": generation.completion_tokens}
+    produced = {
+        "input_tokens": generation.prompt_tokens,
+        "output_tokens": generation.completion_tokens,
+        "cached_tokens": generation.cached_tokens,
+    }
     if generation.first_token_at is None:
         produced = {"input_tokens": 0, "output_tokens": 0}
     if isinstance(end, Failed):

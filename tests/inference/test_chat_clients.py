@@ -126,6 +126,8 @@ def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: Li
         "stream": True,
     }
     with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
+        # The same prompt once before: the cut stream finds it cached, and its record says so.
+        assert http.post("/v1/infer/chat/completions", json={**body, "stream": False, "max_tokens": 1}).is_success
         with http.stream("POST", "/v1/infer/chat/completions", json=body) as response:
             request_id = response.headers["x-request-id"]
             lines = 0
@@ -145,10 +147,13 @@ def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: Li
     rows: list[tuple] = []
     while time.monotonic() < deadline and not rows:
         rows = node_server.query(
-            "select status, error_code, output_tokens from inference_usagerecord where request_id = ?", request_id
+            "select status, error_code, output_tokens, input_tokens, cached_tokens from inference_usagerecord "
+            "where request_id = ?",
+            request_id,
         )
         time.sleep(0.2)
     assert rows, "the disconnected request left no usage record"
-    status, error_code, output_tokens = rows[0]
+    status, error_code, output_tokens, input_tokens, cached_tokens = rows[0]
     assert (status, error_code) == (499, "client_disconnected")
     assert 3 <= output_tokens < 2000
+    assert 0 < cached_tokens < input_tokens

@@ -424,6 +424,24 @@ async def test_without_parallel_tool_calls_the_output_ends_with_its_first_call(
     assert ("words after" in (choice["message"]["content"] or "")) is parallel
 
 
+async def test_an_output_ended_at_its_one_call_still_counts_the_prompt_tokens_found_cached(
+    api: API,
+    openai_spec: OpenAISpec,
+    toy_model: CatalogEntry,  # noqa: F811  (the fixture, imported)
+) -> None:
+    call = '<tool_call> {"name": "get_weather", "arguments": {"city": "%s"}} </tool_call>'
+    content = " ".join(["Tell me the weather in these cities, one call each, then a summary."] * 3)
+    content += f" {call % 'Rome'} {call % 'Oslo'} and some words after them"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    asked = {"model": TOY_ID, "messages": [{"role": "user", "content": content}], "tools": [tool], "max_tokens": 256}
+
+    await complete(api, openai_spec, **asked, parallel_tool_calls=False)
+    again = await complete(api, openai_spec, **asked, parallel_tool_calls=False)
+
+    assert again["choices"][0]["finish_reason"] == "tool_calls"
+    assert 0 < again["usage"]["prompt_tokens_details"]["cached_tokens"] < again["usage"]["prompt_tokens"]
+
+
 async def test_tool_calls_stream_as_delta_tool_calls(api: API, openai_spec: OpenAISpec) -> None:
     messages = [{"role": "user", "content": "What is the weather in Eugene, Oregon?"}]
     chunks = await stream(

@@ -150,11 +150,13 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TextChunk:
-    """Raw generated text, possibly several tokens at once."""
+    """Raw generated text, possibly several tokens at once, and how many of the prompt's tokens the runner found
+    cached (told with every chunk, so that a job ended before its ``Finished`` still counts them)."""
 
     text: str
     tokens: int = 1
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

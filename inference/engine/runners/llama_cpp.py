@@ -1575,7 +1575,7 @@ class _Sequence:
         if not count or not (cut := self.pending_ends[count - 1]):
             return
         logprobs, self.pending_logprobs = self.pending_logprobs[:count], self.pending_logprobs[count:]
-        self.deliver(TextChunk(self.pending[:cut], count, tuple(logprobs)))
+        self.deliver(TextChunk(self.pending[:cut], count, tuple(logprobs), self.cached))
         self.pending = self.pending[cut:]
         self.pending_ends = [end - cut for end in self.pending_ends[count:]]
         self.pending_whole = self.pending_whole[count:]
@@ -1584,7 +1584,7 @@ class _Sequence:
         # The first bytes of a character the output never finished (cut by the budget) are no text: dropped, not sent
         # as U+FFFD (the tokens still count, and their logprobs carry those bytes).
         if reason != "cancelled" and (self.pending or self.pending_ends):
-            self.deliver(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs)))
+            self.deliver(TextChunk(self.pending, len(self.pending_ends), tuple(self.pending_logprobs), self.cached))
         self.deliver(Finished(reason, len(self.prompt), self.produced, self.cached))  # type: ignore[arg-type]
         return True
 

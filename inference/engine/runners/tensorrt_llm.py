@@ -870,7 +870,9 @@ class TensorRTLLMRunner:
                     owed_logprobs.extend(event.logprobs)
                     ready = len(event.text) - _held_back(event.text, stops)
                     if ready > sent:
-                        yield TextChunk(text=event.text[sent:ready], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
+                        yield TextChunk(
+                            event.text[sent:ready], owed_tokens, tuple(owed_logprobs), event.cached_tokens
+                        )
                         sent, owed_tokens, owed_logprobs = ready, 0, []
 
             if was_cancelled:
@@ -878,7 +880,7 @@ class TensorRTLLMRunner:
             else:
                 # The final text is settled (stop strings cut, see _settled_text): send what was held back.
                 if last is not None and len(last.text) > sent:
-                    yield TextChunk(text=last.text[sent:], tokens=owed_tokens, logprobs=tuple(owed_logprobs))
+                    yield TextChunk(last.text[sent:], owed_tokens, tuple(owed_logprobs), last.cached_tokens)
                 reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
             yield Finished(
                 reason=reason,
