@@ -433,6 +433,9 @@ def _token_logprobs(
 
 _ENGINES: dict[str, _Engine] = {}
 _ENGINES_LOCK = threading.Lock()
+# How many open runners use each engine: entries that differ only in what the engine never sees (a chat template)
+# share one, which is shut down when the last of them closes.
+_HOLDERS: dict[str, int] = {}
 
 
 def _engine_key(settings: Mapping[str, Any]) -> str:
@@ -521,6 +524,7 @@ def shutdown_all() -> None:
     with _ENGINES_LOCK:
         engines = list(_ENGINES.values())
         _ENGINES.clear()
+        _HOLDERS.clear()
     for engine in engines:
         engine.close()
 
@@ -810,11 +814,33 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 class TensorRTLLMRunner:
     def __init__(self, settings: Mapping[str, Any] | None = None) -> None:
         self._api = _import_api()
+        self._holds: str | None = None  # the key of the engine this runner keeps loaded
+        self._closed = False
         if settings is not None:  # load the model now, not on the first job
             _engine_for(settings, self._api)
+            self._holds = _engine_key(settings)
+            with _ENGINES_LOCK:
+                _HOLDERS[self._holds] = _HOLDERS.get(self._holds, 0) + 1
+
+    def close(self) -> None:
+        """Takes no job after it, and shuts its engine down (freeing the GPU memory its KV cache holds) unless
+        another open runner uses it."""
+        self._closed = True
+        key, self._holds = self._holds, None
+        if key is None:
+            return
+        with _ENGINES_LOCK:
+            if (held := _HOLDERS.pop(key, 1) - 1) > 0:
+                _HOLDERS[key] = held
+                return
+            engine = _ENGINES.pop(key, None)
+        if engine is not None:
+            engine.close()
 
     # A generator, so that a consumer that stops reading early (close()) still aborts the request.
     def stream(self, job: GenerationJob, cancelled: Callable[[], bool]) -> Generator[RawEvent, None, None]:
+        if self._closed:
+            raise RunnerError("this TensorRT-LLM runner was closed", code="runner_unavailable")
         engine = _engine_for(job.runner_settings, self._api)
         # The API process refused such a guide already (schema_problem); a job can still come from an
         # API process with another xgrammar, and one bad guide would fail the engine's whole batch.
@@ -870,9 +896,7 @@ class TensorRTLLMRunner:
                     owed_logprobs.extend(event.logprobs)
                     ready = len(event.text) - _held_back(event.text, stops)
                     if ready > sent:
-                        yield TextChunk(
-                            event.text[sent:ready], owed_tokens, tuple(owed_logprobs), event.cached_tokens
-                        )
+                        yield TextChunk(event.text[sent:ready], owed_tokens, tuple(owed_logprobs), event.cached_tokens)
                         sent, owed_tokens, owed_logprobs = ready, 0, []
 
             if was_cancelled:
@@ -991,12 +1015,21 @@ def _max_top_logprobs(settings: Mapping[str, Any]) -> int:
     as {token id: Logprob} (``executor/result.py``). A plain float per token, the sampled token's
     alone, comes only from the TensorRT engine backend's legacy ``_return_log_probs`` path (that
     backend refuses ``logprobs`` without ``gather_generation_logits``: ``llm.py``, ``_check_arguments``);
-    an entry whose engine gives no alternatives sets 0, and asks for more are refused up front.
+    an entry whose engine gives no alternatives sets 0, and asks for more are refused up front. The C++ sampler
+    (``PENALTY_SAMPLER``) is one: it gives the sampled token's logprob alone, as rank 1, however many are asked for
+    (``sampler.py``, ``TRTLLMSampler.update_requests_single_beam_single_step``).
     """
-    value = settings.get("max_top_logprobs", MAX_TOP_LOGPROBS)
+    sampled_only = applies_penalties(settings)
+    value = settings.get("max_top_logprobs", 0 if sampled_only else MAX_TOP_LOGPROBS)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise RunnerError(
             f"tensorrt_llm setting max_top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
+            code="runner_unavailable",
+        )
+    if sampled_only and value:
+        raise RunnerError(
+            f"tensorrt_llm setting max_top_logprobs must be 0 with sampler_type {PENALTY_SAMPLER!r}: that sampler "
+            "reports the sampled token's logprob alone, no alternatives",
             code="runner_unavailable",
         )
     return value

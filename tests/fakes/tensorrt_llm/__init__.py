@@ -58,6 +58,8 @@ mirror the real source (NVIDIA/TensorRT-LLM on GitHub), read for this purpose:
   ``END_ID`` stop. ``sampler_type="TRTLLMSampler"`` is the C++ sampler: a request's seed, or 0 without
   one (``sampling_params.py``: "None means using C++ runtime default 0"), and an end token its
   sampling kernels never count in the sequence length ("Do not increase seq len when EOS is generated").
+  Its logprobs are the sampled token's alone, as rank 1, however many were asked for
+  (``update_requests_single_beam_single_step``).
 - ``tensorrt_llm/executor/base_worker.py``: ``_deduce_max_tokens`` clamps ``max_tokens``
   to ``max_seq_len - prompt length`` without refusing anything; ``_enqueue_request`` builds the C++
   ``SamplingConfig``, whose checks (``cpp/tensorrt_llm/executor/samplingConfig.cpp``) refuse

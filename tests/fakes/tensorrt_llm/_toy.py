@@ -315,6 +315,8 @@ class _Slot:
     end_id: int = 0
     # Whether the end-of-sequence token joins the output (TorchSampler) or not (the C++ sampler).
     outputs_end_id: bool = True
+    # Whether logprobs are the sampled token's alone, ranked 1 whatever its rank (the C++ sampler), or the top k.
+    sampled_logprob_only: bool = False
     # The tokens generated so far.
     output: list[int] = field(default_factory=list)
 
@@ -334,11 +336,12 @@ class _Slot:
         if len(self.output) == len(self.plan):
             if not self.outputs_end_id:
                 return EngineResponse(self.request_id, [], END_ID, True)
-            logprobs = self._logprobs(self.end_id)
+            logprobs = self._logprobs(self.end_id, self.end_id)
             self.output.append(self.end_id)
             return EngineResponse(self.request_id, [self.end_id], END_ID, True, logprobs=logprobs)
-        logprobs = self._logprobs(self.plan[len(self.output)])
+        likeliest = self.plan[len(self.output)]
         token = self._next_token()
+        logprobs = self._logprobs(likeliest, token)
         self.output.append(token)
         finish = LENGTH if len(self.output) >= self.max_tokens else None
         # The runtime looks for stop words in the generated ids after every token.
@@ -355,15 +358,18 @@ class _Slot:
             return alternatives[0]
         return self.generator.choice(alternatives)
 
-    def _logprobs(self, likeliest: int) -> list[dict[int, Logprob]] | None:
+    def _logprobs(self, likeliest: int, sampled: int) -> list[dict[int, Logprob]] | None:
         """The next position's top ``top_logprobs`` tokens, taken before sampling (1.2's ``TorchSampler``:
         ``torch.topk`` over the log-softmax, then ``handle_logprobs``): its likeliest token first (the plan's, or the
         first of a choice), then a choice's other words, then the alternatives. A token sampled outside them is not
-        among them."""
+        among them. The C++ sampler gives the sampled token's logprob alone, as rank 1, however many were asked for
+        (``TRTLLMSampler.update_requests_single_beam_single_step``)."""
         if not self.top_logprobs:
             return None
         ranked = dict.fromkeys([*(self.choices.get(len(self.output)) or [likeliest]), *self.alternatives])
         entry = {token: Logprob(logprob=-0.25 - rank, rank=rank + 1) for rank, token in enumerate(ranked)}
+        if self.sampled_logprob_only:
+            return [{sampled: Logprob(logprob=entry[sampled].logprob if sampled in entry else -9.0, rank=1)}]
         return [dict(list(entry.items())[: self.top_logprobs])]
 
 
@@ -429,6 +435,7 @@ class ToyExecutor:
                 generator=generator,
                 end_id=params.end_id if params.end_id is not None else self._tokenizer.eos_token_id,
                 outputs_end_id=self._sampler == "TorchSampler",
+                sampled_logprob_only=self._sampler == "TRTLLMSampler",
             )
             slot.alternatives = [self._tokenizer._id(" " + word) for word in _ALTERNATIVES]
             self._waiting.append(slot)

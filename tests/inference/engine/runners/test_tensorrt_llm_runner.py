@@ -1298,6 +1298,27 @@ def test_the_renderer_says_how_many_top_logprobs_the_entry_returns(hf: Loads) ->
         runner_module.renderer({**SETTINGS, "max_top_logprobs": 21})
 
 
+def test_an_entry_on_the_cpp_sampler_returns_no_top_logprobs_for_that_sampler_reports_none(hf: Loads) -> None:
+    settings = {**SETTINGS, "sampler_type": "TRTLLMSampler"}
+
+    assert runner_module.renderer(settings).max_top_logprobs == 0
+    with pytest.raises(RunnerError, match="max_top_logprobs must be 0"):
+        runner_module.renderer({**settings, "max_top_logprobs": 5})
+
+
+def test_on_the_cpp_sampler_each_sampled_token_has_its_own_logprob_and_no_alternatives(engine: Seen) -> None:
+    settings = {**SETTINGS, "sampler_type": "TRTLLMSampler"}
+    runner = runner_module.load(settings)
+
+    chunks, _ = collect(runner.stream(make_job(CHOICES, settings=settings, seed=3, logprobs=True), never))
+
+    logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
+    assert b"".join(lp.token for lp in logprobs).decode() == "".join(chunk.text for chunk in chunks)
+    assert all(lp.top == () for lp in logprobs)
+    # The toy model finds "tails" less likely than "heads": the C++ sampler's rank 1 is not taken for "the likeliest".
+    assert {lp.logprob for lp in logprobs if lp.token.strip() == b"tails"} == {-1.25}
+
+
 # -- the API process: guides and logprobs are checked before anything is queued ---------------------
 
 
@@ -1454,3 +1475,21 @@ def test_the_smoke_test_command_says_a_gateway_entry_has_no_runner_to_test() -> 
 
     with pytest.raises(CommandError, match="served only through the gateway"):
         call_command("smoke_test_model", "openai/gpt-x", stdout=io.StringIO())
+
+
+def test_a_closed_runner_shuts_its_engine_down_once_no_other_runner_uses_it(engine: Seen) -> None:
+    # Two entries that differ only in their chat template share one engine.
+    first = runner_module.load(SETTINGS)
+    second = runner_module.load({**SETTINGS, "chat_template": "{{ messages }}"})
+    (llm,) = engine.llms
+
+    first.close()
+    assert llm._executor is not None
+    assert answer(second, make_job("still served")) == "still served"
+
+    second.close()
+    assert llm._executor is None  # shut down: its GPU memory is free for the settings that replace it
+    with pytest.raises(RunnerError) as raised:
+        answer(second, make_job("no more"))
+    assert raised.value.code == "runner_unavailable"
+    assert len(engine.llms) == 1
