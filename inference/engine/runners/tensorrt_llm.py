@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Generator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from .base import (
@@ -223,9 +224,12 @@ class _Request:
 class _Engine:
     """An ``LLM`` and the event loop its requests live on."""
 
-    def __init__(self, llm: Any, api: _API, *, max_seq_len: int | None) -> None:
+    def __init__(self, llm: Any, api: _API, *, max_seq_len: int | None, end_ids: tuple[int, ...] = ()) -> None:
         self.llm = llm
         self.api = api
+        # The model's end tokens other than its tokenizer's, which ``SamplingParams._setup`` takes as the end id and
+        # the engine stops on: sent with every request as stop token ids.
+        self.end_ids = end_ids
         # The PyTorch backend checks a prompt against max_seq_len only as it enqueues it: base_worker.py's
         # _deduce_max_tokens shortens max_tokens to the room left, without a word, and refuses (RequestError)
         # only a prompt that leaves no room at all; llm.py's _check_arguments checks only max_num_tokens.
@@ -502,8 +506,26 @@ def _engine_for(settings: Mapping[str, Any], api: _API) -> _Engine:
                     "tensorrt_llm settings for %s set no max_seq_len: prompts are not checked against the engine's",
                     settings.get("model"),
                 )
-            engine = _ENGINES[key] = _Engine(llm, api, max_seq_len=int(max_seq_len) if max_seq_len else None)
+            engine = _ENGINES[key] = _Engine(
+                llm,
+                api,
+                max_seq_len=int(max_seq_len) if max_seq_len else None,
+                end_ids=_other_end_ids(settings.get("model"), getattr(llm.tokenizer, "eos_token_id", None)),
+            )
         return engine
+
+
+def _other_end_ids(model: Any, eos_token_id: int | None) -> tuple[int, ...]:
+    """The end tokens the model's ``generation_config.json`` lists beside its tokenizer's (Gemma's
+    ``<end_of_turn>``, Llama 3's ``<|eom_id|>``): without them as stop token ids, the engine writes on past the end
+    of the turn. ``SamplingParams._setup`` reads the generation config only for Kimi K2's end id."""
+    path = Path(model) / "generation_config.json" if isinstance(model, str) and model else None
+    try:
+        listed = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path else None
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = listed if isinstance(listed, list) else [listed]
+    return tuple(sorted({i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i != eos_token_id}))
 
 
 def _discard(engine: _Engine) -> None:
@@ -709,7 +731,7 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
     return api.GuidedDecodingParams(json=constraint.schema)
 
 
-def _sampling_params(job: GenerationJob, api: _API) -> Any:
+def _sampling_params(job: GenerationJob, api: _API, end_ids: tuple[int, ...]) -> Any:
     sampling = job.sampling
     kwargs: dict[str, Any] = {
         # SamplingParams defaults max_tokens to 32: never leave it to the default.
@@ -718,6 +740,9 @@ def _sampling_params(job: GenerationJob, api: _API) -> Any:
         "top_p": sampling.top_p,
         "seed": _seed(sampling),
         "stop": list(sampling.stop) or None,
+        # Cut from token_ids as a stop, named in stop_reason (executor/result.py, _handle_sequence), and special, so
+        # never in the text.
+        "stop_token_ids": list(end_ids) or None,
         # The prompt is a rendered chat template, which places BOS itself (trtllm-serve's chat default);
         # the renderer counted the prompt's tokens the same way.
         "add_special_tokens": False,
@@ -846,7 +871,7 @@ class TensorRTLLMRunner:
         # API process with another xgrammar, and one bad guide would fail the engine's whole batch.
         if problem := _constraint_problem(job.constraint):
             raise RunnerError(f"the output constraint cannot be enforced: {problem}", code="invalid_constraint")
-        params = _sampling_params(job, self._api)
+        params = _sampling_params(job, self._api, engine.end_ids)
         request = engine.submit(job, params, job.sampling.top_logprobs if job.sampling.logprobs else None)
         stops = job.sampling.stop
         prompt_tokens = job.prompt_tokens

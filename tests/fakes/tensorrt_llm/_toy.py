@@ -8,7 +8,10 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   characters together with the whitespace before them, so ``decode(encode(text)) == text``. A run
   with a non-ASCII character is spelled byte by byte instead, as SentencePiece's byte fallback
   spells what is not in its vocabulary (``<0xF0>``): ``decode`` of one such token is ``"\ufffd"``.
-  ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true.
+  ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true. ``<|end_of_turn|>`` is a second
+  special token that ends a turn, not the tokenizer's ``eos_token``: the toy model writes it where its prompt says
+  ``{end_of_turn}``, and the engine stops there only when it is among the request's ``stop_token_ids``
+  (``SamplingParams._setup`` takes the end id from the tokenizer alone).
 - ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is planned
   when it is submitted: the prompt's words echoed, where a word written as a choice, ``{heads|tails}``,
   is one the toy model is unsure of. Greedy decoding (``SamplingParams._greedy_decoding``) writes the
@@ -73,6 +76,9 @@ MAX_POSITION_EMBEDDINGS = 4096
 _ALTERNATIVES = ("the", "a", "of", "and", "to")
 # A prompt word the toy model is unsure how to echo: "{heads|tails}".
 _CHOICE = re.compile(r"\{(\w+(?:\|\w+)+)\}")
+# Where a prompt says this word, the toy model writes its end-of-turn token (``ToyTokenizer.end_of_turn``).
+END_OF_TURN_WORD = "{end_of_turn}"
+END_OF_TURN_ID = 3
 # TorchSampler._global_seed: the seed of the one generator every request of the engine draws from.
 TORCH_SAMPLER_SEED = 42
 
@@ -81,14 +87,17 @@ class ToyTokenizer:
     pad_token = "<pad>"
     bos_token = "<s>"
     eos_token = "</s>"
+    # A special token that ends a turn without being the tokenizer's end of sequence (as Gemma's <end_of_turn>):
+    # the model's generation_config.json lists both as end tokens.
+    end_of_turn = "<|end_of_turn|>"
     _PIECE = re.compile(r"\s*\S+|\s+")
     _BYTE = re.compile(r"<0x([0-9A-F]{2})>")
-    _SPECIAL = re.compile(r"(<pad>|<s>|</s>)")
+    _SPECIAL = re.compile(r"(<pad>|<s>|</s>|<\|end_of_turn\|>)")
 
     def __init__(self, name_or_path: str = "toy") -> None:
         self.name_or_path = name_or_path
         self._lock = threading.Lock()
-        self._pieces: list[str] = [self.pad_token, self.bos_token, self.eos_token]
+        self._pieces: list[str] = [self.pad_token, self.bos_token, self.eos_token, self.end_of_turn]
         self._ids: dict[str, int] = {piece: i for i, piece in enumerate(self._pieces)}
 
     @property
@@ -105,7 +114,7 @@ class ToyTokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        return [0, 1, 2]
+        return [0, 1, 2, 3]
 
     def _id(self, piece: str) -> int:
         with self._lock:
@@ -116,7 +125,7 @@ class ToyTokenizer:
 
     @property
     def all_special_tokens(self) -> list[str]:
-        return [self.pad_token, self.bos_token, self.eos_token]
+        return [self.pad_token, self.bos_token, self.eos_token, self.end_of_turn]
 
     def encode(
         self, text: str, add_special_tokens: bool = True, *, split_special_tokens: bool = False, **_: Any
@@ -498,7 +507,9 @@ class ToyExecutor:
         choices: dict[int, list[int]] = {}
         for n, word in enumerate(words):
             space = " " if n else ""
-            if choice := _CHOICE.fullmatch(word):
+            if word == END_OF_TURN_WORD:
+                plan.append(END_OF_TURN_ID)
+            elif choice := _CHOICE.fullmatch(word):
                 alternatives = [self._tokenizer._id(space + alternative) for alternative in choice[1].split("|")]
                 choices[len(plan)] = alternatives
                 plan.append(alternatives[0])

@@ -115,8 +115,15 @@ class SamplingParams:
         return self
 
     def _get_stop_words(self) -> list[list[int]]:
-        """The token ids the runtime stops on: one list per stop string, as ``_setup`` encoded them."""
-        return list(self._stop_word_ids or [])
+        """The token ids the runtime stops on: each stop token id alone, then one list per stop string, as
+        ``_setup`` encoded them."""
+        return [[i] for i in self.stop_token_ids or []] + list(self._stop_word_ids or [])
+
+    def _get_stop_reasons_and_words(self) -> list[tuple[str | int, list[int]]]:
+        """Each stop token id and stop string with the ids the runtime stops on for it."""
+        stop_reasons: list[str | int] = list(self.stop_token_ids or [])
+        stop_reasons += [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return list(zip(stop_reasons, self._get_stop_words(), strict=False))
 
     def _sampling_config_error(self) -> str | None:
         """What ``SamplingConfig``'s checks (``samplingConfig.cpp``: checkTopK, checkTopP, checkTemperature, …) refuse.
@@ -137,8 +144,3 @@ class SamplingParams:
             if not ok:
                 return f"[TensorRT-LLM][ERROR] Assertion failed: {condition} (samplingConfig.cpp)"
         return None
-
-    def _get_stop_reasons(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)

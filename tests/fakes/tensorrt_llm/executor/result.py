@@ -196,7 +196,7 @@ class GenerationResult:
                 output.finish_reason = "stop"
             elif response.finish_reason == STOP_WORDS:
                 output.finish_reason = "stop"
-                for stop_reason, stop_ids in zip(params._get_stop_reasons(), params._get_stop_words(), strict=False):
+                for stop_reason, stop_ids in params._get_stop_reasons_and_words():
                     if stop_ids and output.token_ids[-len(stop_ids) :] == stop_ids:
                         output.stop_reason = stop_reason
                         if not params.include_stop_str_in_output:
@@ -224,8 +224,8 @@ class GenerationResult:
             else:
                 output.text = self.tokenizer.decode(output.token_ids, **kwargs)
             if not self._done or output.finish_reason in ("stop", "length"):
-                for stop_reason in params._get_stop_reasons():
-                    if stop_reason in output.text:
+                for stop_reason, _ in params._get_stop_reasons_and_words():
+                    if isinstance(stop_reason, str) and stop_reason in output.text:
                         stop_pos = output.text.find(stop_reason)
                         if params.include_stop_str_in_output:
                             output.text = output.text[: stop_pos + len(stop_reason)]

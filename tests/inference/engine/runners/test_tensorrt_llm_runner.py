@@ -1493,3 +1493,26 @@ def test_a_closed_runner_shuts_its_engine_down_once_no_other_runner_uses_it(engi
         answer(second, make_job("no more"))
     assert raised.value.code == "runner_unavailable"
     assert len(engine.llms) == 1
+
+
+def test_the_turn_ends_at_any_end_token_the_models_generation_config_lists(engine: Seen, tmp_path: Path) -> None:
+    # Its tokenizer's end of sequence is </s>; its generation config lists <|end_of_turn|> too (as Gemma's does).
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    settings = {**SETTINGS, "model": str(tmp_path)}
+    prompt = "one two {end_of_turn} three four"
+
+    job = make_job(prompt, settings=settings, logprobs=True)
+
+    chunks, finished = collect(runner_module.load(settings).stream(job, never))
+
+    assert "".join(c.text for c in chunks) == "one two"
+    assert (finished.reason, finished.completion_tokens) == ("stop", 2)
+    assert [lp.token for c in chunks for lp in c.logprobs] == [b"one", b" two"]
+    assert engine.calls[-1].sampling_params.stop_token_ids == [3]
+
+
+def test_without_the_generation_config_the_engine_writes_on_past_the_end_of_the_turn(engine: Seen) -> None:
+    chunks, finished = collect(runner_module.load(SETTINGS).stream(make_job("one two {end_of_turn} three"), never))
+
+    assert "".join(c.text for c in chunks) == "one two three"
+    assert finished.completion_tokens == 4
