@@ -404,7 +404,7 @@ def _find_problem(schema: dict[str, Any], vocab: Any, limits: SchemaLimits) -> s
     try:
         grammar = grammar_for(Constraint(kind="json_schema", schema=schema), limits)
     except Exception as exc:  # noqa: BLE001  (the converter asserts and raises whatever the schema trips over)
-        return str(exc) or type(exc).__name__
+        return _converter_problem(exc)
     if vocab is not None:
         from llama_cpp import llama_cpp as lib
 
@@ -413,6 +413,23 @@ def _find_problem(schema: dict[str, Any], vocab: Any, limits: SchemaLimits) -> s
             return "llama.cpp cannot compile its grammar"
         lib.llama_sampler_free(compiled)
     return None
+
+
+# What the grammar converter says of a pattern it cannot read, before the details it adds: positions in, and the text
+# of, the pattern as the runner rewrote it (anchored), not as the client wrote it.
+_PATTERN_ERRORS = ("Unbalanced", "Invalid quantifier", "Unsupported pattern syntax", "Pattern must start")
+
+
+def _converter_problem(exc: Exception) -> str:
+    """What the grammar converter's failure says to a client: its own words, less the runner's rewrite of a pattern,
+    and a named cause where Python's would mean nothing to it."""
+    if isinstance(exc, RecursionError):
+        return "its $ref chains or nesting go too deep to build a grammar from"
+    message = str(exc) or type(exc).__name__
+    if message.startswith(_PATTERN_ERRORS):
+        head = re.split(r";| in /| at index ", message, maxsplit=1)[0].strip()
+        return f"one of its patterns cannot be read ({head.lower()})"
+    return message
 
 
 _REPETITIONS = ("minLength", "maxLength", "minItems", "maxItems")
@@ -1090,6 +1107,8 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
         elif key in SCHEMA_DATA:
             out[key] = value
         elif key == "pattern" and isinstance(value, str):
+            if unbalanced := _unbalanced(value):  # anchored, it would run on into the anchoring's own
+                raise ValueError(f"its pattern's {unbalanced}")
             alternatives = _alternatives(value)
             if len(alternatives) == 1:
                 out[key] = f"^{_anchored_alternative(value)}$"
@@ -1098,6 +1117,28 @@ def _anchored(schema: Any, *, in_map: bool = False) -> Any:
         else:
             out[key] = _anchored(value, in_map=key in SCHEMA_MAPS)
     return out
+
+
+def _unbalanced(pattern: str) -> str | None:
+    """What is unbalanced in ``pattern`` (a set or a group never closed, a group closed that never opened), as a
+    regular expression's syntax error says it, or None."""
+    in_set, depth, index = False, 0, 0
+    while index < len(pattern):
+        char = pattern[index]
+        index += 2 if char == "\\" else 1
+        if char == "[" and not in_set:
+            in_set = True
+        elif char == "]" and in_set:
+            in_set = False
+        elif char == "(" and not in_set:
+            depth += 1
+        elif char == ")" and not in_set:
+            if not depth:
+                return f") at {index - 1} closes no group"
+            depth -= 1
+    if in_set:
+        return "[ is never closed"
+    return "( is never closed" if depth else None
 
 
 def _anchored_alternative(alternative: str) -> str:

@@ -179,6 +179,30 @@ def test_a_pattern_no_grammar_can_enforce_as_written_is_refused_by_name(vocab: A
     assert problem is not None and named in problem and "/" not in problem
 
 
+@pytest.mark.parametrize(
+    ("pattern", "named"),
+    [
+        ("a{", "one of its patterns cannot be read (unbalanced curly brackets)"),
+        ("a{x}", "one of its patterns cannot be read (invalid quantifier {x})"),
+        ("[ab", "its pattern's [ is never closed"),
+        ("[a\\]", "its pattern's [ is never closed"),
+        ("(ab", "its pattern's ( is never closed"),
+        ("a)|(b", "its pattern's ) at 1 closes no group"),
+        ("[(]\\)x)", "its pattern's ) at 6 closes no group"),
+    ],
+)
+def test_a_pattern_that_cannot_be_read_is_named_without_the_runners_rewrite_of_it(pattern: str, named: str) -> None:
+    assert schema_problem({"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}) == named
+
+
+def test_a_ref_chain_too_deep_to_convert_is_named_as_such() -> None:
+    links = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(999)}
+
+    problem = schema_problem({"$ref": "#/$defs/d0", "$defs": {**links, "d999": {"type": "integer"}}})
+
+    assert problem == "its $ref chains or nesting go too deep to build a grammar from"
+
+
 def test_a_negated_set_in_a_pattern_holds_nothing_json_writes_escaped(vocab: Any) -> None:
     schema = {"type": "string", "pattern": "^[^a]+$"}
 
