@@ -15,7 +15,7 @@ from inference.openai import shared
 from inference.openai import usage as usage_wire
 from inference.openai.chat import ChatCompletionRequest
 from inference.openai.errors import stored_responses_not_offered
-from inference.openai.responses import ResponseCreateRequest
+from inference.openai.responses import ResponseCreateRequest, TokenCountRequest
 from inference.serving import chat, gateway, responses
 from inference.serving.caller import Caller, Result
 from inference.usage import reports
@@ -100,7 +100,8 @@ class ResponseInputTokensView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> Response:
-        params = await self.parse(request, ResponseCreateRequest)
+        params = await self.parse(request, TokenCountRequest)
+        params.refuse_uncounted()
         self.names(request, params.param_names())
         return Response(await responses.count_input_tokens(params=params))
 

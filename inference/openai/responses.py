@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypedDict
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
 from pydantic_core import PydanticCustomError
 
-from .errors import ParamNames, invalid_request, unsupported_parameter
+from .errors import APIError, ParamNames, invalid_request, unsupported_parameter
 from .shared import (
     MAX_TOOLS,
     FunctionName,
@@ -604,6 +604,22 @@ def response_object(
     if usage is not None:
         response["usage"] = usage  # OpenAI's schema has no null usage: until it is known, it is left out
     return response
+
+
+class TokenCountRequest(ResponseCreateRequest):
+    """``TokenCountsBody``: a Responses request's input and what shapes its prompt, nothing of how it would run."""
+
+    COUNTED: ClassVar[frozenset[str]] = frozenset(
+        {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning"}
+        | {"truncation", "previous_response_id", "conversation"}
+    )
+
+    def refuse_uncounted(self) -> None:
+        """A Responses parameter that counting takes no part of (``stream``, ``max_output_tokens``) is unknown here, as
+        at OpenAI."""
+        if uncounted := sorted(self.model_fields_set - self.COUNTED):
+            name = uncounted[0]
+            raise APIError(f"Unrecognized request argument supplied: {name}", code="unknown_parameter", param=name)
 
 
 def input_tokens_object(input_tokens: int) -> dict[str, Any]:

@@ -562,6 +562,16 @@ async def test_the_input_tokens_of_a_request_are_counted_without_running_it(api:
     assert not await UsageRecord.objects.aexists()  # nothing ran, nothing to meter
 
 
+@pytest.mark.parametrize(("field", "value"), [("stream", True), ("max_output_tokens", 999999), ("route", "gateway")])
+async def test_counting_input_tokens_takes_only_what_shapes_the_input(api: API, field: str, value: Any) -> None:
+    body = {"model": MODEL_ID, "input": "Name one river in Oregon.", field: value}
+
+    response = await api.post(f"{RESPONSES}/input_tokens", body)
+
+    error = assert_error(response, 400, "unknown_parameter", field)
+    assert error["message"] == f"Unrecognized request argument supplied: {field}"
+
+
 @pytest.mark.parametrize("field", ["conversation", "prompt", "context_management", "moderation"])
 @pytest.mark.parametrize("value", [0, False, 0.0, ""])
 async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(
