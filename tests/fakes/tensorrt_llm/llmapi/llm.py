@@ -176,9 +176,10 @@ class LLM:
             and prompt_len + query_len > max_num_tokens
         ):
             # The PyTorch backend checks only max_num_tokens here, never max_seq_len. Later sources
-            # raise RequestError from generate_async itself, earlier ones ValueError.
+            # raise RequestError from generate_async itself, earlier ones ValueError. The prompt's length is
+            # divided by the context-parallel size first, so it reads as a float ("(72417.0)").
             raise RequestError(
-                f"The sum of prompt length ({prompt_len}), query length ({query_len}) should not exceed "
+                f"The sum of prompt length ({prompt_len / 1}), query length ({query_len}) should not exceed "
                 f"max_num_tokens ({max_num_tokens})"
             )
 
