@@ -99,8 +99,9 @@ def previous_not_found(response_id: str) -> APIError:
     kept = f"for {days} days" if days else "until deleted"
     return invalid_request(
         f"Previous response with id {response_id!r} not found. Only responses created with store: true are kept, "
-        f"{kept}, from the moment they end (a response still streaming cannot be continued yet); with store: false, "
-        "send the whole conversation as input.",
+        f"{kept}, from the moment they end (a response still streaming cannot be continued yet), and a conversation "
+        "goes on with the agent instance (model) it began with; with store: false, send the whole conversation as "
+        "input.",
         param="previous_response_id",
         code="previous_response_not_found",
     )
@@ -140,11 +141,13 @@ class History:
             )
 
 
-def load_history(*, response_id: str, organization_id: int) -> History:
+def load_history(*, response_id: str, organization_id: int, instance_pk: int) -> History:
     """The conversation up to ``response_id``: only that branch's items are read, and at most
-    ``AGENT_CONVERSATION_MAX_TURNS`` turns are looked at."""
+    ``AGENT_CONVERSATION_MAX_TURNS`` turns are looked at. A conversation goes on with the instance it was held with:
+    another instance's model would read what this one's tools found (its knowledge), and an organization that has
+    lost the instance, or an instance disabled, ends its conversations."""
     last = find_stored(response_id=response_id, organization_id=organization_id)
-    if last is None:
+    if last is None or last.instance_id != instance_pk:
         raise previous_not_found(response_id)
     most = settings.AGENT_CONVERSATION_MAX_TURNS
     rows = StoredResponse.objects.filter(thread=last.thread, organization_id=organization_id)
@@ -332,7 +335,9 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     previous: StoredResponse | None = None
     history: list[dict[str, Any]] = []
     if params.previous_response_id is not None:
-        found = await _load_history(response_id=params.previous_response_id, organization_id=organization_id)
+        found = await _load_history(
+            response_id=params.previous_response_id, organization_id=organization_id, instance_pk=agent.pk
+        )
         if params.keeps:
             found.check_room(adding=stored_size(items))
         previous, history = found.last, found.items

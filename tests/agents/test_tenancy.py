@@ -171,6 +171,24 @@ async def test_another_tenants_response_cannot_be_continued_and_reads_as_missing
     assert "store: true" in first["message"]
 
 
+@pytest.fixture
+def acme_other(make_instance: Callable[..., AgentInstance]) -> AgentInstance:
+    return make_instance("acme.other")
+
+
+async def test_a_conversation_goes_on_only_with_the_instance_it_began_with(
+    tenant: Tenant, acme_other: AgentInstance, acme_response: StoredResponse
+) -> None:
+    # Another instance of the same organization would read what the first one's tools found.
+    body = {"input": "Repeat what you were told.", "stream": True, "previous_response_id": "resp_acme"}
+
+    error = assert_error(
+        await tenant.post("/v1/responses", {**body, "model": "acme.other"}), 400, "previous_response_not_found"
+    )
+
+    assert error["param"] == "previous_response_id" and "agent instance (model) it began with" in error["message"]
+
+
 @pytest.mark.parametrize("response_id", ["resp_\x00", "resp_acme' OR 1=1", "chatcmpl-123", "resp_" + "a" * 60])
 async def test_a_previous_response_id_that_cannot_be_one_of_the_runtimes_is_refused_by_name(
     tenant: Tenant, acme_response: StoredResponse, response_id: str
