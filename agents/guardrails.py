@@ -74,8 +74,11 @@ async def _first_match(rules: tuple[Rule, ...], texts: Sequence[str]) -> Rule | 
     return await asyncio.get_running_loop().run_in_executor(_threads, _search, rules, texts)
 
 
-# Characters that show nothing (soft hyphens, zero-width spaces, word joiners): a reader and the model read across them.
-_INVISIBLE = regex.compile(r"\p{Cf}+")
+# Characters that show nothing (soft hyphens, zero-width spaces, word joiners, variation selectors, fillers): a reader
+# and the model read across them.
+_INVISIBLE = regex.compile(r"[\p{Cf}\p{Default_Ignorable_Code_Point}]+")
+# Marks drawn on a letter (an accent, a stroke through it): the letter stays the letter to a reader.
+_MARKS = regex.compile(r"\p{M}+")
 
 
 def as_read(text: str) -> str:
@@ -87,12 +90,15 @@ def as_read(text: str) -> str:
 def _readings(text: str) -> list[str]:
     """``text`` as read, and, where it holds characters that show nothing, read with each as a space too: between
     two words (``credit<zero-width space>card``) one stands for the space a reader sees no less than the model.
-    Where it holds letters of another script that look like ASCII ones (a Cyrillic ``а`` in ``pаssword``), each
-    reading is read once more with them as the letters they look like."""
+    Where marks are drawn on its letters (``pásswórd``, a struck-through ``p̶a̶s̶s̶``), each reading is read once more
+    without them. Where it holds letters of another script that look like ASCII ones (a Cyrillic ``а`` in
+    ``pаssword``), each reading is read once more with them as the letters they look like."""
     joined = as_read(text)
     readings = [joined]
     if _INVISIBLE.search(text):
         readings.append(_INVISIBLE.sub(" ", unicodedata.normalize("NFKC", text)))
+    if _MARKS.search(unicodedata.normalize("NFD", joined)):
+        readings += [_MARKS.sub("", unicodedata.normalize("NFD", reading)) for reading in readings]
     if not joined.isascii():
         look_alikes = _look_alikes()
         readings += [seen for reading in readings if (seen := reading.translate(look_alikes)) != reading]

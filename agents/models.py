@@ -237,7 +237,8 @@ class Guardrail(models.Model):
         """
         if self.kind == MatchKind.REGEX:
             return tuple(compile_line(line) for line in self.lines())
-        return (compile_line("|".join(rf"(?<!\w){_term(line)}(?!\w)" for line in self.lines())),)
+        # Apart from the words around it: by anything but a letter or digit (an underscore, as in my_password, too).
+        return (compile_line("|".join(rf"(?<![^\W_]){_term(line)}(?![^\W_])" for line in self.lines())),)
 
     def checks(self, stage: Literal["input", "output"]) -> bool:
         return self.enabled and self.applies_to in (stage, Stage.BOTH)

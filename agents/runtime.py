@@ -209,16 +209,27 @@ def _text(content: Any) -> str:
 GUARDED_ROLES = frozenset({"user", "system", "developer"})
 
 
-def client_texts(items: list[dict[str, Any]], *, instructions: str | None) -> list[str]:
+def client_texts(stored: list[dict[str, Any]], sent: list[dict[str, Any]], *, instructions: str | None) -> list[str]:
     """What the client wrote for the model, for the input guardrails: the request's instructions, the text of every
-    user, system and developer message the model is to read (not only the last), wherever it stands, and the outputs
-    of the client's functions, which its application writes (what its user typed into a form, say)."""
+    user, system and developer message the model is to read (not only the last), stored or ``sent`` with this
+    request, and the outputs of the client's functions, which its application writes (what its user typed into a
+    form, say). Of what is sent, the rest too: an assistant message, a call's arguments, a server tool's run sent
+    back with ``store: false`` are the client's to write as it likes, and the model reads them all the same (a
+    server tool's run as the context of its system message). The stored turns' are the runtime's own record."""
     texts = [instructions or ""]
-    for item in items:
+    for item in [*stored, *sent]:
         if item.get("type", "message") == "message" and item.get("role") in GUARDED_ROLES:
             texts.append(_text(item.get("content")))
         elif item.get("type") == "function_call_output":
             texts.append(_text(item.get("output")))
+    for item in sent:
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") == "assistant":
+            texts.append(_text(item.get("content")))
+        elif kind == "function_call":
+            texts.append(str(item.get("arguments") or ""))
+        elif kind == AGENT_CALL:
+            texts += [str(item.get(part) or "") for part in ("arguments", "output", "error")]
     return [text for text in texts if text.strip()]
 
 
@@ -321,6 +332,7 @@ class AgentTurn:
     _transcript: Transcript = field(default_factory=Transcript)
     _output_seen: int = 0  # how many of the encoder's output items the transcript holds
     _read: list[dict[str, Any]] = field(default_factory=list)  # the conversation as the model reads it
+    _sent: list[dict[str, Any]] = field(default_factory=list)  # of it, what this request's input holds
 
     def __post_init__(self) -> None:
         self.encoder.annotate = self._citations
@@ -331,7 +343,9 @@ class AgentTurn:
         for index, item in enumerate(self.input_items):
             if len(self.history) + index not in left_out:
                 self._transcript.add(f"input.{index}", item)
-        self._read = [item for index, item in enumerate([*self.history, *self.input_items]) if index not in left_out]
+        stored = [item for index, item in enumerate(self.history) if index not in left_out]
+        self._sent = [item for index, item in enumerate(self.input_items) if len(self.history) + index not in left_out]
+        self._read = [*stored, *self._sent]
 
     # --- the request as generations
 
@@ -425,7 +439,8 @@ class AgentTurn:
         runs first is run, here: its results are in that step's prompt, charged and checked with it."""
         # The stored turns too, as when a client sends them all with store: false: a guardrail may have been added
         # since a turn ran. Exchanges refused before are not read again (``refused_exchanges``).
-        checked = client_texts(self._read, instructions=self.params.instructions)
+        stored = self._read[: len(self._read) - len(self._sent)]
+        checked = client_texts(stored, self._sent, instructions=self.params.instructions)
         self._refusal = await self.agent.guardrails.check_input(checked)
         if self._refusal is None and (search := self._search_first()) is not None:
             arguments = json.dumps({"query": new_user_text(self.input_items)}, ensure_ascii=False)

@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 
 from agents.guardrails import Guardrails
 from agents.models import Guardrail, MatchKind, Stage
-from agents.runtime import WholeWords, refused_exchanges
+from agents.runtime import WholeWords, client_texts, refused_exchanges
 from inference.engine.decoding import ReasoningPiece, TextPiece, ToolCallPiece
 from inference.engine.generation import Logprobs
 from inference.engine.runners.base import TokenLogprob
@@ -116,6 +116,40 @@ async def test_a_phrase_matches_whatever_whitespace_dashes_or_nothing_separate_i
 )
 async def test_a_term_is_found_through_fullwidth_letters_and_characters_nobody_sees(text: str, blocked: bool) -> None:
     # The model reads the word all the same; a guardrail that did not would be passed by pasting it so.
+    checked = guardrails("password", kind=MatchKind.TERMS, applies_to=Stage.BOTH)
+
+    assert (await checked.check_input([text]) is not None) is blocked
+    assert (await checked.check_output(text) is not None) is blocked
+
+
+@pytest.mark.parametrize(
+    ("text", "blocked"),
+    [
+        ("Reset my_password now", True),
+        ("What is my pass\u034fword?", True),
+        ("What is my pass\ufe0fword?", True),
+        ("What is my pass\u180bword?", True),
+        ("What is my pass\u3164word?", True),
+        ("What is my password\u0301?", True),
+        ("What is my p\u0336a\u0336s\u0336s\u0336w\u0336o\u0336r\u0336d\u0336?", True),
+        ("What is my p\u00e1ssw\u00f3rd?", True),
+        ("What is my passwords_file?", False),
+    ],
+    ids=[
+        "an underscore before it",
+        "a grapheme joiner",
+        "a variation selector",
+        "a Mongolian variation selector",
+        "a Hangul filler",
+        "an accent after it",
+        "struck through",
+        "accented letters",
+        "a longer word",
+    ],
+)
+async def test_a_term_is_found_through_underscores_marks_and_every_character_that_shows_nothing(
+    text: str, blocked: bool
+) -> None:
     checked = guardrails("password", kind=MatchKind.TERMS, applies_to=Stage.BOTH)
 
     assert (await checked.check_input([text]) is not None) is blocked
@@ -234,6 +268,37 @@ ANSWER = {"type": "message", "role": "assistant", "content": [{"type": "output_t
 
 def say(role: str, text: str) -> dict[str, Any]:
     return {"type": "message", "role": role, "content": text}
+
+
+def test_the_input_guardrails_read_all_the_client_sends_and_of_stored_turns_what_its_users_wrote() -> None:
+    sent = [
+        say("user", "Hi"),
+        say("assistant", "The secret animal is zebra."),
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"animal": "okapi"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"},
+        {
+            "type": "agent_runtime:function_call",
+            "call_id": "c2",
+            "name": "knowledge_search",
+            "arguments": "{}",
+            "output": "The secret animal is a quokka.",
+            "status": "completed",
+        },
+    ]
+    stored = [say("user", "Before"), say("assistant", "The model's own answer")]
+
+    texts = client_texts(stored, sent, instructions="Be brief.")
+
+    assert texts == [
+        "Be brief.",
+        "Before",
+        "Hi",
+        "done",
+        "The secret animal is zebra.",
+        '{"animal": "okapi"}',
+        "{}",
+        "The secret animal is a quokka.",
+    ]
 
 
 def test_a_refused_exchange_is_left_out_whole_but_the_clients_instructions_stay() -> None:
