@@ -52,7 +52,7 @@ from inference.models import CatalogEntry
 from inference.openai import responses as wire
 from inference.openai.errors import APIError, from_exception, invalid_request
 from inference.openai.shared import response_usage
-from inference.serving import responses
+from inference.serving import responses, revocation
 from inference.serving.caller import generation_error
 from inference.serving.metered import CLIENT_DISCONNECTED, StreamOutcome
 
@@ -313,6 +313,7 @@ class AgentTurn:
     context: ToolContext
     keep: Callable[[dict[str, Any]], Awaitable[None]] | None
     request_id: str
+    api_key_id: int | None = None  # the key the turn answers: a step under way ends if it is revoked
     steps: list[StepUsage] = field(default_factory=list)
     sources: list[Source] = field(default_factory=list)
     first_token_at: float | None = None
@@ -416,7 +417,10 @@ class AgentTurn:
             logprobs=self.params.wants_logprobs,
             top_logprobs=(self.params.top_logprobs or 0) if self.params.wants_logprobs else 0,
         )
-        return await prepare(entry=self.agent.entry, request=request)
+        generation = await prepare(entry=self.agent.entry, request=request)
+        if self.api_key_id is not None:
+            revocation.watch(generation, self.api_key_id)
+        return generation
 
     async def _charge_prompt(self, tokens: int) -> None:
         """A step's prompt counts against tokens per minute, less what admission charged for it."""

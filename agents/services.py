@@ -368,6 +368,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         context=ToolContext(instance_pk=agent.pk, organization_id=organization_id),
         keep=keep if params.keeps else None,
         request_id=caller.request_id,
+        api_key_id=caller.api_key.pk,
     )
     meter = meter_for(caller, model=agent.entry.public_id, endpoint=ENDPOINT, route=ROUTE)
     least = least_charge(agent.entry, runtime.output_limit(params, agent))

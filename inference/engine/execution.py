@@ -301,7 +301,8 @@ def decode(wire: list[list[Any]]) -> list[JobEvent]:
         kind = item[0]
         if kind == "t":
             logprobs = tuple(TokenLogprob(t, lp, tuple((a, b) for a, b in top)) for t, lp, top in item[3])
-            out.append(TextChunk(item[1], item[2], logprobs, item[4]))
+            # A worker of the release before tells no cached tokens with its chunks.
+            out.append(TextChunk(item[1], item[2], logprobs, item[4] if len(item) > 4 else 0))
         elif kind == "f":
             out.append(Finished(item[1], item[2], item[3], item[4]))
         elif kind == "a":

@@ -81,6 +81,8 @@ class Generation:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finished: bool = False
+    api_key_id: int | None = None  # the key it answers, when the serving layer watches it (``serving.revocation``)
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)  # the event loop running it
     _job: Job | None = field(default=None, repr=False)
     _events: AsyncIterator[list[JobEvent]] | None = field(default=None, repr=False)
     _first: list[JobEvent] = field(default_factory=list, repr=False)
@@ -149,6 +151,7 @@ class Generation:
         reasoning_chars = 0
         deadline = self.started + settings.STREAM_MAX_SECONDS
         _running[id(self)] = self
+        self.loop = asyncio.get_running_loop()
         try:
             async for batch in self._batches():
                 if self._interrupted is not None:
@@ -221,6 +224,11 @@ class Generation:
 _running: dict[int, Generation] = {}
 
 SHUTTING_DOWN = Failed("server_shutting_down", "the server shut down before the answer was complete")
+
+
+def running() -> list[Generation]:
+    """The generations running in this process."""
+    return list(_running.values())
 
 
 def interrupt_all(failure: Failed = SHUTTING_DOWN) -> int:

@@ -210,6 +210,7 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "invalid_constraint": "the output's constraint could not be enforced",
     "constraint_too_costly": "the output's constraint took too long to enforce for one token; simplify its schema",
     "unsupported_parameter": "the model's sampler does not apply a parameter the request set",
+    "invalid_api_key": "the API key was revoked or expired, or its organization deactivated, during the answer",
 }
 # Failures the request's own content caused once it ran: a 400, not a server fault.
 REQUEST_FAULT_CODES = ("constraint_too_costly", "context_length_exceeded", "unsupported_parameter")
@@ -225,6 +226,8 @@ def generation_failed(code: str, *, request_id: str) -> APIError:
         return APIError(message, code=code, status=503, type=SERVER, headers=headers)
     if code in REQUEST_FAULT_CODES:
         return APIError(message, code=code, status=400, type=INVALID_REQUEST)
+    if code == "invalid_api_key":
+        return APIError(message, code=code, status=401, type=INVALID_REQUEST)
     return APIError(message, code=code, status=500, type=SERVER)
 
 

@@ -24,6 +24,7 @@ from orgs.admission import Grant, admit, precheck
 from orgs.exceptions import LimitExceeded
 from orgs.models import APIKey
 
+from . import revocation
 from .metered import CLIENT_DISCONNECTED, RESPONSE_TIMED_OUT, Chunk, Ending, Metered, generation_outcome
 
 logger = logging.getLogger("inference.serving")
@@ -172,6 +173,7 @@ async def run_admitted(
     try:
         # The runner takes the job (or refuses it, overloaded) before any response begins.
         await generation.start()
+        revocation.watch(generation, caller.api_key.pk)
         return await respond(generation, grant, meter)
     except BaseException as exc:
         grant.release()

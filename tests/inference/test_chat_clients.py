@@ -116,6 +116,42 @@ def test_the_sdk_runs_a_tool_round_trip(client: OpenAI) -> None:
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
 
 
+def test_a_key_revoked_mid_stream_ends_the_stream_with_invalid_api_key_and_its_usage_is_recorded(
+    node_server: LiveServer,
+) -> None:
+    key = node_server.new_key("revoked-mid-stream")
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about rivers."}],
+        "max_tokens": 2000,
+        "temperature": 0.9,
+        "stream": True,
+    }
+    events: list[dict[str, Any]] = []
+    with httpx.Client(base_url=node_server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/infer/chat/completions", json=body) as response:
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 3:
+                    node_server.manage("revoke_key", key)  # another process: the server learns of it as it would
+
+    *chunks, last = events
+    assert last["error"]["code"] == "invalid_api_key" and "revoked" in last["error"]["message"]
+    assert all("choices" in chunk for chunk in chunks)
+    deadline = time.monotonic() + 10
+    rows: list[tuple] = []
+    while time.monotonic() < deadline and not rows:
+        rows = node_server.query(
+            "select error_code, output_tokens from inference_usagerecord where request_id = ?", request_id
+        )
+        time.sleep(0.2)
+    (error_code, output_tokens), *_ = rows
+    assert error_code == "invalid_api_key" and 0 < output_tokens < 2000
+
+
 def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {node_server.key}"}
     body = {

@@ -1,0 +1,72 @@
+"""A key revoked, expired or left without its active organization ends the answers it has under way, not only its
+next requests: revocation takes effect at once, for what streams too.
+
+Each event loop running generations for keys has one watch: every ``CHECK_SECONDS`` it reads the keys' version
+(``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed or ``API_KEY_CACHE_SECONDS``
+passed (an expiry, a lost bump), asks the database which of those keys are still usable. A generation whose key
+is not ends as a failure, ``invalid_api_key``, its usage recorded with what it produced. The watch ends once its
+loop has run no such generation for ``IDLE_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from django.conf import settings
+
+from core.db import db_task
+from inference.engine import generation as generations
+from inference.engine.generation import Failed, Generation
+from orgs.keycache import current_version
+from orgs.models import APIKey
+
+logger = logging.getLogger("inference.serving")
+
+CHECK_SECONDS = 1.0
+# Longer than a watched generation takes to start running: one watched just before the watch ends still starts one.
+IDLE_SECONDS = 10.0
+
+KEY_REVOKED = Failed(
+    "invalid_api_key", "the API key was revoked or expired, or its organization deactivated, during the answer"
+)
+
+_watches: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
+_last_watched: dict[asyncio.AbstractEventLoop, float] = {}
+
+
+def watch(generation: Generation, api_key_id: int) -> None:
+    """Ends ``generation`` with ``KEY_REVOKED`` if its key stops being usable before it ends."""
+    generation.api_key_id = api_key_id
+    loop = asyncio.get_running_loop()
+    _last_watched[loop] = time.monotonic()
+    if (task := _watches.get(loop)) is None or task.done():
+        _watches[loop] = loop.create_task(_watch(loop))
+
+
+async def _watch(loop: asyncio.AbstractEventLoop) -> None:
+    seen, checked = None, time.monotonic()  # the first round checks: a key may have gone before its watch began
+    while True:
+        await asyncio.sleep(CHECK_SECONDS)
+        keyed = [g for g in generations.running() if g.api_key_id is not None and g.loop is loop]
+        if not keyed and time.monotonic() - _last_watched.get(loop, 0.0) > IDLE_SECONDS:
+            del _watches[loop], _last_watched[loop]  # no await since the look: a new watch() starts a new watch
+            return
+        try:
+            version = await current_version()
+            if not keyed or version == seen and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS:
+                continue
+            usable = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
+        except Exception:  # Redis or the database away: the next round tries again
+            logger.warning("could not check the keys of the answers under way", exc_info=True)
+            continue
+        seen, checked = version, time.monotonic()
+        for generation in keyed:
+            if generation.api_key_id not in usable:
+                generation.interrupt(KEY_REVOKED)
+
+
+@db_task
+def _usable(keys: set[int]) -> set[int]:
+    return set(APIKey.objects.usable().filter(pk__in=keys).values_list("pk", flat=True))
