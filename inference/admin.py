@@ -3,10 +3,10 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from core.admin import ModelAdmin
-from inference.engine.entries import runner_problem
+from inference.engine.entries import runner_problem, serving_warning
 from inference.engine.execution import get_capacity
 from inference.models import GATEWAY_PARAMETERS, CatalogEntry, UsageRecord
 
@@ -51,6 +51,12 @@ class CatalogEntryForm(forms.ModelForm):
 @admin.register(CatalogEntry)
 class CatalogEntryAdmin(ModelAdmin):
     form = CatalogEntryForm
+
+    def save_model(self, request: Any, obj: CatalogEntry, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        if warning := serving_warning(obj):
+            messages.warning(request, warning)
+
     list_display = [
         "public_id",
         "runner",

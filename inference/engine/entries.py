@@ -7,6 +7,7 @@ template are the runner's work, not a row's, and an entry the runner could never
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,25 @@ def runner_problem(entry: CatalogEntry) -> tuple[str, str] | None:
         return _llama_cpp_problem(entry)
     if entry.runner == "tensorrt_llm":
         return _tensorrt_llm_problem(entry)
+    return None
+
+
+def serving_warning(entry: CatalogEntry) -> str | None:
+    """Why an enabled entry, saved as it may be, is not served yet, for the operator to hear as it is saved: what it
+    needs is elsewhere (the gateway's upstream, the GPU runner's library), and may come later."""
+    if not entry.enabled:
+        return None
+    if not entry.served_here and not entry.upstream_base_url and not settings.GATEWAY_BASE_URL:
+        return (
+            f"{entry.public_id} has no upstream: set GATEWAY_BASE_URL (and GATEWAY_API_KEY) for the API processes, or "
+            "give it an upstream URL. Until then its requests get 503 gateway_not_configured."
+        )
+    if entry.runner == "tensorrt_llm" and not settings.DISTRIBUTED and importlib.util.find_spec("tensorrt_llm") is None:
+        return (
+            f"{entry.public_id} runs on TensorRT-LLM, which is not installed here, and in embedded mode this process "
+            "serves its models itself. Until it is installed (pip install '.[gpu]') or a GPU worker serves the model "
+            "(distributed mode), its requests get 503."
+        )
     return None
 
 

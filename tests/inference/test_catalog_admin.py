@@ -15,7 +15,7 @@ from django.test import Client, override_settings
 
 from agents.models import AgentInstance
 from inference.engine.runners import llama_cpp
-from inference.models import CatalogEntry
+from inference.models import GATEWAY, CatalogEntry
 from tests.conftest import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
@@ -380,3 +380,28 @@ def test_a_cpu_model_whose_file_went_away_can_still_be_disabled(
 def test_a_context_left_to_its_default_bounds_the_prefill_chunk_as_the_default_does() -> None:
     assert llama_cpp.settings_problem({"n_ctx": None, "prefill_chunk": 512}) is None
     assert "at most n_ctx (8192)" in (llama_cpp.settings_problem({"n_ctx": None, "prefill_chunk": 9000}) or "")
+
+
+def test_saving_a_gpu_model_on_an_embedded_node_without_tensorrt_llm_warns_that_it_is_not_served_yet(
+    staff_client: Client,
+) -> None:
+    entry = CatalogEntry.objects.create(
+        public_id="acme/gpu-model", runner="tensorrt_llm", runner_settings={"model": "/m"}
+    )
+
+    page = staff_client.post(f"/admin/inference/catalogentry/{entry.pk}/change/", form_data(entry), follow=True)
+
+    text = html.unescape(page.content.decode())
+    assert "gpu-model runs on TensorRT-LLM, which is not installed here" in text  # the admin capitalizes it
+    assert "its requests get 503" in text
+
+
+@override_settings(GATEWAY_BASE_URL="")
+def test_saving_a_gateway_model_with_no_upstream_warns_that_its_requests_get_503(staff_client: Client) -> None:
+    entry = CatalogEntry.objects.create(public_id="openai/gpt-4o", runner=GATEWAY)
+
+    data = form_data(entry, upstream_base_url="")
+
+    page = staff_client.post(f"/admin/inference/catalogentry/{entry.pk}/change/", data, follow=True)
+
+    assert "penai/gpt-4o has no upstream" in html.unescape(page.content.decode())  # the admin capitalizes it

@@ -128,15 +128,18 @@ def test_a_key_revoked_mid_stream_ends_the_stream_with_invalid_api_key_and_its_u
         "stream": True,
     }
     events: list[dict[str, Any]] = []
-    with httpx.Client(base_url=node_server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/infer/chat/completions", json=body) as response:
-            request_id = response.headers["x-request-id"]
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line.removeprefix("data: ")))
-                if len(events) == 3:
-                    node_server.manage("revoke_key", key)  # another process: the server learns of it as it would
+    headers = {"Authorization": f"Bearer {key}"}
+    with (
+        httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http,
+        http.stream("POST", "/v1/infer/chat/completions", json=body) as response,
+    ):
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if len(events) == 3:
+                node_server.manage("revoke_key", key)  # another process: the server learns of it as it would
 
     *chunks, last = events
     assert last["error"]["code"] == "invalid_api_key" and "revoked" in last["error"]["message"]

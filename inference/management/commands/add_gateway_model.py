@@ -2,12 +2,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
 from core.commands import OperatorCommand
+from inference.engine.entries import serving_warning
 from inference.models import GATEWAY, GATEWAY_PARAMETERS, CatalogEntry
 
 
@@ -75,8 +75,5 @@ class Command(OperatorCommand):
                 entry.save()
         for entry in entries:
             self.stdout.write(entry.public_id)
-            if entry.enabled and not entry.upstream_base_url and not settings.GATEWAY_BASE_URL:
-                self.stderr.write(
-                    f"{entry.public_id} has no upstream: set GATEWAY_BASE_URL (and GATEWAY_API_KEY) for the API "
-                    "processes, or give it --upstream-url. Until then its requests get 503 gateway_not_configured."
-                )
+            if warning := serving_warning(entry):
+                self.stderr.write(warning)
