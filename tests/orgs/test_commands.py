@@ -91,6 +91,28 @@ def test_set_limit_sets_the_default_and_a_per_model_override(catalog_model: Cata
     assert Limit.objects.get(organization__slug="globex", model__isnull=True).requests_per_minute == 20
 
 
+def test_set_limit_with_no_limit_shows_the_row_and_with_remove_deletes_it(catalog_model: CatalogEntry) -> None:
+    run("create_org", "globex")
+    run("set_limit", "globex", "--rpm", "10")
+    run("set_limit", "globex", MODEL_ID, "--rpm", "5")
+
+    assert run("set_limit", "globex").strip().endswith("tpm=unlimited rpm=10 in_flight=unlimited")
+    assert Limit.objects.get(organization__slug="globex", model__isnull=True).requests_per_minute == 10
+    assert run("set_limit", "globex", MODEL_ID, "--remove").strip() == f"Removed the row for {MODEL_ID} of globex."
+    assert run("set_limit", "globex", MODEL_ID).strip() == f"No row for {MODEL_ID}: the default row of globex applies."
+    assert not Limit.objects.filter(organization__slug="globex", model=catalog_model).exists()
+
+
+def test_set_limit_warns_that_a_models_row_with_no_limit_leaves_it_unlimited(catalog_model: CatalogEntry) -> None:
+    run("create_org", "globex")
+    warned = StringIO()
+
+    call_command("set_limit", "globex", MODEL_ID, "--rpm", "none", stdout=StringIO(), stderr=warned)
+
+    assert f"leaves {MODEL_ID} unlimited for globex, whatever its default row says" in warned.getvalue()
+    assert f"set_limit globex {MODEL_ID} --remove" in warned.getvalue()
+
+
 def test_set_limit_refuses_an_unknown_model() -> None:
     run("create_org", "globex")
     with pytest.raises(CommandError, match="No catalog model"):
