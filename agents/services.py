@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from core.db import db_task
 from inference.engine import capabilities
 from inference.openai import responses as wire
-from inference.openai.errors import APIError, invalid_request, model_missing
+from inference.openai.errors import SERVER, APIError, invalid_request, model_missing
 from inference.openai.shared import declared_fields
 from inference.serving import responses
 from inference.serving.caller import (
@@ -62,6 +62,15 @@ def load_agent(*, instance_id: str, organization_id: int) -> Agent:
         AgentInstance.objects.usable_by(organization_id).select_related("model").filter(instance_id=instance_id).first()
     )
     if instance is None:
+        held = AgentInstance.objects.filter(instance_id=instance_id, enabled=True, organizations__id=organization_id)
+        if held.exists():  # the tenant's instance, on a catalog model switched off for now
+            raise APIError(
+                f"The model {instance_id!r} is not available right now: the model it runs on is disabled.",
+                code="model_not_available",
+                status=503,
+                type=SERVER,
+                headers={"Retry-After": str(settings.OUTAGE_RETRY_AFTER_SECONDS)},
+            )
         raise model_not_found(instance_id)
     return Agent(
         pk=instance.pk,

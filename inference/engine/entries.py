@@ -38,6 +38,9 @@ def serving_warning(entry: CatalogEntry) -> str | None:
     """Why an enabled entry, saved as it may be, is not served yet, for the operator to hear as it is saved: what it
     needs is elsewhere (the gateway's upstream, the GPU runner's library), and may come later."""
     if not entry.enabled:
+        if entry.pk is not None and (instances := list(entry.agent_instances.filter(enabled=True))):
+            names = ", ".join(sorted(instance.instance_id for instance in instances))
+            return f"The agent instances {names} run on {entry.public_id}: their requests get 503 until it is enabled."
         return None
     if not entry.served_here and not entry.upstream_base_url and not settings.GATEWAY_BASE_URL:
         return (

@@ -20,6 +20,7 @@ from agents.models import AgentInstance, Feedback, FirstStep, Guardrail, StoredR
 from inference.models import CatalogEntry
 from orgs.models import Organization
 from tests.conftest import ROOT
+from tests.inference.test_catalog_admin import form_data
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
@@ -94,6 +95,20 @@ def test_an_instance_is_edited_with_its_tools_documents_and_guardrails(
     assert 'value="knowledge_search"' in html and "Machine 4711: compatible spare parts" in html
     assert "guardrails-TOTAL_FORMS" in html and "documents-TOTAL_FORMS" in html
     assert staff.get("/admin/agents/agentinstance/").status_code == 200
+
+
+def test_disabling_the_model_of_an_instance_warns_that_the_instances_requests_get_503(
+    staff: Client, make_instance: Callable[..., AgentInstance]
+) -> None:
+    instance = make_instance("acme.agent")
+    entry = instance.model
+    data = {key: value for key, value in form_data(entry).items() if key != "enabled"}
+
+    page = staff.post(f"/admin/inference/catalogentry/{entry.pk}/change/", data, follow=True)
+
+    assert "The agent instances acme.agent run on " in page.content.decode()
+    entry.refresh_from_db()
+    assert not entry.enabled
 
 
 def test_an_admin_creates_an_instance_with_a_document_and_a_guardrail_for_a_tenant(

@@ -154,6 +154,23 @@ async def test_another_tenants_instance_is_not_found_as_if_it_did_not_exist(
     ].replace("globex.agent.private", "no.such.agent")
 
 
+@pytest.fixture
+def on_a_disabled_model(make_instance: Callable[..., AgentInstance]) -> AgentInstance:
+    instance = make_instance("acme.paused")
+    instance.model.enabled = False
+    instance.model.save()
+    return instance
+
+
+async def test_the_tenants_instance_on_a_disabled_model_is_unavailable_for_now_not_missing(
+    tenant: Tenant, on_a_disabled_model: AgentInstance
+) -> None:
+    response = await tenant.post("/v1/responses", {"model": "acme.paused", "input": "Hi", "stream": True})
+
+    error = assert_error(response, 503, "model_not_available", "server_error")
+    assert "the model it runs on is disabled" in error["message"] and response.headers["Retry-After"]
+
+
 # --- stored responses --------------------------------------------------------------------------------------
 
 
