@@ -422,6 +422,7 @@ LOGGING = {
     "filters": {
         "request_id": {"()": "inference.api.middleware.RequestIdLogFilter"},
         "outages": {"()": "core.logs.OutageLogFilter"},
+        "refusals": {"()": "core.logs.RefusalLogFilter"},
     },
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
@@ -434,5 +435,7 @@ LOGGING = {
         "llama-cpp-python": {"level": "DEBUG" if LOG_LEVEL == "DEBUG" else "WARNING"},
         # Its receive loop logs an error every second while Redis is away.
         "channels_redis.pubsub": {"filters": ["outages"]},
+        # A 403 (a staff user without a permission) is logged with the traceback of its PermissionDenied.
+        "django.request": {"filters": ["refusals"]},
     },
 }

@@ -2,7 +2,8 @@
 
 A library that meets an outage of Redis may log it on every try while it lasts: channels_redis's receive loop
 logs a traceback every second. ``OutageLogFilter`` lets the first one through on one line, then one a minute
-saying how many it held back, so an hour without Redis is sixty lines, not 3,600 tracebacks.
+saying how many it held back, so an hour without Redis is sixty lines, not 3,600 tracebacks. ``RefusalLogFilter``
+keeps a permission refusal on one line.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+from django.core.exceptions import PermissionDenied
 
 from core.outages import unavailable_service
 
@@ -45,4 +48,15 @@ class OutageLogFilter(logging.Filter):
             message += f" ({held} more like it in the last {self.interval:g} s)"
         record.msg, record.args = message, ()
         record.exc_info, record.exc_text = None, None
+        return True
+
+
+class RefusalLogFilter(logging.Filter):
+    """Django logs each 403 with the traceback of the ``PermissionDenied`` behind it: an operator's refusal, not a
+    fault. It is kept on one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, PermissionDenied):
+            record.exc_info, record.exc_text = None, None
         return True

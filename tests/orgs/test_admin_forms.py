@@ -409,3 +409,17 @@ def test_a_whole_key_that_is_not_one_finds_nothing_though_its_prefix_is_a_keys(
     listing = staff_client.get("/admin/orgs/apikey/", {"q": raw[:-1] + ("A" if raw[-1] != "A" else "B")})
 
     assert "0 results" in listing.content.decode()
+
+
+def test_a_refused_admin_page_is_logged_on_one_line_without_a_traceback(
+    staff_client: Client, organization: Organization, caplog: pytest.LogCaptureFixture
+) -> None:
+    UsageRecord.objects.create(
+        organization=organization, model=MODEL_ID, endpoint="chat.completions", status=200, request_id="req_1",
+        created=timezone.now(),
+    )  # fmt: skip
+
+    assert staff_client.get(f"/admin/orgs/organization/{organization.pk}/delete/").status_code == 403
+
+    (refused,) = [record for record in caplog.records if record.name == "django.request"]
+    assert refused.levelname == "WARNING" and "Forbidden" in refused.getMessage() and refused.exc_info is None
