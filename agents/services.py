@@ -278,6 +278,20 @@ def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
     return items
 
 
+def _check_replayed_calls(items: list[dict[str, Any]], agent: Agent) -> None:
+    """A server tool's run sent back must be of a tool the instance runs: the model reads the runs as the context of
+    its system message, and a run of a tool that no instance of it runs can only have been written by the client."""
+    for index, item in enumerate(items):
+        if item.get("type") == AGENT_CALL and agent.tool(item["name"]) is None:
+            runs = ", ".join(repr(tool.name) for tool in agent.tools) or "none"
+            raise invalid_request(
+                f"{item['name']!r} is not a tool this instance runs (it runs {runs}): send back the server tools' "
+                "runs as the response gave them, or leave them out.",
+                param=f"input.{index}.name",
+                code="invalid_value",
+            )
+
+
 def _check_storable(params: AgentResponseRequest, items: list[dict[str, Any]]) -> None:
     """Refuses, before the turn runs, input a stored turn cannot hold (as stored, it would fail only at the end)."""
     where = unstorable_at(params.input if isinstance(params.input, str) else items, "input")
@@ -339,6 +353,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     agent = await _load_agent(instance_id=params.model, organization_id=organization_id)
     _check_against_instance(params, agent)
     items = input_items(params)
+    _check_replayed_calls(items, agent)
     if params.keeps:
         _check_storable(params, items)
     previous: StoredResponse | None = None
