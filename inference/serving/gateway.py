@@ -33,6 +33,7 @@ from django.conf import settings
 from multidict import CIMultiDictProxy
 
 from inference.engine.catalog import find_enabled_model
+from inference.engine.generation import Failed
 from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
 from inference.openai.chat import GatewayChatRequest
 from inference.openai.errors import (
@@ -48,6 +49,7 @@ from inference.openai.errors import (
 from inference.openai.responses import GatewayResponseRequest
 from inference.openai.shared import parse
 
+from . import revocation
 from .caller import Caller, Result, admit_request, meter_for, record_error
 from .metered import CLIENT_DISCONNECTED, Metered, StreamOutcome
 
@@ -503,11 +505,26 @@ class StreamRelay:
     # What the stream's last event holds: chat's ``[DONE]``, or a Response's terminal event types.
     terminal: tuple[bytes, ...]
     secret: str = ""  # the upstream's key, kept out of the log
+    api_key_id: int | None = None  # the key it answers, while ``revocation`` watches it
     _ended: bool = False
     _sequence: int = -1  # a Responses stream's last sequence number
     _response: dict[str, Any] | None = None  # the Response a Responses stream began with
     _closed: bool = False  # a Responses stream's terminal event went out
     _failure: str = ""  # what the client was told when the upstream failed mid-stream
+    _interrupted: Failed | None = None  # why the stream is to end now (its key revoked)
+    _wait: asyncio.Timeout | None = None  # the wait for the upstream's next bytes, while it lasts
+
+    def interrupt(self, failure: Failed) -> None:
+        """Ends the stream with ``failure``: at once if it waits for the upstream, else once its next bytes are out."""
+        self._interrupted = failure
+        if self._wait is not None:
+            self._wait.reschedule(asyncio.get_running_loop().time())
+
+    def _interruption(self) -> bytes:
+        assert self._interrupted is not None
+        self.tally.error_code = self._interrupted.code
+        message = f"{self._interrupted.message[:1].upper()}{self._interrupted.message[1:]}."
+        return self._sse_error(APIError(message, code=self._interrupted.code, status=401, type=INVALID_REQUEST))
 
     def _sse_error(self, error: APIError) -> bytes:
         """The stream's closing error: chat's ``{"error": …}``; a Responses ``error`` event that takes the next
@@ -539,20 +556,30 @@ class StreamRelay:
         pending = b""
         finished = False
         chunks = response.content.iter_any()
+        if self.api_key_id is not None:
+            revocation.watch_stream(self, self.api_key_id)
         try:
             while True:
+                if self._interrupted is not None:
+                    yield self._interruption()
+                    return
                 # Each read waits no longer than the stream has left: an upstream gone silent would otherwise hold
                 # the stream past its limit for as long as the read timeout (GATEWAY_TIMEOUT_SECONDS) allows.
                 try:
-                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.0)) as limit:
+                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.0)) as self._wait:
                         chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    if not limit.expired():
+                    if self._interrupted is not None:
+                        yield self._interruption()
+                        return
+                    if self._wait is None or not self._wait.expired():
                         raise  # the read timeout, not the stream's limit
                     yield self._time_limit()
                     return
+                finally:
+                    self._wait = None
                 if self.tally.first_byte_at is None:
                     self.tally.first_byte_at = time.monotonic()
                     self.tally.answered = True
@@ -595,6 +622,7 @@ class StreamRelay:
                 )
             )
         finally:
+            revocation.unwatch_stream(self)
             if finished:
                 response.release()
             else:
@@ -791,6 +819,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         request_id=caller.request_id,
         terminal=CHAT_END if path == "chat/completions" else RESPONSE_END,
         secret=upstream.api_key,
+        api_key_id=caller.api_key.pk,
     )
     stream = Metered(
         relay.relay(response),

@@ -1,11 +1,11 @@
 """A key revoked, expired or left without its active organization ends the answers it has under way, not only its
 next requests: revocation takes effect at once, for what streams too.
 
-Each event loop running generations for keys has one watch: every ``CHECK_SECONDS`` it reads the keys' version
-(``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed or ``API_KEY_CACHE_SECONDS``
-passed (an expiry, a lost bump), asks the database which of those keys are still usable. A generation whose key
-is not ends as a failure, ``invalid_api_key``, its usage recorded with what it produced. The watch ends once its
-loop has run no such generation for ``IDLE_SECONDS``.
+Each event loop running answers for keys (generations, gateway streams) has one watch: every ``CHECK_SECONDS`` it
+reads the keys' version (``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed or
+``API_KEY_CACHE_SECONDS`` passed (an expiry, a lost bump), asks the database which of those keys are still usable.
+An answer whose key is not ends as a failure, ``invalid_api_key``, its usage recorded with what it produced. The
+watch ends once its loop has run no such answer for ``IDLE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
 
 from django.conf import settings
 
@@ -32,24 +33,55 @@ KEY_REVOKED = Failed(
     "invalid_api_key", "the API key was revoked or expired, or its organization deactivated, during the answer"
 )
 
+
+class Interruptible(Protocol):
+    """An answer under way for a key, that ``interrupt`` ends with a failure: a generation, a gateway stream."""
+
+    api_key_id: int | None
+
+    def interrupt(self, failure: Failed) -> None: ...
+
+
 _watches: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
 _last_watched: dict[asyncio.AbstractEventLoop, float] = {}
+# The answers under way that are not generations (which ``generations.running`` lists), with their event loops.
+_streams: dict[int, tuple[Interruptible, asyncio.AbstractEventLoop]] = {}
 
 
 def watch(generation: Generation, api_key_id: int) -> None:
     """Ends ``generation`` with ``KEY_REVOKED`` if its key stops being usable before it ends."""
     generation.api_key_id = api_key_id
+    _watching(asyncio.get_running_loop())
+
+
+def watch_stream(stream: Interruptible, api_key_id: int) -> None:
+    """Ends ``stream`` with ``KEY_REVOKED`` if its key stops being usable before ``unwatch_stream``."""
+    stream.api_key_id = api_key_id
     loop = asyncio.get_running_loop()
+    _streams[id(stream)] = (stream, loop)
+    _watching(loop)
+
+
+def unwatch_stream(stream: Interruptible) -> None:
+    _streams.pop(id(stream), None)
+
+
+def _watching(loop: asyncio.AbstractEventLoop) -> None:
     _last_watched[loop] = time.monotonic()
     if (task := _watches.get(loop)) is None or task.done():
         _watches[loop] = loop.create_task(_watch(loop))
+
+
+def _under_way(loop: asyncio.AbstractEventLoop) -> list[Interruptible]:
+    running: list[Interruptible] = [g for g in generations.running() if g.api_key_id is not None and g.loop is loop]
+    return running + [stream for stream, on in list(_streams.values()) if on is loop]
 
 
 async def _watch(loop: asyncio.AbstractEventLoop) -> None:
     seen, checked = None, time.monotonic()  # the first round checks: a key may have gone before its watch began
     while True:
         await asyncio.sleep(CHECK_SECONDS)
-        keyed = [g for g in generations.running() if g.api_key_id is not None and g.loop is loop]
+        keyed = _under_way(loop)
         if not keyed and time.monotonic() - _last_watched.get(loop, 0.0) > IDLE_SECONDS:
             del _watches[loop], _last_watched[loop]  # no await since the look: a new watch() starts a new watch
             return
@@ -62,9 +94,9 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
             logger.warning("could not check the keys of the answers under way", exc_info=True)
             continue
         seen, checked = version, time.monotonic()
-        for generation in keyed:
-            if generation.api_key_id not in usable:
-                generation.interrupt(KEY_REVOKED)
+        for answer in keyed:
+            if answer.api_key_id not in usable:
+                answer.interrupt(KEY_REVOKED)
 
 
 @db_task

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from inference.models import CatalogEntry, UsageRecord
 from inference.serving import gateway
 from inference.usage import records as usage
 from orgs.admission import memory_store
-from orgs.models import Limit, Organization
+from orgs.models import APIKey, Limit, Organization
 from tests.conftest import API, read_stream, sse_data
 
 UPSTREAM_KEY = "sk-upstream-faults-7f3a9c2e"
@@ -735,6 +736,30 @@ async def until(condition: Callable[[], bool]) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+@BOTH
+async def test_a_stream_whose_key_is_revoked_ends_with_invalid_api_key_and_closes_the_upstream_request(
+    gw: Gateway, settings: Any, path: str
+) -> None:
+    settings.GATEWAY_TIMEOUT_SECONDS = 10  # the upstream says nothing more: the revocation ends the stream first
+    before = gw.upstream.hung_up
+    await gw.offer("revoked", events(first_event(path), then="stall", upstream=gw.upstream))
+    response = await gw.post("revoked", path=path, stream=True)
+    sent: list[bytes] = []
+
+    async def read() -> None:
+        async for chunk in response.streaming_content:
+            sent.append(chunk)
+
+    reading = asyncio.create_task(read())
+    await until(lambda: bool(sent))
+    await APIKey.objects.filter(organization_id=gw.organization_id).aupdate(revoked_at=timezone.now())
+    await asyncio.wait_for(reading, 10)
+
+    assert stream_error(b"".join(sent).decode(), path)["code"] == "invalid_api_key"
+    assert (await gw.record(response)).error_code == "invalid_api_key"
+    assert await until(lambda: gw.upstream.hung_up == before + 1)
 
 
 # --- clients that hang up ----------------------------------------------------------------------------------
