@@ -116,22 +116,35 @@ def test_the_sdk_runs_a_tool_round_trip(client: OpenAI) -> None:
     assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
 
 
+# A streamed answer that runs long, unless something ends it.
+LONG_STORY = {
+    "model": MODEL_ID,
+    "messages": [{"role": "user", "content": "Write a very long story about rivers."}],
+    "max_tokens": 2000,
+    "temperature": 0.9,
+    "stream": True,
+}
+
+
+def recorded(server: LiveServer, request_id: str, columns: str) -> tuple[Any, ...]:
+    """The usage record's ``columns``, once the server has written it."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if rows := server.query(f"select {columns} from inference_usagerecord where request_id = ?", request_id):
+            return rows[0]
+        time.sleep(0.2)
+    raise AssertionError(f"request {request_id} left no usage record")
+
+
 def test_a_key_revoked_mid_stream_ends_the_stream_with_invalid_api_key_and_its_usage_is_recorded(
     node_server: LiveServer,
 ) -> None:
     key = node_server.new_key("revoked-mid-stream")
-    body = {
-        "model": MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about rivers."}],
-        "max_tokens": 2000,
-        "temperature": 0.9,
-        "stream": True,
-    }
     events: list[dict[str, Any]] = []
     headers = {"Authorization": f"Bearer {key}"}
     with (
         httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http,
-        http.stream("POST", "/v1/infer/chat/completions", json=body) as response,
+        http.stream("POST", "/v1/infer/chat/completions", json=LONG_STORY) as response,
     ):
         request_id = response.headers["x-request-id"]
         for line in response.iter_lines():
@@ -144,30 +157,17 @@ def test_a_key_revoked_mid_stream_ends_the_stream_with_invalid_api_key_and_its_u
     *chunks, last = events
     assert last["error"]["code"] == "invalid_api_key" and "revoked" in last["error"]["message"]
     assert all("choices" in chunk for chunk in chunks)
-    deadline = time.monotonic() + 10
-    rows: list[tuple] = []
-    while time.monotonic() < deadline and not rows:
-        rows = node_server.query(
-            "select error_code, output_tokens from inference_usagerecord where request_id = ?", request_id
-        )
-        time.sleep(0.2)
-    (error_code, output_tokens), *_ = rows
+    error_code, output_tokens = recorded(node_server, request_id, "error_code, output_tokens")
     assert error_code == "invalid_api_key" and 0 < output_tokens < 2000
 
 
 def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {node_server.key}"}
-    body = {
-        "model": MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about rivers."}],
-        "max_tokens": 2000,
-        "temperature": 0.9,
-        "stream": True,
-    }
     with httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http:
         # The same prompt once before: the cut stream finds it cached, and its record says so.
-        assert http.post("/v1/infer/chat/completions", json={**body, "stream": False, "max_tokens": 1}).is_success
-        with http.stream("POST", "/v1/infer/chat/completions", json=body) as response:
+        once = {**LONG_STORY, "stream": False, "max_tokens": 1}
+        assert http.post("/v1/infer/chat/completions", json=once).is_success
+        with http.stream("POST", "/v1/infer/chat/completions", json=LONG_STORY) as response:
             request_id = response.headers["x-request-id"]
             lines = 0
             for line in response.iter_lines():
@@ -182,17 +182,8 @@ def test_a_client_that_hangs_up_stops_generation_and_is_recorded(node_server: Li
         )
         assert quick.status_code == 200
         assert time.monotonic() - started < 10
-    deadline = time.monotonic() + 10
-    rows: list[tuple] = []
-    while time.monotonic() < deadline and not rows:
-        rows = node_server.query(
-            "select status, error_code, output_tokens, input_tokens, cached_tokens from inference_usagerecord "
-            "where request_id = ?",
-            request_id,
-        )
-        time.sleep(0.2)
-    assert rows, "the disconnected request left no usage record"
-    status, error_code, output_tokens, input_tokens, cached_tokens = rows[0]
+    columns = "status, error_code, output_tokens, input_tokens, cached_tokens"
+    status, error_code, output_tokens, input_tokens, cached_tokens = recorded(node_server, request_id, columns)
     assert (status, error_code) == (499, "client_disconnected")
     assert 3 <= output_tokens < 2000
     assert 0 < cached_tokens < input_tokens
