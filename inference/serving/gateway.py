@@ -91,6 +91,12 @@ def session() -> aiohttp.ClientSession:
     return found
 
 
+async def close_session() -> None:
+    """Closes this event loop's connections to upstreams (the server shutting down, its requests done)."""
+    if (found := _sessions.pop(id(asyncio.get_running_loop()), None)) is not None:
+        await found.close()
+
+
 @dataclass(frozen=True, slots=True)
 class Upstream:
     base_url: str

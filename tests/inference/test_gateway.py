@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -616,3 +618,19 @@ def test_an_upstream_answer_past_the_bound_is_a_502_not_read_whole(setup: Setup)
 
     assert response.status_code == 502
     assert "larger than 200000 bytes" in response.json()["error"]["message"]
+
+
+def test_a_server_told_to_stop_closes_its_connections_to_upstreams(setup: Setup, tmp_path: Path) -> None:
+    server = start_server(
+        tmp_path / "var",
+        extra_env={"GATEWAY_BASE_URL": setup.upstream_url + "/v1", "GATEWAY_API_KEY": UPSTREAM_KEY},
+        org="gw",
+    )
+    server.manage("add_gateway_model", "upstream/gpt-x")
+    headers = {"Authorization": f"Bearer {server.key}"}
+    assert httpx.post(f"{server.base_url}/chat/completions", json=chat(), headers=headers, timeout=30).is_success
+
+    server.process.send_signal(signal.SIGTERM)
+
+    assert server.process.wait(timeout=60) == 0
+    assert "Unclosed client session" not in (tmp_path / "var" / "server.log").read_text()

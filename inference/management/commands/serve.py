@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import logging
 import socket
@@ -22,6 +23,7 @@ from inference.engine import dispatch, generation
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.openai.errors import response_timeout
+from inference.serving import gateway
 from inference.serving.metered import RESPONSE_TIMED_OUT
 from inference.usage.reports import start_periodic_rollup
 
@@ -106,6 +108,8 @@ class _DrainingServer(daphne_server.Server):
             clock.callLater(0.05, check)
 
         check()
+        # The requests are done: the gateway's connections to upstreams are closed before the loop ends.
+        drained.addCallback(lambda _: defer.Deferred.fromFuture(asyncio.ensure_future(gateway.close_session())))
         drained.addCallback(lambda _: super(_DrainingServer, self).kill_all_applications())
         return drained
 
