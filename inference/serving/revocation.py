@@ -2,8 +2,9 @@
 next requests: revocation takes effect at once, for what streams too.
 
 Each event loop running answers for keys (generations, gateway streams) has one watch: every ``CHECK_SECONDS`` it
-reads the keys' version (``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed or
-``API_KEY_CACHE_SECONDS`` passed (an expiry, a lost bump), asks the database which of those keys are still usable.
+reads the keys' version (``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed, an
+answer started, or ``API_KEY_CACHE_SECONDS`` passed (an expiry, a lost bump), asks the database which of those keys
+are still usable.
 An answer whose key is not ends as a failure, ``invalid_api_key``, its usage recorded with what it produced. The
 watch ends once its loop has run no such answer for ``IDLE_SECONDS``.
 """
@@ -78,7 +79,8 @@ def _under_way(loop: asyncio.AbstractEventLoop) -> list[Interruptible]:
 
 
 async def _watch(loop: asyncio.AbstractEventLoop) -> None:
-    seen, checked = None, time.monotonic()  # the first round checks: a key may have gone before its watch began
+    seen, checked = None, time.monotonic()
+    known: set[int] = set()  # the answers whose keys were checked at version ``seen``
     while True:
         await asyncio.sleep(CHECK_SECONDS)
         keyed = _under_way(loop)
@@ -87,13 +89,16 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
             return
         try:
             version = await current_version()
-            if not keyed or version == seen and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS:
+            # An answer new since the last check is checked too: its key may have gone between its request's
+            # authentication and its start (an agent's next step starts after its tools ran), at a version seen.
+            fresh = any(id(answer) not in known for answer in keyed)
+            if version == seen and not fresh and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS:
                 continue
             usable = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
         except Exception:  # Redis or the database away: the next round tries again
             logger.warning("could not check the keys of the answers under way", exc_info=True)
             continue
-        seen, checked = version, time.monotonic()
+        seen, checked, known = version, time.monotonic(), {id(answer) for answer in keyed}
         for answer in keyed:
             if answer.api_key_id not in usable:
                 answer.interrupt(KEY_REVOKED)

@@ -1,0 +1,61 @@
+"""The answers under way for a key end when it stops being usable; the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from inference.engine.generation import Failed
+from inference.serving import revocation
+from orgs.models import APIKey, Organization
+
+
+@dataclass
+class Answer:
+    """An answer under way as the watch sees one: a key, and what ended it."""
+
+    api_key_id: int | None = None
+    ended_by: list[Failed] = field(default_factory=list)
+
+    def interrupt(self, failure: Failed) -> None:
+        self.ended_by.append(failure)
+
+
+@pytest.fixture
+def two_keys(organization: Organization) -> tuple[APIKey, APIKey]:
+    return (
+        APIKey.generate(organization=organization, name="revoked")[0],
+        APIKey.generate(organization=organization, name="kept")[0],
+    )
+
+
+async def ended(answer: Answer) -> bool:
+    for _ in range(50):
+        if answer.ended_by:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_an_answer_that_starts_after_its_key_was_revoked_is_ended_though_the_watch_saw_the_revocation(
+    two_keys: tuple[APIKey, APIKey],
+) -> None:
+    revoked, kept = two_keys
+    others = Answer()
+    revocation.watch_stream(others, kept.pk)
+    await sync_to_async(revoked.revoke)()
+    await asyncio.sleep(revocation.CHECK_SECONDS * 2)  # the watch has checked the keys under way since then
+    late = Answer()  # as an agent's next step, after its tools ran
+
+    revocation.watch_stream(late, revoked.pk)
+
+    try:
+        assert await ended(late)
+        assert late.ended_by == [revocation.KEY_REVOKED]
+        assert others.ended_by == []
+    finally:
+        revocation.unwatch_stream(others)
+        revocation.unwatch_stream(late)
