@@ -140,6 +140,18 @@ class OrganizationAdmin(ModelAdmin):
         actions.pop("delete_selected", None)
         return actions
 
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        super().save_formset(request, form, formset, change)
+        if formset.model is not Limit:
+            return
+        for row in Limit.objects.filter(organization=form.instance, model__isnull=False).select_related("model"):
+            if (row.tokens_per_minute, row.requests_per_minute, row.requests_in_flight) == (None, None, None):
+                messages.warning(
+                    request,
+                    f"The row for {row.model} has no limit: it leaves that model unlimited for {form.instance.slug}, "
+                    "whatever the default row says. Delete the row to have the default apply to it.",
+                )
+
     @admin.display(description="keys")
     def key_count(self, obj: Organization) -> int:
         return obj.api_keys.filter(revoked_at__isnull=True).count()

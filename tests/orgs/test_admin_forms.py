@@ -116,6 +116,20 @@ def test_a_default_limit_can_become_a_models_limit_while_a_new_default_is_added(
     assert sorted(Limit.objects.values_list("model", flat=True), key=str) == [catalog_model.pk, None]
 
 
+def test_a_models_limit_row_with_no_limit_is_saved_with_a_warning_that_it_leaves_the_model_unlimited(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    data = organization_form(organization, [None, catalog_model])
+    data["limits-1-requests_per_minute"] = ""
+
+    page = staff_client.post(f"/admin/orgs/organization/{organization.pk}/change/", data, follow=True)
+
+    assert f"The row for {MODEL_ID} has no limit: it leaves that model unlimited for acme" in html.unescape(
+        page.content.decode()
+    )
+    assert Limit.objects.filter(organization=organization).count() == 2
+
+
 def test_a_second_default_limit_on_the_limits_page_is_refused_with_a_message_an_admin_understands(
     staff_client: Client, organization: Organization
 ) -> None:
