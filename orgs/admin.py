@@ -145,7 +145,7 @@ class OrganizationAdmin(ModelAdmin):
         if formset.model is not Limit:
             return
         for row in Limit.objects.filter(organization=form.instance, model__isnull=False).select_related("model"):
-            if (row.tokens_per_minute, row.requests_per_minute, row.requests_in_flight) == (None, None, None):
+            if row.lifts_the_default:
                 messages.warning(
                     request,
                     f"The row for {row.model} has no limit: it leaves that model unlimited for {form.instance.slug}, "

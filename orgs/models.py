@@ -198,3 +198,9 @@ class Limit(models.Model):
     def __str__(self) -> str:
         scope = self.model.public_id if self.model_id else "all models"
         return f"{self.organization.slug} / {scope}"
+
+    @property
+    def lifts_the_default(self) -> bool:
+        """A model's row with no limit: the model is unlimited for the organization, whatever its default row says."""
+        limits = (self.tokens_per_minute, self.requests_per_minute, self.requests_in_flight)
+        return self.model_id is not None and limits == (None, None, None)

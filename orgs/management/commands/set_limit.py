@@ -59,9 +59,13 @@ class Command(OperatorCommand):
             self.stdout.write(f"Removed the row for {scope}." if deleted else f"No row for {scope}: nothing removed.")
             return
         if not limits:  # shown, not changed: omitted limits would all be unlimited
-            limit = rows.first()
-            self.stdout.write(_shown(limit) if limit else "No row: unlimited." if entry is None else
-                              f"No row for {model_id}: the default row of {org_slug} applies.")
+            shown = rows.first()
+            if shown is not None:
+                self.stdout.write(_shown(shown))
+            elif entry is None:
+                self.stdout.write("No row: unlimited.")
+            else:
+                self.stdout.write(f"No row for {model_id}: the default row of {org_slug} applies.")
             return
         try:
             limit = set_limit(
@@ -74,7 +78,7 @@ class Command(OperatorCommand):
         except ValidationError as exc:
             raise refused(exc) from None
         self.stdout.write(_shown(limit))
-        if entry is not None and all(value is None for value in limits.values()):
+        if limit.lifts_the_default:
             self.stderr.write(
                 f"This row leaves {model_id} unlimited for {org_slug}, whatever its default row says. To have the "
                 f"default apply to it again: manage.py set_limit {org_slug} {model_id} --remove"
