@@ -76,6 +76,12 @@ class DecodePlan:
     def forced(self) -> bool:
         return self.reads_tool_calls and self.tool_choice != "auto"
 
+    @property
+    def calls_end_as(self) -> Literal["stop", "tool_calls"]:
+        """The finish reason of an output that ends with its calls: OpenAI's chat gives ``stop`` for a call the
+        request named (``tool_choice: {"type": "function", …}``) and ``tool_calls`` otherwise."""
+        return "stop" if self.reads_tool_calls and isinstance(self.tool_choice, ForcedFunction) else "tool_calls"
+
     def enforced_schemas(self) -> list[tuple[str | None, dict[str, Any]]]:
         """The schemas the constraint enforces: ``(tool name, parameters)``, or ``(None, schema)`` for the output."""
         if self.constraint is None or self.constraint.kind == "json_object":

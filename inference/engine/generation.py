@@ -173,7 +173,7 @@ class Generation:
                             await job.cancel()
                             self.finished = True
                             yield Done(
-                                finish_reason="tool_calls",
+                                finish_reason=self.plan.calls_end_as,
                                 prompt_tokens=self.prompt_tokens,
                                 completion_tokens=self.completion_tokens,
                                 cached_tokens=self.cached_tokens,
@@ -288,7 +288,7 @@ def _finish_reason(reason: str, decoder: StreamDecoder) -> Literal["stop", "leng
     """OpenAI's: ``length`` whenever the token budget ended the output, the calls it holds included."""
     if reason == "length" or decoder.cut_call:
         return "length"
-    return "tool_calls" if decoder.tool_calls else "stop"
+    return decoder.plan.calls_end_as if decoder.tool_calls else "stop"
 
 
 def _reasoning_tokens(reasoning_chars: int, decoder: StreamDecoder, completion_tokens: int) -> int:
