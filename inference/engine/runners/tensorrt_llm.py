@@ -581,7 +581,7 @@ def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | N
 def _schema_format(schema: dict[str, Any], grammars: bool) -> dict[str, Any]:
     """A structural tag's format for one JSON value matching ``schema``: the schema, or with ``grammars`` its grammar
     when it has numeric bounds (``_bounded_grammar``)."""
-    if grammars and (grammar := _bounded_grammar(json.dumps(schema, sort_keys=True))) is not None:
+    if grammars and (grammar := _bounded_grammar(json.dumps(schema))) is not None:
         return {"type": "grammar", "grammar": grammar}
     return {"type": "json_schema", "json_schema": schema}
 
@@ -726,7 +726,7 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
         raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
     if constraint.kind == "tool_calls":
         return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema, constraint.text_schema))
-    if (grammar := _bounded_grammar(json.dumps(constraint.schema, sort_keys=True))) is not None:
+    if (grammar := _bounded_grammar(json.dumps(constraint.schema))) is not None:
         return api.GuidedDecodingParams(grammar=grammar)
     return api.GuidedDecodingParams(json=constraint.schema)
 

@@ -706,9 +706,31 @@ def test_a_tool_whose_arguments_have_bounds_xgrammar_misjudges_is_called_within_
 
     guide = engine.calls[0].sampling_params.guided_decoding
     assert not toy.admits(guide, breaking)
+    # The call keeps the order the prompt teaches, its name before its arguments.
+    assert toy.admits(guide, breaking.replace("181", "180"))
     text = "".join(c.text for c in chunks)
+    assert text.startswith('<tool_call>\n{"name":')
     call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     jsonschema.validate(call, call_schema)
+
+
+def test_a_schema_with_bounds_keeps_its_properties_in_the_order_it_gives_them(
+    engine: Seen, toy: types.ModuleType
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"zone": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["zone", "age"],
+        "additionalProperties": False,
+    }
+    runner = runner_module.load(SETTINGS)
+
+    chunks, _ = collect(runner.stream(make_job("x", constraint=Constraint(kind="json_schema", schema=schema)), never))
+
+    guide = engine.calls[-1].sampling_params.guided_decoding
+    assert guide.grammar is not None
+    assert toy.admits(guide, '{"zone": "a", "age": 3}') and not toy.admits(guide, '{"age": 3, "zone": "a"}')
+    assert list(json.loads("".join(c.text for c in chunks))) == ["zone", "age"]
 
 
 def test_where_xgrammar_takes_no_grammar_inside_a_structural_tag_the_tool_schema_goes_as_it_is(
