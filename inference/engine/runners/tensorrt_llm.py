@@ -972,7 +972,9 @@ def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted(filter(None, texts), key=len, reverse=True))
 
 
-def _hf_tokenizer(source: str, trust_remote_code: bool) -> Any:
+def _hf_tokenizer(source: str, settings: dict[str, Any]) -> Any:
+    """The tokenizer as the engine loads it (``ModelLoader.load_hf_tokenizer``: not SentencePiece's legacy
+    reading, the slow tokenizer only with ``tokenizer_mode: "slow"``), so that a prompt counts here as it does there."""
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
@@ -981,7 +983,15 @@ def _hf_tokenizer(source: str, trust_remote_code: bool) -> Any:
         ) from exc
     try:
         # local_files_only: a serving process never downloads; the model directory must be there.
-        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            source,
+            local_files_only=True,
+            trust_remote_code=bool(settings.get("trust_remote_code", False)),
+            legacy=False,
+            padding_side="left",
+            truncation_side="left",
+            use_fast=settings.get("tokenizer_mode", "auto") != "slow",
+        )
     except (OSError, ValueError) as exc:
         raise RunnerError(f"cannot load the tokenizer from {source!r}: {exc}", code="runner_unavailable") from exc
 
@@ -1005,7 +1015,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
         raise RunnerError(
             "tensorrt_llm settings need 'model' (or 'tokenizer') to render prompts", code="runner_unavailable"
         )
-    tokenizer = _hf_tokenizer(str(source), bool(settings.get("trust_remote_code", False)))
+    tokenizer = _hf_tokenizer(str(source), settings)
     override: str | None = settings.get("chat_template")
     template = override if override is not None else getattr(tokenizer, "chat_template", None)
     if not template:

@@ -1272,11 +1272,31 @@ def test_the_renderer_renders_tools_with_the_models_own_chat_template(hf: Loads)
     text = render.render(messages, [WEATHER_TOOL])
 
     assert render.native_tools is True
-    assert hf.calls == [("/models/toy-tokenizer", {"local_files_only": True, "trust_remote_code": False})]
+    # Loaded as the engine loads it (ModelLoader.load_hf_tokenizer), so that prompts count the same on both sides.
+    assert hf.calls == [
+        (
+            "/models/toy-tokenizer",
+            {
+                "local_files_only": True,
+                "trust_remote_code": False,
+                "legacy": False,
+                "padding_side": "left",
+                "truncation_side": "left",
+                "use_fast": True,
+            },
+        )
+    ]
     assert text.startswith("<s><|system|>You can call these tools:\n")
     assert json.dumps(WEATHER_TOOL) in text
     assert text.endswith("<|user|>Weather in Oslo?\n<|assistant|>")
     assert render.count_tokens(text, ()) == len(text.split())  # no BOS added on top of the template's
+
+
+def test_the_renderer_loads_the_slow_tokenizer_when_the_engine_does(hf: Loads) -> None:
+    runner_module.renderer({**SETTINGS, "tokenizer_mode": "slow"})
+
+    [(_, options)] = hf.calls
+    assert options["use_fast"] is False
 
 
 def test_the_renderer_renders_without_tools_when_there_are_none(hf: Loads) -> None:
