@@ -56,6 +56,11 @@ class StoredResponseView(AsyncAPIView):
 
     async def get(self, request: Request, response_id: str) -> Response:
         tenant(request)
+        if response_id.strip("/") == "input_tokens":
+            raise stored_responses_not_offered(
+                "The agent runtime does not count input tokens (POST /responses/input_tokens): an instance's prompt "
+                "holds its own instructions and tools. Each response's usage gives the tokens its turn took."
+            )
         days = settings.AGENT_RESPONSE_RETENTION_DAYS
         kept = f"deleted {days} days after their last turn" if days else "kept until an operator deletes them"
         raise stored_responses_not_offered(

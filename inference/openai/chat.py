@@ -171,6 +171,14 @@ class AssistantMessage(WireModel):
     annotations: list[Any] | None = None
     parsed: Any = None
 
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any) -> Any:
+        """The deprecated form of a call, refused by name as the ``functions`` parameter is."""
+        if value is not None:
+            raise PydanticCustomError(UNSUPPORTED, "function_call is deprecated and not supported; use tool_calls")
+        return value
+
     @field_validator("audio")
     @classmethod
     def _no_audio(cls, value: Any) -> Any:

@@ -311,7 +311,8 @@ def _capability_missing(exc: CapabilityMissing, names: ParamNames) -> APIError:
     if exc.capability == "reasoning":
         return unsupported_parameter(
             names.reasoning,
-            f"the model {model!r} does not reason: leave {names.reasoning} unset, or ask for an effort of none",
+            f"the model {model!r} does not reason: leave {names.reasoning} unset, "
+            "or ask for an effort of none or minimal",
         )
     if exc.capability == "json_schema":
         return unsupported_parameter(names.output_format, f"the model {model!r} does not support structured output")

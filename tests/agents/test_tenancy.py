@@ -111,6 +111,13 @@ async def test_a_stored_response_is_not_offered_by_id_and_the_answer_says_how_to
     assert await StoredResponse.objects.filter(response_id="resp_acme").aexists()
 
 
+async def test_counting_input_tokens_is_not_offered_and_the_answer_says_where_usage_is_told(tenant: Tenant) -> None:
+    response = await tenant.client.post("/v1/responses/input_tokens", headers=tenant.headers())
+
+    error = assert_error(response, 404, "not_found")
+    assert "does not count input tokens" in error["message"] and "usage" in error["message"]
+
+
 async def test_a_bad_key_is_refused_before_the_tenant_is_looked_at(tenant: Tenant) -> None:
     assert_error(await tenant.get("/v1/instances", key="b3os_nope"), 401, "invalid_api_key", "invalid_request_error")
 

@@ -737,6 +737,21 @@ async def test_an_assistant_messages_audio_is_refused_by_its_place(api: API) -> 
     assert (error["code"], error["param"]) == ("unsupported_parameter", "messages.1.audio")
 
 
+@pytest.mark.parametrize("content", ["ok", None])
+async def test_an_assistant_messages_deprecated_function_call_is_refused_by_its_place(
+    api: API, content: str | None
+) -> None:
+    call = {"name": "get_weather", "arguments": "{}"}
+    history = [*QUESTION, {"role": "assistant", "content": content, "function_call": call}, *QUESTION]
+
+    response = await api.post(CHAT, body(messages=history))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "messages.1.function_call")
+    assert "use tool_calls" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("param", "value", "code", "where"),
     [

@@ -721,6 +721,20 @@ async def test_it_refuses_bad_parameters_by_name(api: API, body: dict, code: str
     assert_error(await api.post(RESPONSES, ask(input="hi", **body)), 400, code, param)
 
 
+async def test_a_model_that_does_not_reason_names_the_efforts_it_takes_and_takes_them(api: API) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, ask(input="hi", reasoning={"effort": "low"})),
+        400,
+        "unsupported_parameter",
+        "reasoning.effort",
+    )
+    assert "an effort of none or minimal" in error["message"]
+
+    response = await api.post(RESPONSES, ask(input="hi", reasoning={"effort": "minimal"}, max_output_tokens=16))
+
+    assert response.status_code == 200, response.content
+
+
 @pytest.mark.parametrize(
     "reasoning",
     [{"mode": "standard"}, {"context": "auto"}, {"effort": "none", "summary": "auto", "mode": None, "context": None}],
