@@ -731,6 +731,19 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
     return api.GuidedDecodingParams(json=constraint.schema)
 
 
+def _stop_token_ids(constraint: Constraint | None, end_ids: tuple[int, ...]) -> list[int] | None:
+    """The turn's end tokens besides the tokenizer's end of sequence, as stops: cut from token_ids, named in
+    stop_reason (executor/result.py, _handle_sequence), and special, so never in the text.
+
+    Not where a guide holds the whole output (JSON, or a call or JSON): the guide ends it with the tokenizer's end of
+    sequence, the only end xgrammar knows (``_xgrammar_tokenizer_info``), and reads the other end tokens as their
+    text, which it admits inside a JSON string; stopping there would cut the JSON short. Free text beside calls
+    (``triggered_tags``) keeps them, or the model would write on past the end of its turn."""
+    if constraint is not None and (constraint.kind != "tool_calls" or constraint.text_schema is not None):
+        return None
+    return list(end_ids) or None
+
+
 def _sampling_params(job: GenerationJob, api: _API, end_ids: tuple[int, ...]) -> Any:
     sampling = job.sampling
     kwargs: dict[str, Any] = {
@@ -740,9 +753,7 @@ def _sampling_params(job: GenerationJob, api: _API, end_ids: tuple[int, ...]) ->
         "top_p": sampling.top_p,
         "seed": _seed(sampling),
         "stop": list(sampling.stop) or None,
-        # Cut from token_ids as a stop, named in stop_reason (executor/result.py, _handle_sequence), and special, so
-        # never in the text.
-        "stop_token_ids": list(end_ids) or None,
+        "stop_token_ids": _stop_token_ids(job.constraint, end_ids),
         # The prompt is a rendered chat template, which places BOS itself (trtllm-serve's chat default);
         # the renderer counted the prompt's tokens the same way.
         "add_special_tokens": False,

@@ -11,7 +11,10 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   ``<s>`` (BOS) is added by ``encode`` when ``add_special_tokens`` is true. ``<|end_of_turn|>`` is a second
   special token that ends a turn, not the tokenizer's ``eos_token``: the toy model writes it where its prompt says
   ``{end_of_turn}``, and the engine stops there only when it is among the request's ``stop_token_ids``
-  (``SamplingParams._setup`` takes the end id from the tokenizer alone).
+  (``SamplingParams._setup`` takes the end id from the tokenizer alone). Under a guide too: xgrammar knows no end
+  but the tokenizer's end of sequence (``_xgrammar_tokenizer_info``: ``stop_token_ids = [tokenizer.eos_token_id]``)
+  and reads any other token by its text from the vocabulary, so inside a JSON string it admits
+  ``<|end_of_turn|>`` as those characters.
 - ``ToyExecutor`` runs in its own thread, like the real executor's loop. A request's output is planned
   when it is submitted: the prompt's words echoed, where a word written as a choice, ``{heads|tails}``,
   is one the toy model is unsure of. Greedy decoding (``SamplingParams._greedy_decoding``) writes the
@@ -477,11 +480,12 @@ class ToyExecutor:
         """The tokens the toy model writes, the positions where it is unsure (their alternatives), and
         the request's error."""
         words = self._tokenizer.decode(prompt_token_ids, skip_special_tokens=True).split()
-        text = " ".join(words)
         guide = params.guided_decoding
         if guide is None:
             plan, choices = self._echo(words)
             return plan, choices, None
+        # To the grammar the end-of-turn token is its text; where the guide admits that, the toy model writes it.
+        text = " ".join(words).replace(END_OF_TURN_WORD, self._tokenizer.end_of_turn)
         if self._guided_decoding_backend is None:
             return [], {}, "Guided decoding requested, but the LLM was built without guided_decoding_backend."
         if guide.json_object or guide.json is not None:

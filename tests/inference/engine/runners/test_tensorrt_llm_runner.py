@@ -1553,6 +1553,36 @@ def test_the_turn_ends_at_any_end_token_the_models_generation_config_lists(engin
     assert engine.calls[-1].sampling_params.stop_token_ids == [3]
 
 
+@pytest.mark.parametrize(
+    ("schema", "prompt"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}, '{"a": "x {end_of_turn} y"}'),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["a", "n"],
+            },
+            '{"a": "x {end_of_turn} y", "n": 3}',
+        ),
+    ],
+    ids=["schema", "bounded-grammar"],
+)
+def test_a_json_output_is_not_cut_where_its_guide_admits_an_end_of_turn_token_as_text(
+    engine: Seen, tmp_path: Path, schema: dict[str, Any], prompt: str
+) -> None:
+    # The guide ends the output with the tokenizer's end of sequence, the one end xgrammar knows; to it the
+    # generation config's other end tokens are text, which a JSON string may hold.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    settings = {**SETTINGS, "model": str(tmp_path)}
+    job = make_job(prompt, settings=settings, constraint=Constraint(kind="json_schema", schema=schema))
+
+    chunks, finished = collect(runner_module.load(settings).stream(job, never))
+
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
+    assert finished.reason == "stop"
+
+
 def test_without_the_generation_config_the_engine_writes_on_past_the_end_of_the_turn(engine: Seen) -> None:
     chunks, finished = collect(runner_module.load(SETTINGS).stream(make_job("one two {end_of_turn} three"), never))
 
