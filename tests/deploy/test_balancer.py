@@ -63,9 +63,9 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
         process.wait(timeout=10)
 
 
-def hanging_up_api() -> int:
-    """A port whose process reads each request and closes the connection without an answer, as an API process that
-    dies mid-request does."""
+def fake_api(answer: bytes = b"") -> int:
+    """A port whose process reads each request, sends ``answer`` and closes the connection; with no answer, as an
+    API process that dies mid-request does."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -75,6 +75,7 @@ def hanging_up_api() -> int:
                 connection.settimeout(1)
                 try:
                     connection.recv(65536)
+                    connection.sendall(answer)
                 except OSError:
                     pass
 
@@ -90,7 +91,7 @@ def assert_api_error(response: httpx.Response, code: str) -> None:
 
 
 def test_with_no_api_process_up_the_balancer_answers_503_in_the_apis_error_shape_with_retry_after(
-    balancer: Balancer,
+    balancer: Balancer, tmp_path: Path
 ) -> None:
     url = balancer(free_port(), free_port())
 
@@ -99,10 +100,44 @@ def test_with_no_api_process_up_the_balancer_answers_503_in_the_apis_error_shape
     assert response.status_code == 503
     assert_api_error(response, "service_unavailable")
     assert response.headers["retry-after"] == "2"
+    # An error is a line of the balancer's log (a request answered well is not).
+    deadline = time.monotonic() + 5
+    while " 503 " not in (log := (tmp_path / "haproxy.log").read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "503 " in log and '"POST /v1/infer/chat/completions' in log, log
+
+
+# What an API process's /metrics answers.
+METRICS = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: close\r\n\r\nb3os_up 1.0\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "headers", "status"),
+    [
+        ("127.0.0.1", {}, 200),
+        ("127.0.0.2", {"Authorization": "Bearer the-metrics-token"}, 200),
+        ("127.0.0.2", {}, 403),
+        ("127.0.0.2", {"Host": "127.0.0.1"}, 403),
+    ],
+    ids=["this-host", "elsewhere-with-a-token", "elsewhere", "elsewhere-naming-this-host"],
+)
+def test_metrics_go_through_the_balancer_only_to_this_host_or_with_a_token(
+    balancer: Balancer, source: str, headers: dict[str, str], status: int
+) -> None:
+    api = fake_api(METRICS)
+    url = balancer(api, api)
+
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as client:
+        response = client.get(url + "/metrics", headers=headers)
+
+    assert response.status_code == status
+    if status == 403:
+        assert_api_error(response, "forbidden")
+        assert "METRICS_TOKEN" in response.json()["error"]["message"]
 
 
 def test_an_api_process_that_dies_before_answering_is_a_502_in_the_apis_error_shape(balancer: Balancer) -> None:
-    url = balancer(hanging_up_api(), hanging_up_api())
+    url = balancer(fake_api(), fake_api())
 
     response = httpx.post(url + "/v1/infer/chat/completions", json={}, timeout=30)
 
