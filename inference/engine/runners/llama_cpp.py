@@ -1799,9 +1799,9 @@ class LlamaCppRunner:
             if self._closed:
                 sequence.close()
                 raise RunnerError("the model is shutting down", code="runner_unavailable")
-            if len(self._waiting) >= self.settings.queue and not self._free_slot():
+            if self._queue_full():
                 self._drop_gone_waiting()  # a client that left holds no place, though the scheduler has not looked yet
-            if len(self._waiting) >= self.settings.queue and not self._free_slot():
+            if self._queue_full():
                 sequence.close()
                 raise RunnerError(
                     f"all {self.settings.parallel} sequences of the model are busy and {len(self._waiting)} "
@@ -1868,6 +1868,13 @@ class LlamaCppRunner:
 
     def _free_slot(self) -> bool:
         return any(slot.sequence is None for slot in self._slots)
+
+    def _queue_full(self) -> bool:
+        """Whether a job would wait beyond the queue (with the lock held). The jobs waiting for the slots that are
+        free are not in the queue: the scheduler gives them their slots once its step is done, and a burst that
+        comes meanwhile is held to the slots and the queue all the same."""
+        free = sum(slot.sequence is None for slot in self._slots)
+        return len(self._waiting) >= self.settings.queue + free
 
     def _loop(self) -> None:
         _name_native_thread("llama-scheduler")

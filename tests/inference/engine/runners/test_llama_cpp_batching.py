@@ -281,6 +281,34 @@ def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_re
     assert runner.stats().active == runner.stats().queued == 0
 
 
+def test_a_burst_that_comes_while_the_scheduler_reads_a_prompt_is_held_to_the_slots_and_the_queue(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    # A long prompt keeps the scheduler reading for a step, the other slots free, while ten more jobs come.
+    stop = threading.Event()
+    first = job(render("The river runs past the old mill by the bridge. " * 20), max_tokens=200)
+    accepted = [runner.start(first, stop.is_set, lambda _: None)]
+    while runner.stats().active < 1:
+        time.sleep(0.001)
+    refused = []
+    try:
+        for n in range(10):
+            burst = job(render(QUESTIONS[n % 4]), max_tokens=200)
+            try:
+                accepted.append(runner.start(burst, stop.is_set, lambda _: None))
+            except RunnerError as error:
+                refused.append(error.code)
+        held = runner.stats()
+    finally:
+        stop.set()
+        while runner.stats().active or runner.stats().queued:
+            time.sleep(0.01)
+
+    # Four slots and a queue of two: six jobs at once, the rest refused.
+    assert (len(accepted), refused) == (6, ["overloaded"] * 5)
+    assert held.active + held.queued == 6
+
+
 def test_a_waiting_job_whose_client_left_holds_no_place_in_the_queue(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
