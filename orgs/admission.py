@@ -70,6 +70,7 @@ class Grant:
 
     headers: dict[str, str]
     _release: Any = None
+    _withdraw: Any = None
     _charge: Any = None
     _charge_within: Any = None
     released: bool = False
@@ -107,6 +108,23 @@ class Grant:
                 logger.warning("tokens were left as admission charged them: %s: %s", type(exc).__name__, exc)
                 return
             self.charged = tokens
+
+    async def withdraw(self) -> None:
+        """Releases the slot and takes the request out of the windows, its count and its charge, as though it had
+        been refused: for a request no model took (a full queue, no worker), which consumed nothing. With Redis away
+        the windows keep it, as they keep a slot they cannot release."""
+        if self._withdraw is not None and not self.released:
+            try:
+                await self._withdraw(self.charged)
+            except REDIS_ERRORS as exc:
+                logger.warning("a request no model took was left in the windows: %s: %s", type(exc).__name__, exc)
+            else:  # the headers tell what is left once it is out
+                for kind, back in (("requests", 1), ("tokens", self.charged)):
+                    remaining, limit = f"x-ratelimit-remaining-{kind}", f"x-ratelimit-limit-{kind}"
+                    if remaining in self.headers:
+                        left = int(self.headers[remaining]) + back
+                        self.headers[remaining] = str(min(int(self.headers[limit]), left))
+        self.release()
 
     def on_release(self, callback: Any) -> None:
         self._callbacks.append(callback)
@@ -228,6 +246,18 @@ class MemoryStore:
             if window is not None:
                 window.slots.pop(slot, None)
 
+    def withdraw(self, key: str, slot: str, tokens: int, at: float) -> None:
+        """Takes back a request admitted at ``at``: its count, its slot and ``tokens`` of its charge."""
+        with self._lock:
+            window = self._windows.get(key)
+            if window is None:
+                return
+            window.slots.pop(slot, None)
+            if at in window.requests:
+                window.requests.remove(at)
+        if tokens:
+            self.charge(key, -tokens, at)
+
     def refresh(self, held: dict[str, set[str]], now: float) -> None:
         with self._lock:
             for key, slots in held.items():
@@ -258,6 +288,7 @@ def _token_retry(entries: list[tuple[float, int]], total: int, wanted: int, limi
 # ARGV: now, window, rpm, tpm, inflight, tokens, slot, slot_ttl, nonce, dry, tokens only, keys' expiry (seconds).
 # Limits of -1 mean unlimited; with dry "1" it only tells whether it would admit, and charges nothing; with tokens
 # only "1" it charges the tokens if they fit, and counts no request and holds no slot.
+# A request is counted under its slot's id, so that one no model took can be taken back (``withdraw``).
 # Token entries are members "nonce:tokens" scored by time; their running sum is kept beside them, so
 # admission touches only the entries that leave the window, not all of them.
 # A refund is an entry of negative tokens.
@@ -317,7 +348,7 @@ if ARGV[10] == '1' then
   return {1, '', '0', tostring(nreq), tostring(total), '0', '0'}
 end
 if ARGV[11] ~= '1' then
-  redis.call('ZADD', KEYS[1], now, nonce)
+  redis.call('ZADD', KEYS[1], now, slot)
   redis.call('ZADD', KEYS[3], now + ttl, slot)
 end
 if wanted > 0 then
@@ -405,6 +436,16 @@ class RedisStore:
         await self._scripts[id(client)][1](
             keys=[keys[1], keys[3]], args=[now, tokens, secrets.token_hex(8), _key_seconds()]
         )
+
+    async def withdraw(self, key: str, slot: str, tokens: int, at: float) -> None:
+        client, _ = self._client()
+        keys = self._keys(key)
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.zrem(keys[0], slot)
+            pipe.zrem(keys[2], slot)
+            await pipe.execute()
+        if tokens:
+            await self.charge(key, -tokens, at)
 
     async def release(self, key: str, slot: str) -> None:
         client, _ = self._client()
@@ -577,6 +618,14 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         else:
             store.release(key, slot)
 
+    async def withdraw(tokens: int) -> None:
+        _held.get(key, set()).discard(slot)
+        refund = tokens if now > clock() - WINDOW else 0  # a charge that has left the window already
+        if isinstance(store, RedisStore):
+            await store.withdraw(key, slot, refund, now)
+        else:
+            store.withdraw(key, slot, refund, now)
+
     async def charge(tokens: int, *, at: float | None = None) -> None:
         if at is not None and at <= clock() - WINDOW:
             return  # what it corrects has left the window already
@@ -598,6 +647,7 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     return Grant(
         headers=_headers(limits, decision),
         _release=release,
+        _withdraw=withdraw,
         _charge=charge if metered else None,
         _charge_within=charge_within if metered else None,
         charged=tokens,

@@ -63,9 +63,10 @@ def meter_for(caller: Caller, *, model: str, endpoint: str, route: str = "node")
 
 
 def record_error(meter: Meter, generation: Generation | None, exc: BaseException) -> None:
-    """The usage record of a request that failed before it could answer. One that failed before the model wrote a
-    token (refused by a limit, a full queue, no worker, a client that hung up first) consumed nothing: its tokens
-    are zero, so that what is billed from the records is what was served."""
+    """The usage record of a request that failed before it could answer (refused by a limit, a full queue, no
+    worker, a client that hung up first, or an answer in one body that failed or was left before its end): nothing
+    was sent, so its tokens are zero, and what is billed from the records is what was served. A stream that ends
+    early counts what it sent (``metered.generation_outcome``)."""
     if isinstance(exc, asyncio.CancelledError) and RESPONSE_TIMED_OUT in exc.args:
         status, code = 504, "timeout"
     elif isinstance(exc, asyncio.CancelledError):
@@ -74,13 +75,8 @@ def record_error(meter: Meter, generation: Generation | None, exc: BaseException
         status, code = error.status, error.code
     else:
         status, code = 500, "internal_error"
-    served = generation is not None and generation.first_token_at is not None
     meter.record(
-        status=status,
-        error_code=code,
-        input_tokens=generation.prompt_tokens if served and generation else 0,
-        output_tokens=generation.completion_tokens if served and generation else 0,
-        time_to_first_token_ms=generation.time_to_first_token_ms if generation else None,
+        status=status, error_code=code, time_to_first_token_ms=generation.time_to_first_token_ms if generation else None
     )
 
 
@@ -150,6 +146,14 @@ def least_charge(entry: CatalogEntry, output_limit: int | None) -> int:
     return min(1 + output, entry.context_length)
 
 
+def _no_room(generation: Generation, exc: BaseException) -> bool:
+    """Whether the deployment had no room for the request: a 503 (a full queue, no worker) before any model took its
+    job. Such a request consumed nothing and leaves the caller's limits as they were; one the request's own content
+    failed (a 400) counts as any admitted request does."""
+    error = from_exception(exc) if isinstance(exc, Exception) else None
+    return not generation.accepted and error is not None and error.status == 503
+
+
 async def run_admitted(
     *,
     caller: Caller,
@@ -176,7 +180,10 @@ async def run_admitted(
         revocation.watch(generation, caller.api_key.pk)
         return await respond(generation, grant, meter)
     except BaseException as exc:
-        grant.release()
+        if _no_room(generation, exc):
+            await grant.withdraw()
+        else:
+            grant.release()
         record_error(meter, generation if generation.accepted else None, exc)
         if isinstance(exc, Overloaded):
             exc.headers = grant.headers  # as every answer to an admitted request has them

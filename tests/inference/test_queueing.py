@@ -113,8 +113,27 @@ async def test_the_503_of_a_model_with_no_room_carries_the_callers_rate_limit_he
         refused = await api.post(CHAT, ask())
 
     assert refused.status_code == 503
-    assert (refused["x-ratelimit-limit-requests"], refused["x-ratelimit-remaining-requests"]) == ("5", "4")
+    # The request no model took is not counted: all five requests are left.
+    assert (refused["x-ratelimit-limit-requests"], refused["x-ratelimit-remaining-requests"]) == ("5", "5")
     assert refused["Retry-After"] == "2"
+
+
+async def test_requests_a_model_with_no_room_refused_leave_the_callers_limits_as_they_were(
+    api: API, narrow_model: CatalogEntry, organization: Organization
+) -> None:
+    await Limit.objects.acreate(organization=organization, requests_per_minute=3, tokens_per_minute=100_000)
+    admission.clear_limits_cache()
+    with busy(narrow_model):
+        for _ in range(3):
+            assert (await api.post(CHAT, ask())).status_code == 503
+
+    served = await api.post(CHAT, ask())
+
+    # Three refusals and one request served: one request and its tokens count, the limit of three is not reached.
+    assert served.status_code == 200, served.content
+    assert served["x-ratelimit-remaining-requests"] == "2"
+    # Its own charge at admission (its prompt and max_tokens) is all the tokens window holds.
+    assert 100_000 - int(served["x-ratelimit-remaining-tokens"]) == served.json()["usage"]["prompt_tokens"] + 8
 
 
 @override_settings(STREAM_MAX_SECONDS=2)

@@ -8,9 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 from asgiref.sync import sync_to_async
 
+from inference.engine import generation
 from inference.engine.generation import Failed
+from inference.models import UsageRecord
 from inference.serving import revocation
+from inference.usage import records as usage
 from orgs.models import APIKey, Organization
+from tests.conftest import API, MODEL_ID
 
 
 @dataclass
@@ -59,3 +63,33 @@ async def test_an_answer_that_starts_after_its_key_was_revoked_is_ended_though_t
     finally:
         revocation.unwatch_stream(others)
         revocation.unwatch_stream(late)
+
+
+async def test_an_answer_in_one_body_whose_key_is_revoked_during_it_is_a_401_and_bills_nothing(
+    api: API, organization: Organization
+) -> None:
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a long story about a river."}],
+        "max_tokens": 600,
+        "temperature": 0,
+    }
+    answer = asyncio.create_task(api.post("/v1/infer/chat/completions", body))
+    while not any(running.completion_tokens for running in generation._running.values()):
+        await asyncio.sleep(0.02)
+
+    key = await APIKey.objects.aget(organization=organization, name="tests")
+    await sync_to_async(key.revoke)()
+    response = await answer
+
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    usage.flush()
+    record = await UsageRecord.objects.aget()
+    # Tokens were written, none were sent: the record bills what was served.
+    assert (record.status, record.error_code, record.input_tokens, record.output_tokens) == (
+        401,
+        "invalid_api_key",
+        0,
+        0,
+    )

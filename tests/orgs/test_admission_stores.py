@@ -75,6 +75,17 @@ async def test_the_limits_reset_when_the_window_is_empty_never_before_a_refusal_
     assert refused.reset_requests == pytest.approx(admission.WINDOW - 10)
 
 
+async def test_a_withdrawn_request_leaves_its_count_its_slot_and_its_tokens_out_of_the_windows(store: Any) -> None:
+    limits = admission.Limits(tokens_per_minute=100, requests_per_minute=2, requests_in_flight=1)
+    await call(store.try_admit("1:0", limits, 30, "slot-a", NOW))
+
+    await call(store.withdraw("1:0", "slot-a", 30, NOW))
+
+    again = await call(store.try_admit("1:0", limits, 30, "slot-b", NOW + 1))
+    assert again.admitted
+    assert (again.remaining_requests, again.remaining_tokens) == (1, 70)
+
+
 async def test_a_refund_dated_at_admission_leaves_the_window_with_the_charge_it_corrects(store: Any) -> None:
     await call(store.try_admit("1:0", LIMITS, 100, "slot-a", NOW))
     await call(store.charge("1:0", -90, NOW))  # settled 25 s later to 10 tokens, dated at admission
