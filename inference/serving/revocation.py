@@ -81,6 +81,7 @@ def _under_way(loop: asyncio.AbstractEventLoop) -> list[Interruptible]:
 async def _watch(loop: asyncio.AbstractEventLoop) -> None:
     seen, checked = None, time.monotonic()
     known: set[int] = set()  # the answers whose keys were checked at version ``seen``
+    failing = False  # since the last check that worked: said once, not every round
     while True:
         await asyncio.sleep(CHECK_SECONDS)
         keyed = _under_way(loop)
@@ -95,9 +96,16 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
             if version == seen and not fresh and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS:
                 continue
             usable = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
-        except Exception:  # Redis or the database away: the next round tries again
-            logger.warning("could not check the keys of the answers under way", exc_info=True)
+        except Exception as exc:  # Redis or the database away: the next round tries again
+            if not failing:
+                logger.warning(
+                    "could not check the keys of the answers under way; trying again each second", exc_info=exc
+                )
+            failing = True
             continue
+        if failing:
+            logger.info("the keys of the answers under way are checked again")
+        failing = False
         seen, checked, known = version, time.monotonic(), {id(answer) for answer in keyed}
         for answer in keyed:
             if answer.api_key_id not in usable:

@@ -65,6 +65,37 @@ async def test_an_answer_that_starts_after_its_key_was_revoked_is_ended_though_t
         revocation.unwatch_stream(late)
 
 
+async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it_can(
+    two_keys: tuple[APIKey, APIKey], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, kept = two_keys
+    away = asyncio.Event()
+    away.set()
+    reachable = revocation.current_version
+
+    async def version() -> object:
+        if away.is_set():
+            raise ConnectionError("Error 111 connecting to localhost:6379. Connection refused.")
+        return await reachable()
+
+    monkeypatch.setattr(revocation, "current_version", version)
+    answer = Answer()
+    revocation.watch_stream(answer, kept.pk)
+    try:
+        await asyncio.sleep(revocation.CHECK_SECONDS * 3.5)  # three rounds that fail
+        away.clear()
+        await asyncio.sleep(revocation.CHECK_SECONDS * 2)
+    finally:
+        revocation.unwatch_stream(answer)
+
+    said = [record.getMessage() for record in caplog.records if record.name == revocation.logger.name]
+    assert said == [
+        "could not check the keys of the answers under way; trying again each second",
+        "the keys of the answers under way are checked again",
+    ]
+    assert answer.ended_by == []
+
+
 async def test_an_answer_in_one_body_whose_key_is_revoked_during_it_is_a_401_and_bills_nothing(
     api: API, organization: Organization
 ) -> None:
