@@ -435,7 +435,8 @@ LOGGING = {
         "llama-cpp-python": {"level": "DEBUG" if LOG_LEVEL == "DEBUG" else "WARNING"},
         # Its receive loop logs an error every second while Redis is away.
         "channels_redis.pubsub": {"filters": ["outages"]},
-        # A 403 (a staff user without a permission) is logged with the traceback of its PermissionDenied.
+        # A 403 (a staff user without a permission) is logged with the traceback of its PermissionDenied, and a 503
+        # (no room, a service away) as an error.
         "django.request": {"filters": ["refusals"]},
     },
 }

@@ -3,7 +3,7 @@
 A library that meets an outage of Redis may log it on every try while it lasts: channels_redis's receive loop
 logs a traceback every second. ``OutageLogFilter`` lets the first one through on one line, then one a minute
 saying how many it held back, so an hour without Redis is sixty lines, not 3,600 tracebacks. ``RefusalLogFilter``
-keeps a permission refusal on one line.
+keeps a permission refusal on one line, and a 503 a warning.
 """
 
 from __future__ import annotations
@@ -53,10 +53,14 @@ class OutageLogFilter(logging.Filter):
 
 class RefusalLogFilter(logging.Filter):
     """Django logs each 403 with the traceback of the ``PermissionDenied`` behind it: an operator's refusal, not a
-    fault. It is kept on one line."""
+    fault. It is kept on one line. Django logs every 5xx as an error; a 503 is the node answering that it has no
+    room or that a service it needs is away, with ``Retry-After``: the deployment's state, not a fault of the node
+    (an outage is logged where it is met), so it is a warning, as a 429 is."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, PermissionDenied):
             record.exc_info, record.exc_text = None, None
+        if getattr(record, "status_code", None) == 503 and record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         return True

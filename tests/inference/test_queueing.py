@@ -104,6 +104,16 @@ async def test_a_model_with_no_room_answers_503_with_retry_after_before_any_resp
     assert (record.error_code, record.input_tokens, record.output_tokens) == ("overloaded", 0, 0)
 
 
+async def test_a_503_for_a_model_with_no_room_is_logged_as_a_warning_not_an_error(
+    api: API, narrow_model: CatalogEntry, caplog: pytest.LogCaptureFixture
+) -> None:
+    with busy(narrow_model):
+        assert (await api.post(CHAT, ask())).status_code == 503
+
+    (logged,) = [record for record in caplog.records if record.name == "django.request"]
+    assert logged.levelname == "WARNING" and "Service Unavailable" in logged.getMessage()
+
+
 async def test_the_503_of_a_model_with_no_room_carries_the_callers_rate_limit_headers(
     api: API, narrow_model: CatalogEntry, organization: Organization
 ) -> None:
