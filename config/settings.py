@@ -298,6 +298,9 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker that lost Redis keeps trying to reconnect however long it stays away (Celery's default gives up after 100
+# tries, about 45 minutes, and the worker exits).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
 # answers 503 now, instead of blocking one of the few threads that publish for everyone. Workers reconnect on their
 # own terms (broker_connection_retry).
