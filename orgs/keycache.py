@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import connections, transaction
 from django.utils import timezone
 
+from core.outages import REDIS_ERRORS
 from core.redis import async_client, sync_client
 
 if TYPE_CHECKING:
@@ -52,7 +53,16 @@ def bump() -> None:
         _local_version += 1
         _entries.clear()
     if settings.DISTRIBUTED:
-        sync_client().incr(VERSION_KEY)
+        try:
+            sync_client().incr(VERSION_KEY)
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "the other processes could not be told at once that keys or organizations changed (Redis: %s: %s); "
+                "they see it within API_KEY_CACHE_SECONDS (%s s)",
+                type(exc).__name__,
+                exc,
+                settings.API_KEY_CACHE_SECONDS,
+            )
     elif (path := _version_file()) is not None:
         try:
             # Later than the last bump even within the file system's clock tick (a few milliseconds on some).

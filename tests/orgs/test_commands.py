@@ -4,15 +4,18 @@ import re
 import subprocess
 import sys
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from core import redis as redis_clients
 from inference.models import CatalogEntry
 from orgs.models import APIKey, Limit, Organization
 from orgs.services import InvalidAPIKey, authenticate_key
 from tests.conftest import MODEL_ID, ROOT
+from tests.services import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.database]
 
@@ -65,6 +68,23 @@ def test_revoke_key_revokes_a_key_given_whole_or_as_listed_and_it_is_refused_at_
         authenticate_key(raw_key=raw)
     assert authenticate_key(raw_key=other).name == "other"
     assert "was revoked already" in run("revoke_key", raw)
+
+
+def test_revoke_key_with_redis_away_revokes_and_warns_when_the_other_processes_see_it(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings.REDIS_URL, settings.DISTRIBUTED = f"redis://127.0.0.1:{free_port()}/0", True  # nothing listens there
+    monkeypatch.setattr(redis_clients, "_sync_client", None)
+    key, raw = APIKey.generate(organization=Organization.objects.create(slug="acme", name="Acme"), name="k")
+    caplog.clear()
+
+    said = run("revoke_key", raw)
+
+    assert said.startswith("Revoked b3os_")
+    assert APIKey.objects.get(pk=key.pk).revoked_at is not None
+    (warned,) = [record for record in caplog.records if record.name == "orgs.keycache"]
+    assert warned.levelname == "WARNING" and warned.exc_info is None
+    assert "they see it within API_KEY_CACHE_SECONDS" in warned.getMessage()
 
 
 @pytest.mark.parametrize("given", ["b3os_abc", "not-a-key", "b3os_ABCDEFGHIJ_…"])
