@@ -321,6 +321,9 @@ STREAM_MAX_SECONDS = _int("STREAM_MAX_SECONDS", 600, least=1)
 # How long the API waits for a queued job to start on a worker, and for the next event once it runs.
 JOB_START_TIMEOUT_SECONDS = _int("JOB_START_TIMEOUT_SECONDS", 120, least=1)
 WORKER_SILENCE_TIMEOUT_SECONDS = _int("WORKER_SILENCE_TIMEOUT_SECONDS", 5, least=1)
+# Distributed mode: how many jobs a model's queue in Redis may hold for a worker with room (each worker has taken
+# as many as its runner holds, sequences and queue); a request past them is refused at once (503 overloaded).
+JOB_BACKLOG_MAX = _int("JOB_BACKLOG_MAX", 4, least=1)
 # The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
 OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2, least=0)
 

@@ -119,6 +119,12 @@ class ChannelJob:
     async def events(self) -> AsyncIterator[list[JobEvent]]:
         try:
             # Subscribed before the job is sent, so the worker's first message has a listener.
+            # Each worker has taken as many jobs as its runner holds; the rest wait in the queue's list, which is
+            # kept short: past it the model has no room, as an embedded runner's full queue says at once.
+            backlog = await _on_a_live_connection(lambda: async_client().llen(self._queue))
+            if backlog >= settings.JOB_BACKLOG_MAX:
+                yield [JobFailed("overloaded", f"{backlog} jobs wait on queue {self._queue} for a worker with room")]
+                return
             self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
             await asyncio.to_thread(
                 current_app.send_task,

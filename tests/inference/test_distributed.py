@@ -360,6 +360,23 @@ async def worker_played_by_the_test(cluster: Cluster) -> AsyncIterator[tuple[Asy
         yield read(), publish
 
 
+async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded(cluster: Cluster) -> None:
+    queue = "model.nobody-consumes-this"
+    url = cluster.env["REDIS_URL"]
+    client = redis.Redis.from_url(url)
+    client.lpush(queue, *[b"a job waiting for a worker"] * 4)  # JOB_BACKLOG_MAX's default
+    job = GenerationJob("refused", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    try:
+        with override_settings(REDIS_URL=url):
+            batches = [batch async for batch in ChannelJob(job, queue=queue).events()]
+    finally:
+        client.delete(queue)
+
+    [[refused]] = batches
+    assert isinstance(refused, JobFailed) and refused.code == "overloaded"
+    assert reply_channels(cluster) == []  # refused before any reply channel was opened
+
+
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
     async with worker_played_by_the_test(cluster) as (events, publish):
         # A worker's messages 0 and 2: 1 never arrived.
