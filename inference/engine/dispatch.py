@@ -60,6 +60,10 @@ MESSAGE_TYPE = "job.events"
 # for its start gives up once its queue's key has been missing that long (a Redis restart empties them for a beat).
 PRESENCE_BEAT_SECONDS = 1.0
 PRESENCE_TTL_SECONDS = 5
+# How long a queue's list past JOB_BACKLOG_MAX is given to shrink (workers with room taking a burst) before a job is
+# refused, and how often it is looked at meanwhile.
+BACKLOG_WAIT_SECONDS = 0.5
+BACKLOG_POLL_SECONDS = 0.05
 
 
 def presence_key(queue: str) -> str:
@@ -119,10 +123,7 @@ class ChannelJob:
     async def events(self) -> AsyncIterator[list[JobEvent]]:
         try:
             # Subscribed before the job is sent, so the worker's first message has a listener.
-            # Each worker has taken as many jobs as its runner holds; the rest wait in the queue's list, which is
-            # kept short: past it the model has no room, as an embedded runner's full queue says at once.
-            backlog = await _on_a_live_connection(lambda: async_client().llen(self._queue))
-            if backlog >= settings.JOB_BACKLOG_MAX:
+            if (backlog := await self._backlog()) >= settings.JOB_BACKLOG_MAX:
                 yield [JobFailed("overloaded", f"{backlog} jobs wait on queue {self._queue} for a worker with room")]
                 return
             self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
@@ -148,6 +149,19 @@ class ChannelJob:
                 yield events
         finally:
             await self._close()
+
+    async def _backlog(self) -> int:
+        """The jobs waiting on the queue's list for a worker with room. Each worker has taken as many jobs as its
+        runner holds, so the list is kept short: past ``JOB_BACKLOG_MAX`` the model has no room, as an embedded
+        runner's full queue says at once. Workers take a burst of jobs one at a time, so a list past the bound is
+        given ``BACKLOG_WAIT_SECONDS`` to shrink below it before the job is refused."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BACKLOG_WAIT_SECONDS
+        while True:
+            backlog: int = await _on_a_live_connection(lambda: async_client().llen(self._queue))
+            if backlog < settings.JOB_BACKLOG_MAX or loop.time() >= deadline:
+                return backlog
+            await asyncio.sleep(BACKLOG_POLL_SECONDS)
 
     async def _messages(self, reply: str) -> AsyncIterator[list[JobEvent]]:
         """The events of each message on ``reply``, in order; a failure ends them when the worker never answers,

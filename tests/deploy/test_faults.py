@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -196,7 +197,11 @@ def test_two_hundred_clients_hanging_up_mid_stream_free_every_slot_job_and_seque
 
     def round_of_hang_ups() -> dict[str, int]:
         outcomes = asyncio.run(crowd())
-        assert [(o.status, o.error_code) for o in outcomes] == [(200, "client_hung_up")] * 200, summary(outcomes)
+        # The workers hold 40 jobs and Redis a backlog of JOB_BACKLOG_MAX more: the rest are refused at once, and
+        # those that were not refused hang up mid-stream, however long they waited for a worker.
+        ended = Counter((o.status, o.error_code) for o in outcomes)
+        assert set(ended) <= {(200, "client_hung_up"), (503, "overloaded")}, summary(outcomes)
+        assert ended[(200, "client_hung_up")] >= 2 * int(topology.values["SMOLLM2_CONCURRENCY"]), summary(outcomes)
         assert wait_until(settled, 30), f"in flight: {in_flight(topology)}"
         return {name: rss_bytes(topology.running[name].pid) for name in processes}
 
