@@ -7,9 +7,9 @@ plain dicts, which are cheaper to serialize on the hot path than model instances
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ParamNames, invalid_request, unsupported_parameter
@@ -171,20 +171,18 @@ class AssistantMessage(WireModel):
     annotations: list[Any] | None = None
     parsed: Any = None
 
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, value: Any) -> Any:
-        """The deprecated form of a call, refused by name as the ``functions`` parameter is."""
-        if value is not None:
-            raise PydanticCustomError(UNSUPPORTED, "function_call is deprecated and not supported; use tool_calls")
-        return value
+    # Fields of an assistant message this node refuses by name: the deprecated form of a call (as the ``functions``
+    # parameter is refused), and an earlier audio answer by its id (this node neither makes nor reads audio).
+    REFUSED: ClassVar[dict[str, str]] = {
+        "function_call": "function_call is deprecated and not supported; use tool_calls",
+        "audio": "audio in a message is not supported; this node serves text only",
+    }
 
-    @field_validator("audio")
+    @field_validator("function_call", "audio")
     @classmethod
-    def _no_audio(cls, value: Any) -> Any:
-        """An earlier audio answer, by its id: this node neither makes nor reads audio."""
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
-            raise PydanticCustomError(UNSUPPORTED, "audio in a message is not supported; this node serves text only")
+            raise PydanticCustomError(UNSUPPORTED, cls.REFUSED[str(info.field_name)])
         return value
 
     @model_validator(mode="after")
