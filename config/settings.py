@@ -93,6 +93,14 @@ if SECRET_KEY.startswith("change-me"):
         )
     )
 ALLOWED_HOSTS = _list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+if not ALLOWED_HOSTS:
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E007",
+            "ALLOWED_HOSTS is set but names no host: the admin, /health and /metrics would answer 400 to anyone.",
+            "List the names they are reached by (localhost,127.0.0.1), or leave ALLOWED_HOSTS unset.",
+        )
+    )
 CSRF_TRUSTED_ORIGINS = _list("CSRF_TRUSTED_ORIGINS", [])
 
 # Keyed hash for API keys; rotating it invalidates every key, so it can be pinned apart from SECRET_KEY.
@@ -389,6 +397,16 @@ AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1
 AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100, least=1, code="config.E032")
 
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
+if GATEWAY_BASE_URL and (
+    urlparse(GATEWAY_BASE_URL).scheme not in {"http", "https"} or not urlparse(GATEWAY_BASE_URL).hostname
+):
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E041",
+            f"GATEWAY_BASE_URL={GATEWAY_BASE_URL!r} is not an http(s) URL.",
+            "Use the upstream's API root, such as https://api.openai.com/v1, or leave it unset.",
+        )
+    )
 GATEWAY_API_KEY = os.environ.get("GATEWAY_API_KEY", "").strip()
 # Longest wait for the upstream's next bytes; connections pooled per API process.
 GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60, least=1)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import ROOT
 
 SHOW = (
@@ -144,3 +146,26 @@ def test_the_example_secret_key_is_refused_by_the_checks(tmp_path: Path) -> None
     result = run(CHECK, tmp_path, SECRET_KEY="change-me-to-one-long-random-string")
 
     assert result.returncode != 0 and "config.E013" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "code"),
+    [
+        ({"GATEWAY_BASE_URL": "notaurl"}, "config.E041"),
+        ({"GATEWAY_BASE_URL": "ftp://upstream.example/v1"}, "config.E041"),
+        ({"ALLOWED_HOSTS": ""}, "config.E007"),
+        ({"ALLOWED_HOSTS": " , "}, "config.E007"),
+    ],
+)
+def test_a_gateway_url_that_is_no_http_url_and_hosts_that_name_none_are_named_by_the_checks(
+    tmp_path: Path, env: dict[str, str], code: str
+) -> None:
+    result = run(CHECK, tmp_path, **env)
+
+    assert result.returncode != 0 and code in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_http_gateway_url_passes_the_checks(tmp_path: Path) -> None:
+    result = run(CHECK, tmp_path, GATEWAY_BASE_URL="http://127.0.0.1:9000/v1")
+
+    assert result.returncode == 0, result.stderr
