@@ -44,8 +44,9 @@ def serving_warning(entry: CatalogEntry) -> str | None:
         return None
     if not entry.served_here and not entry.upstream_base_url and not settings.GATEWAY_BASE_URL:
         return (
-            f"{entry.public_id} has no upstream: set GATEWAY_BASE_URL (and GATEWAY_API_KEY) for the API processes, or "
-            "give it an upstream URL. Until then its requests get 503 gateway_not_configured."
+            f"{entry.public_id} has no upstream here: unless the API processes set GATEWAY_BASE_URL (and "
+            "GATEWAY_API_KEY), give it an upstream URL. Until one of them is set its requests get 503 "
+            "gateway_not_configured."
         )
     if entry.runner == "tensorrt_llm" and not settings.DISTRIBUTED and importlib.util.find_spec("tensorrt_llm") is None:
         return (

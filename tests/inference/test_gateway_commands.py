@@ -80,5 +80,5 @@ def test_add_gateway_model_without_an_upstream_anywhere_warns_that_its_requests_
     call_command("add_gateway_model", "openai/gpt-4o", stdout=StringIO(), stderr=warned)
     call_command("add_gateway_model", "openai/own", "--upstream-url", "https://up.example/v1", stderr=warned)
 
-    assert "openai/gpt-4o has no upstream: set GATEWAY_BASE_URL" in warned.getvalue()
+    assert "openai/gpt-4o has no upstream here: unless the API processes set GATEWAY_BASE_URL" in warned.getvalue()
     assert "openai/own" not in warned.getvalue()

@@ -94,7 +94,12 @@ class _DrainingServer(daphne_server.Server):
         started, interrupted = time.monotonic(), False
         clock: Any = reactor  # Twisted's interfaces read as methods without self to mypy
         if under_way := self._under_way():
-            logger.warning("shutting down: %d requests under way have up to %d s to finish", under_way, grace)
+            logger.warning(
+                "shutting down: %s under way %s up to %d s to finish",
+                "1 request" if under_way == 1 else f"{under_way} requests",
+                "has" if under_way == 1 else "have",
+                grace,
+            )
 
         def check() -> None:
             nonlocal interrupted
