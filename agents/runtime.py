@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import regex
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import IntegrityError
 
@@ -46,6 +47,8 @@ from inference.engine.decoding import (
     new_call_id,
     parse_json,
 )
+from inference.engine.exceptions import ContextLengthExceeded
+from inference.engine.execution import get_renderer
 from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
@@ -445,6 +448,7 @@ class AgentTurn:
         # since a turn ran. Exchanges refused before are not read again (``refused_exchanges``).
         stored = self._read[: len(self._read) - len(self._sent)]
         checked = client_texts(stored, self._sent, instructions=self.params.instructions)
+        await self._check_fits(checked)
         self._refusal = await self.agent.guardrails.check_input(checked)
         if self._refusal is None and (search := self._search_first()) is not None:
             arguments = json.dumps({"query": new_user_text(self.input_items)}, ensure_ascii=False)
@@ -455,6 +459,17 @@ class AgentTurn:
         self._first = await self.prepare_step(0)
         self._precharged = self._first.prompt_tokens
         return self._first
+
+    async def _check_fits(self, texts: list[str]) -> None:
+        """Texts that could not fit the model's context whatever their exact count (more bytes than its tokens could
+        carry) are refused before the guardrails read them: reading megabytes holds the process's one interpreter
+        for seconds, past every other answer's guardrail time."""
+        entry = self.agent.entry
+        renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
+        if (least := renderer.least_tokens("".join(texts))) > entry.context_length:
+            raise ContextLengthExceeded(
+                prompt_tokens=least, context_length=entry.context_length, requested_output=None, at_least=True
+            )
 
     def _search_first(self) -> ServerTool | None:
         """The search the instance runs before the model's first step, if it runs one on this input."""

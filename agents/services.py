@@ -300,6 +300,23 @@ def _check_storable(params: AgentResponseRequest, items: list[dict[str, Any]]) -
         raise invalid_request(message, param=where, code="invalid_value")
 
 
+# Bytes of stored input a turn may keep for each token of its model's context: more than its prompt could hold (a
+# token carries a few bytes), so that input the model never reads (a reasoning item's summary, an earlier tool run
+# past its share of the context) is not stored at no token cost.
+STORED_BYTES_PER_CONTEXT_TOKEN = 16
+
+
+def _check_turn_size(items: list[dict[str, Any]], agent: Agent) -> None:
+    most = agent.entry.context_length * STORED_BYTES_PER_CONTEXT_TOKEN
+    if (size := stored_size(items)) > most:
+        raise conversation_too_large(
+            f"This input's {size} bytes of items pass the {most} a stored turn may hold on {agent.entry.public_id} "
+            f"({STORED_BYTES_PER_CONTEXT_TOKEN} bytes for each token of its {agent.entry.context_length}-token "
+            "context): send less, or send store: false.",
+            param="input",
+        )
+
+
 def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
     for index, tool in enumerate(params.function_tools):
         if agent.tool(tool.name) is not None:
@@ -356,6 +373,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     _check_replayed_calls(items, agent)
     if params.keeps:
         _check_storable(params, items)
+        _check_turn_size(items, agent)
     previous: StoredResponse | None = None
     history: list[dict[str, Any]] = []
     if params.previous_response_id is not None:

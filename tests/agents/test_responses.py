@@ -25,6 +25,7 @@ from asgiref.sync import sync_to_async
 from django.db.models.signals import post_init
 from django.test import override_settings
 
+from agents.guardrails import Guardrails
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
 from agents.services import stored_size
 from agents.tools.knowledge import QUERY_MAX_CHARACTERS
@@ -265,6 +266,52 @@ async def test_a_stored_conversation_holds_at_most_its_bytes(tenant: Tenant, spa
         assert refused.json()["error"]["code"] == "conversation_too_large"
         assert refused.json()["error"]["param"] == "input"
     assert await StoredResponse.objects.acount() == 1
+
+
+@pytest.mark.parametrize(
+    "unread",
+    [
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "z" * 200_000}]},
+        {
+            "type": "agent_runtime:function_call",
+            "call_id": "call_1",
+            "name": "knowledge_search",
+            "arguments": "{}",
+            "output": "x" * 200_000,
+        },
+    ],
+    ids=["a-reasoning-summary", "an-earlier-run-past-its-share"],
+)
+async def test_a_stored_turn_holds_no_more_than_its_models_context_could_read(
+    tenant: Tenant, spare_parts: AgentInstance, unread: dict[str, Any]
+) -> None:
+    # Input the model never reads would be stored at no token cost; past what its context could hold it is refused.
+    refused = await refused_turn(tenant, spare_parts, input=[unread, {"role": "user", "content": REFUSED_TURN}])
+
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("conversation_too_large", "input")
+    assert "a stored turn may hold" in error["message"] and "store: false" in error["message"]
+    assert not await StoredResponse.objects.aexists()
+
+
+async def test_input_too_large_for_the_context_is_refused_before_the_guardrails_read_it(
+    tenant: Tenant, spare_parts: AgentInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[int] = []
+    check = Guardrails.check_input
+
+    async def reading(self: Guardrails, texts: list[str]) -> Any:
+        read.append(sum(len(text) for text in texts))
+        return await check(self, texts)
+
+    monkeypatch.setattr(Guardrails, "check_input", reading)
+
+    refused = await refused_turn(tenant, spare_parts, input="\u0430\u0301\u200b" * 100_000, store=False)
+
+    assert refused.status_code == 400, refused.content
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert read == []
 
 
 @pytest.mark.database
