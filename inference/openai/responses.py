@@ -405,6 +405,8 @@ class ResponseCreateRequest(WireModel):
 
     # Whether ``tool_choice: required`` needs a function tool in ``tools`` (or can be met by tools run elsewhere).
     REQUIRED_NEEDS_TOOLS: ClassVar[bool] = True
+    # Whether the input must hold a message to respond to (a request that is only counted need not).
+    NEEDS_A_MESSAGE: ClassVar[bool] = True
 
     def refuse_unsupported(self) -> None:
         for name, message in self.REFUSED.items():
@@ -613,6 +615,10 @@ class TokenCountRequest(ResponseCreateRequest):
         {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning"}
         | {"truncation", "previous_response_id", "conversation"}
     )
+    NEEDS_A_MESSAGE: ClassVar[bool] = False
+
+    # Optional, as in TokenCountsBody: instructions and tools alone are counted too.
+    input: Input = Field(default_factory=list)
 
     def refuse_uncounted(self) -> None:
         """A Responses parameter that counting takes no part of (``stream``, ``max_output_tokens``) is unknown here, as

@@ -205,8 +205,11 @@ def _refuse_item(item: wire.ItemReference | wire.OtherItem, where: str) -> APIEr
     return unsupported_parameter(param, f"input items of type {item.type!r} are not supported here")
 
 
-def conversation(items: Sequence[LocatedItem], *, instructions: str | None) -> list[Message]:
-    """The instructions and input items as chat-template messages; raises on items that do not fit together.
+def conversation(
+    items: Sequence[LocatedItem], *, instructions: str | None, needs_a_message: bool = True
+) -> list[Message]:
+    """The instructions and input items as chat-template messages; raises on items that do not fit together, and,
+    with ``needs_a_message``, when they hold no message to respond to.
 
     Errors name each item where the client sent it, so the agent runtime passes stored history and its own
     output under the names the client knows them by.
@@ -231,7 +234,7 @@ def conversation(items: Sequence[LocatedItem], *, instructions: str | None) -> l
         else:
             raise _refuse_item(item, where)
     state.unanswered()
-    if not any(m["role"] != "system" for m in state.messages):
+    if needs_a_message and not any(m["role"] != "system" for m in state.messages):
         raise invalid_request(
             "input holds no message for the model to respond to.", param="input", code="invalid_value"
         )
@@ -285,7 +288,9 @@ def to_generation_request(request: wire.ResponseCreateRequest, entry: CatalogEnt
         images=request.param_names().image is not None,
     )
     return GenerationRequest(
-        messages=conversation(input_items(request), instructions=request.instructions),
+        messages=conversation(
+            input_items(request), instructions=request.instructions, needs_a_message=request.NEEDS_A_MESSAGE
+        ),
         tools=tools,
         tool_choice=_tool_choice(request),
         parallel_tool_calls=request.parallel_tool_calls is not False,

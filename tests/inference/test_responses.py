@@ -562,6 +562,28 @@ async def test_the_input_tokens_of_a_request_are_counted_without_running_it(api:
     assert not await UsageRecord.objects.aexists()  # nothing ran, nothing to meter
 
 
+async def test_instructions_and_tools_are_counted_without_input(api: API, openai_spec: OpenAISpec) -> None:
+    # TokenCountsBody requires nothing: what the instructions, and the tools beside them, take alone.
+    alone = await api.post(f"{RESPONSES}/input_tokens", {"model": MODEL_ID, "instructions": "Be brief."})
+    with_tools = await api.post(
+        f"{RESPONSES}/input_tokens", {"model": MODEL_ID, "instructions": "Be brief.", "tools": [WEATHER]}
+    )
+
+    assert (alone.status_code, with_tools.status_code) == (200, 200), (alone.content, with_tools.content)
+    openai_spec.validate("TokenCountsResource", alone.json())
+    assert 0 < alone.json()["input_tokens"] < with_tools.json()["input_tokens"]
+
+
+async def test_a_response_still_needs_a_message_to_respond_to(api: API) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, {"model": MODEL_ID, "input": [], "instructions": "Be brief."}),
+        400,
+        "invalid_value",
+        "input",
+    )
+    assert "no message for the model to respond to" in error["message"]
+
+
 @pytest.mark.parametrize(("field", "value"), [("stream", True), ("max_output_tokens", 999999), ("route", "gateway")])
 async def test_counting_input_tokens_takes_only_what_shapes_the_input(api: API, field: str, value: Any) -> None:
     body = {"model": MODEL_ID, "input": "Name one river in Oregon.", field: value}
