@@ -413,7 +413,7 @@ GATEWAY_TIMEOUT_SECONDS = _int("GATEWAY_TIMEOUT_SECONDS", 60, least=1)
 GATEWAY_MAX_CONNECTIONS = _int("GATEWAY_MAX_CONNECTIONS", 512, least=1)
 # Charged at admission for a gateway request that sets no output limit.
 GATEWAY_DEFAULT_MAX_TOKENS = _int("GATEWAY_DEFAULT_MAX_TOKENS", 4096, least=1)
-# Longest a gateway stream may run, however the upstream paces it.
+# Longest a gateway answer may take, streamed or whole, however the upstream paces it.
 GATEWAY_STREAM_MAX_SECONDS = _int("GATEWAY_STREAM_MAX_SECONDS", 600, least=1)
 # Largest upstream answer read whole (a non-streamed response, an error body); past it the client gets a 502.
 GATEWAY_MAX_RESPONSE_BYTES = _int("GATEWAY_MAX_RESPONSE_BYTES", 64 * 1024 * 1024, least=1)

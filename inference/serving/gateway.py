@@ -10,7 +10,9 @@ metered; the usage chunk is passed on only to a client that asked for it. The to
 admission, an estimate, is corrected to the upstream's count when it comes. An answer that comes without a count
 (a stream cut by its client, its time limit or the upstream, or usage that is not counts) is recorded with estimates:
 the body's bytes over four for its input, four characters a token of the generated text that went by for its
-output. A stream ends after ``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it.
+output (no more than the request's limit). Counts the request could not have used are not believed either. An
+answer, streamed or whole, ends after ``GATEWAY_STREAM_MAX_SECONDS`` however the upstream paces it, and a stream
+once it sends what no answer holds (data that is not an object, an endless event, text far past the limit).
 
 One pooled aiohttp session per process (per event loop) keeps connections to the upstream warm; aiohttp's client
 costs a fraction of httpx's per request, which is most of what this hop adds.
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -59,7 +64,13 @@ ROUTE = "gateway"
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 CONNECT_TIMEOUT = 5.0
-MAX_PENDING_EVENT = 1 << 20
+# The longest event a stream may hold (a Response's last event repeats its whole output, images included): past it
+# the stream ends, since no event is that long and the upstream's framing is broken.
+MAX_EVENT_BYTES = 16 << 20
+# How far past the most the request allows (its output limit, times its choices) the text of a stream may run, as
+# reckoned at four characters a token, before the stream is ended: the reckoning is rough, the limit is not.
+OUTPUT_RECKONING_SLACK = 4
+OUTPUT_RECKONING_EXTRA = 64
 # What a stream's last event holds, by API.
 CHAT_END = (b"[DONE]",)
 RESPONSE_END = (b"response.completed", b"response.failed", b"response.incomplete")
@@ -175,6 +186,9 @@ def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
             )
 
 
+MOST_CHOICES = 128
+
+
 def estimate_input_tokens(body: dict[str, Any]) -> int:
     """What the upstream reads, without its tokenizer: about four bytes a token of the whole body (its instructions
     and tools are read too)."""
@@ -182,8 +196,16 @@ def estimate_input_tokens(body: dict[str, Any]) -> int:
 
 
 def output_cap(read: GatewayChatRequest | GatewayResponseRequest) -> int:
-    """The most the answer may hold: the body's cap, or the gateway's default."""
+    """What admission charges for the answer: the body's cap, or the gateway's default."""
     return read.output_cap or settings.GATEWAY_DEFAULT_MAX_TOKENS
+
+
+def output_bound(body: dict[str, Any], read: GatewayChatRequest | GatewayResponseRequest, entry: CatalogEntry) -> int:
+    """The most the answer can hold: the body's cap (or, without one, the model's context) for each of its choices
+    (chat's ``n``, where the entry lets it through)."""
+    n = body.get("n")
+    choices = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MOST_CHOICES else 1
+    return choices * (read.output_cap or entry.context_length)
 
 
 # A piece of generated text in a streamed event, and the string that holds it: chat's content, refusal, tool call
@@ -255,6 +277,10 @@ class UpstreamUsage:
     """What the upstream reported using, and how its answer went; filled in as the response passes through."""
 
     started: float
+    # The most the request could use: counts past them are not believed, and the text reckoned past the output's is
+    # not billed.
+    input_bound: int = MAX_REPORTED_TOKENS
+    output_bound: int = MAX_REPORTED_TOKENS
     # For an answer that comes without the upstream's count: what the body is reckoned to hold, whether the upstream
     # answered at all (then it read the body), and tokens reckoned from the text that went by.
     input_estimate: int = 0
@@ -273,8 +299,9 @@ class UpstreamUsage:
         return self.input_tokens > 0 or self.output_tokens > 0
 
     def read_usage(self, usage: Any) -> None:
-        """The upstream's usage object, if its counts are counts: anything else (a string, a negative or
-        astronomical number) is not trusted, and the request keeps admission's estimate."""
+        """The upstream's usage object, if its counts are counts the request could have used: anything else (a
+        string, a negative number, more than the request's context or output limit allow, cached or reasoning
+        tokens beyond the count they are part of) is not trusted, and the request keeps its estimate."""
         if not isinstance(usage, dict):
             return
         details = usage.get("completion_tokens_details") or usage.get("output_tokens_details")
@@ -288,7 +315,17 @@ class UpstreamUsage:
         if any(count is None for count in counts):
             logger.warning("the upstream reported usage that is not token counts: %.200r", usage)
             return
-        self.input_tokens, self.output_tokens, self.reasoning_tokens, self.cached_tokens = (c or 0 for c in counts)
+        read, written, reasoning, cached = (count or 0 for count in counts)
+        if read > self.input_bound or written > self.output_bound or reasoning > written or cached > read:
+            logger.warning(
+                "the upstream reported usage the request could not have used (at most %d tokens in, %d out): %.200r",
+                self.input_bound,
+                self.output_bound,
+                usage,
+            )
+            return
+        self.input_tokens, self.output_tokens = read, written
+        self.reasoning_tokens, self.cached_tokens = reasoning, cached
 
     def counted(self) -> int:
         """The tokens-per-minute charge once the upstream has reported: its counts, an estimate for one it left out."""
@@ -304,7 +341,7 @@ class UpstreamUsage:
             status=self.status if ran_to_end else CLIENT_DISCONNECTED,
             error_code=self.error_code if ran_to_end else "client_disconnected",
             input_tokens=self.input_tokens or (self.input_estimate if self.answered else 0),
-            output_tokens=self.output_tokens or self.output_seen,
+            output_tokens=self.output_tokens or min(self.output_seen, self.output_bound),
             reasoning_tokens=self.reasoning_tokens,
             cached_tokens=self.cached_tokens,
             time_to_first_token_ms=ttft,
@@ -321,7 +358,9 @@ def upstream_error(
     logger.warning("the gateway answered %d to request %s: %r", status, request_id, redacted(body[:2000], secret))
     quote = f"Quote the request id {request_id} when you report it."
     # The upstream's word on when to come back, whatever its body; a 429 always says when.
-    retry = {"Retry-After": headers.get("retry-after", "1")} if status == 429 or "retry-after" in headers else None
+    retry = (
+        {"Retry-After": retry_after(headers.get("retry-after"))} if status == 429 or "retry-after" in headers else None
+    )
     if status in (401, 403):
         return APIError(
             f"The gateway refused the node's credentials. {quote}", code="upstream_error", status=502, type=SERVER
@@ -344,6 +383,24 @@ def upstream_error(
         type=kind if kind in ERROR_TYPES else (RATE_LIMIT if status == 429 else INVALID_REQUEST if refused else SERVER),
         headers=retry,
     )
+
+
+MOST_RETRY_AFTER = 86_400
+
+
+def retry_after(value: str | None) -> str:
+    """The upstream's ``Retry-After`` as whole seconds from now (it may be an HTTP date), at most a day; 1 when it
+    says nothing a client could read."""
+    value = (value or "").strip()
+    if value.isascii() and value.isdigit():
+        return str(min(int(value[:6]), MOST_RETRY_AFTER))
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return "1"
+    if when.tzinfo is None:
+        return "1"
+    return str(min(max(math.ceil((when - datetime.now(UTC)).total_seconds()), 1), MOST_RETRY_AFTER))
 
 
 def _bodiless_error(status: int, quote: str, retry: dict[str, str] | None) -> APIError:
@@ -401,9 +458,14 @@ async def forward_json(
     *, upstream: Upstream, path: str, body: dict[str, Any], request_id: str, tally: UpstreamUsage
 ) -> dict[str, Any]:
     try:
-        async with session().post(
-            upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id), allow_redirects=False
-        ) as response:
+        # A whole answer has the time a stream has: an upstream that sends a byte now and then never meets the read
+        # timeout.
+        async with (
+            asyncio.timeout(settings.GATEWAY_STREAM_MAX_SECONDS),
+            session().post(
+                upstream.url(path), data=orjson.dumps(body), headers=upstream.headers(request_id), allow_redirects=False
+            ) as response,
+        ):
             content = await read_bounded(response)
             status, headers = response.status, response.headers
     except UpstreamFailure as exc:
@@ -414,11 +476,15 @@ async def forward_json(
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
         raise APIError(
-            "The gateway answered with a body that is not JSON.", code="upstream_error", status=502, type="server_error"
+            f"The gateway answered with a body that is not JSON. Quote the request id {request_id} when you report it.",
+            code="upstream_error",
+            status=502,
+            type="server_error",
         ) from None
     if not isinstance(data, dict):
         raise APIError(
-            "The gateway answered with a body that is not an object.",
+            "The gateway answered with a body that is not an object. Quote the request id "
+            f"{request_id} when you report it.",
             code="upstream_error",
             status=502,
             type="server_error",
@@ -461,6 +527,15 @@ async def open_stream(
     if response.content_type != "text/event-stream":
         content = await _drain(response)
         raise not_a_stream(response, content, request_id=request_id, secret=upstream.api_key)
+    if (encoding := response.headers.get("Content-Encoding", "identity").strip().lower()) not in ("", "identity"):
+        response.close()
+        raise APIError(
+            f"The gateway answered in the {encoding[:40]!r} encoding it was not asked for. Quote the request id "
+            f"{request_id} when you report it.",
+            code="upstream_error",
+            status=502,
+            type=SERVER,
+        )
     return response
 
 
@@ -519,6 +594,7 @@ class StreamRelay:
     _failure: str = ""  # what the client was told when the upstream failed mid-stream
     _interrupted: Failed | None = None  # why the stream is to end now (its key revoked)
     _wait: asyncio.Timeout | None = None  # the wait for the upstream's next bytes, while it lasts
+    _fault: str = ""  # what the upstream sent that no answer holds, which ends the stream
 
     def interrupt(self, failure: Failed) -> None:
         """Ends the stream with ``failure``: at once if it waits for the upstream, else once its next bytes are out."""
@@ -559,7 +635,7 @@ class StreamRelay:
         )
 
     async def relay(self, response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
-        pending = b""
+        frames = SSEFrames()
         finished = False
         chunks = response.content.iter_any()
         if self.api_key_id is not None:
@@ -589,20 +665,25 @@ class StreamRelay:
                 if self.tally.first_byte_at is None:
                     self.tally.first_byte_at = time.monotonic()
                     self.tally.answered = True
-                received = pending + chunk
-                if b"\r" in received:  # events framed with CRLF, as SSE allows
-                    received = received.replace(b"\r\n", b"\n")
-                *events, pending = received.split(b"\n\n")
-                out = b"".join(self._event(event) for event in events)
-                if len(pending) > MAX_PENDING_EVENT:  # no event is that long: pass it on unread
-                    out, pending = out + pending, b""
+                out = []
+                for event in frames.feed(chunk):
+                    out.append(self._event(event))
+                    if self._check_bounds(frames):
+                        break
+                self._check_bounds(frames)
                 if out:
-                    yield out
+                    yield b"".join(out)
+                if self._fault:
+                    yield self._broken()
+                    return
                 if time.monotonic() > self.deadline:
                     yield self._time_limit()
                     return
-            if pending:
-                yield self._event(pending)
+            if rest := frames.rest():
+                yield self._event(rest)
+                if self._fault:
+                    yield self._broken()
+                    return
             finished = True
             if self._ended and self._failure and self.terminal is RESPONSE_END:
                 yield self._response_failed(self._failure)  # the upstream's error event was its last
@@ -619,7 +700,7 @@ class StreamRelay:
                 )
         except TimeoutError:
             self.tally.status, self.tally.error_code = 504, "upstream_timeout"
-            yield self._sse_error(unreachable(TimeoutError()))
+            yield self._sse_error(unreachable(TimeoutError(), request_id=self.request_id))
         except aiohttp.ClientError:
             self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
             yield self._sse_error(
@@ -636,6 +717,33 @@ class StreamRelay:
         if self.tally.reported:
             await self.settle(self.tally.counted())
 
+    def _check_bounds(self, frames: SSEFrames) -> bool:
+        """Whether the stream is broken: it sent what no answer holds, such as an event longer than any, or more
+        text than the request allows (an upstream that does not keep to the output limit would otherwise be
+        relayed, and billed, for as long as the stream may last)."""
+        if self._fault:
+            pass
+        elif frames.waiting > MAX_EVENT_BYTES:
+            self._fault = f"an event longer than {MAX_EVENT_BYTES} bytes"
+        elif self.tally.output_seen > OUTPUT_RECKONING_SLACK * self.tally.output_bound + OUTPUT_RECKONING_EXTRA:
+            self._fault = f"more text than the request's {self.tally.output_bound} output tokens"
+        return bool(self._fault)
+
+    def _broken(self) -> bytes:
+        """The stream's end once the upstream sent what no answer holds (``_fault``): the client is told, the
+        connection dropped."""
+        logger.warning("the gateway's stream for request %s was ended: it sent %s", self.request_id, self._fault)
+        self.tally.status, self.tally.error_code = 502, "upstream_error"
+        return self._sse_error(
+            APIError(
+                f"The gateway's stream was ended: it sent {self._fault}. Quote the request id {self.request_id} when "
+                "you report it.",
+                code="upstream_error",
+                status=502,
+                type=SERVER,
+            )
+        )
+
     def _failed(self, event: bytes, code: str) -> str:
         """The upstream failed mid-stream with ``code``: logged with its words, recorded, and the words the client
         gets instead."""
@@ -650,13 +758,17 @@ class StreamRelay:
         )
         return self._failure
 
-    def _error(self, event: bytes, data: dict[str, Any]) -> bytes | None:
-        """The upstream's error event rebuilt in the API's shape and words, or None when the event is not one.
-        Rebuilt, not edited: whatever else the upstream put in it (a provider's raw message) stays behind."""
+    def _error(self, event: bytes, data: dict[str, Any], *, named: bool) -> bytes | None:
+        """The upstream's error event rebuilt in the API's shape and words, or None when the event is not one: one
+        that holds an ``error`` (an object, or anything else a server puts there), that is of type ``error``, or
+        that SSE names ``error``. Rebuilt, not edited: whatever else the upstream put in it (a provider's raw
+        message) stays behind."""
         if isinstance(data.get("error"), dict):
             error = data["error"]
-        elif data.get("type") == "error":
+        elif data.get("type") == "error" or named:
             error = data
+        elif data.get("error") is not None:
+            error = {}
         else:
             return None
         code = _plain_name(error.get("code")) or "upstream_error"
@@ -674,32 +786,34 @@ class StreamRelay:
         self._sequence = number if isinstance(number, int) and not isinstance(number, bool) else self._sequence + 1
         return _responses_error(replaced, self._sequence)
 
-    def _hide_failure(self, event: bytes, data: dict[str, Any]) -> bool:
-        """A ``response.failed`` event's error put in the API's words; whether it had one."""
+    def _hide_failure(self, event: bytes, data: dict[str, Any]) -> None:
+        """A ``response.failed`` event recorded as the failure it is, its error put in the API's words."""
         response = data.get("response")
         error = response.get("error") if isinstance(response, dict) else None
-        if not isinstance(response, dict) or not isinstance(error, dict):
-            return False
-        code = _plain_name(error.get("code")) or "upstream_error"
-        response["error"] = {"code": code, "message": self._failed(event, code)}
-        return True
+        code = (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
+        message = self._failed(event, code)
+        if isinstance(response, dict):
+            response["error"] = {"code": code, "message": message}
 
     def _event(self, event: bytes) -> bytes:
         """The event as the client gets it (with its separator), or nothing."""
         others, payload = _sse_parts(event)
         if payload is None:  # a comment, a keepalive
             return event + b"\n\n"
-        if self.terminal is CHAT_END:
-            if payload == b"[DONE]":
-                self._ended = True
-                return event + b"\n\n"
-        elif (number := _SEQUENCE.search(payload)) is not None:
+        if self.terminal is CHAT_END and payload == b"[DONE]":
+            self._ended = True
+            return event + b"\n\n"
+        if not _an_object(payload):  # no client could read it: the stream is broken
+            self._fault = "data that is not a JSON object"
+            return b""
+        if self.terminal is RESPONSE_END and (number := _SEQUENCE.search(payload)) is not None:
             self._sequence = int(number[1])
         self.tally.output_seen += _streamed_tokens(payload, responses=self.terminal is RESPONSE_END)
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
         # an ending is told by its type, not by its name turning up in a delta's text.
         markers = (b'"error"', b'"usage"', b'"b3os"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
-        if not any(marker in payload for marker in markers):
+        named = bool(others) and _named_error(others)
+        if not named and not any(marker in payload for marker in markers):
             return event + b"\n\n"
         try:
             data = orjson.loads(payload)
@@ -707,7 +821,7 @@ class StreamRelay:
             return event + b"\n\n"
         if not isinstance(data, dict):
             return event + b"\n\n"
-        if (replaced := self._error(event, data)) is not None:
+        if (replaced := self._error(event, data, named=named)) is not None:
             return replaced
         changed = False
         if isinstance(extra := data.get("b3os"), dict) and extra.get("route") != ROUTE:
@@ -716,10 +830,16 @@ class StreamRelay:
             changed = True
         if self.terminal is RESPONSE_END and data.get("type") == "response.created":
             self._response = data.get("response") if isinstance(data.get("response"), dict) else None
+        response = data.get("response")
         if self.terminal is RESPONSE_END and data.get("type") in RESPONSE_END_TYPES:
             self._ended = self._closed = True
-            changed = data["type"] == "response.failed" and self._hide_failure(event, data)
-        response = data.get("response")
+            if data["type"] == "response.failed":
+                self._hide_failure(event, data)
+                changed = True
+            if isinstance(response, dict) and isinstance(details := response.get("incomplete_details"), dict):
+                # Only why it stopped, by name: the rest would be the upstream's words.
+                response["incomplete_details"] = {"reason": _plain_name(details.get("reason"))}
+                changed = True
         usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
         if usage:
             self.tally.read_usage(usage)
@@ -736,6 +856,56 @@ class StreamRelay:
         except orjson.JSONEncodeError:  # nested deeper than orjson writes: passed on as it came
             return event + b"\n\n"
         return b"\n".join([*others, b"data: " + rewritten]) + b"\n\n"
+
+
+def _an_object(payload: bytes) -> bool:
+    """Whether an event's data is framed as a JSON object (read whole only when the gateway needs what it says)."""
+    body = payload.strip()
+    return body[:1] == b"{" and body[-1:] == b"}"
+
+
+def _named_error(lines: list[bytes]) -> bool:
+    """Whether an event's other lines name it ``error``."""
+    return any(line.startswith(b"event:") and line[6:].strip() == b"error" for line in lines)
+
+
+class SSEFrames:
+    """Cuts an event stream's bytes into events as they come: an event ends at a blank line, CRLF is read as LF.
+    Each byte is searched once, however many chunks a long event comes in."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._searched = 0
+        self._carriage_return = False  # a chunk ended between a CR and its LF
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self._carriage_return:
+            chunk, self._carriage_return = b"\r" + chunk, False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                chunk, self._carriage_return = chunk[:-1], True
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buffer = self._buffer
+        buffer += chunk
+        events: list[bytes] = []
+        start = 0
+        at = max(self._searched - 1, 0)
+        while (end := buffer.find(b"\n\n", at)) != -1:
+            events.append(bytes(buffer[start:end]))
+            start = at = end + 2
+        if start:
+            del buffer[:start]
+        self._searched = len(buffer)
+        return events
+
+    @property
+    def waiting(self) -> int:
+        """Bytes of an event not yet ended."""
+        return len(self._buffer)
+
+    def rest(self) -> bytes:
+        """What came after the last event's end."""
+        return bytes(self._buffer) + (b"\r" if self._carriage_return else b"")
 
 
 def _sse_parts(event: bytes) -> tuple[list[bytes], bytes | None]:
@@ -798,8 +968,14 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     # Admission's charge, corrected to the upstream's count when it comes.
     reads = estimate_input_tokens(body)
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=reads + output_cap(read))
-    # An upstream reads no more than its context (a body's inline images and files would count as text).
-    tally = UpstreamUsage(started=meter.started, input_estimate=min(reads, entry.context_length))
+    # An upstream reads no more than its context (a body's inline images and files would count as text), and no
+    # more tokens of text than the body has bytes.
+    tally = UpstreamUsage(
+        started=meter.started,
+        input_bound=max(entry.context_length, 4 * reads + 3),
+        output_bound=output_bound(body, read, entry),
+        input_estimate=min(reads, entry.context_length),
+    )
     try:
         if not read.stream:
             data = await forward_json(

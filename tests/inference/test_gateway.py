@@ -499,8 +499,9 @@ def test_usage_the_upstream_reports_in_words_is_not_trusted_and_the_answer_still
 
     assert response.status_code == 200
     route, status, error_code, input_tokens, output_tokens, _ = setup.usage(response.headers["x-request-id"])
-    # Recorded with estimates instead: the body's bytes and the answer's 48 characters, four a token.
-    assert (route, status, error_code, input_tokens, output_tokens) == ("gateway", 200, "", read_estimate(body), 12)
+    # Recorded with estimates instead: the body's bytes, and the answer's 48 characters at four a token, 12, but
+    # no more than the request's limit of 7.
+    assert (route, status, error_code, input_tokens, output_tokens) == ("gateway", 200, "", read_estimate(body), 7)
     assert "not token counts" in setup.log()
 
 

@@ -8,6 +8,7 @@ runs in this process, so its time limits are set small per test and its accounti
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -497,11 +498,7 @@ async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(
 
 
 @BOTH
-@pytest.mark.parametrize(
-    "extra",
-    [b": keepalive\n\n", b"data: {not json\n\n", b"retry: 1000\n\n"],
-    ids=["keepalive", "not-json", "no-data"],
-)
+@pytest.mark.parametrize("extra", [b": keepalive\n\n", b"retry: 1000\n\n"], ids=["keepalive", "no-data"])
 async def test_events_the_gateway_does_not_read_pass_through_and_the_stream_is_metered(
     gw: Gateway, path: str, extra: bytes
 ) -> None:
@@ -520,11 +517,48 @@ async def test_an_event_longer_than_any_line_limit_passes_through_whole(gw: Gate
     text_of = "x" * 1_500_000
     long = data(chat_chunk(text_of)) if path == CHAT else response_event("response.output_text.delta", 1, delta=text_of)
     await gw.offer("long", events(*(chat_stream(long) if path == CHAT else responses_stream(long))))
+    await CatalogEntry.objects.filter(public_id="long").aupdate(context_length=1_000_000)  # room for that much text
 
     response, text = await gw.stream("long", path=path)
 
     assert text_of in text
     assert (await gw.record(response)).output_tokens == 8
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "garbage",
+    [b"data: {not json\n\n", b"data: [1, 2, 3]\n\n", b"data: null\n\n", b'data: "[DONE]"\n\n'],
+    ids=["not-json", "a-list", "null", "a-string"],
+)
+async def test_data_that_is_not_a_json_object_ends_the_stream_with_an_error_and_goes_no_further(
+    gw: Gateway, path: str, garbage: bytes
+) -> None:
+    await gw.offer("garbled", events(*(chat_stream(garbage) if path == CHAT else responses_stream(garbage))))
+
+    response, text = await gw.stream("garbled", path=path)
+
+    assert garbage.decode().strip() not in text
+    assert stream_error(text, path)["code"] == "upstream_error"
+    assert "not a JSON object" in stream_error(text, path)["message"]
+    assert (await gw.record(response)).status == 502
+    assert gw.window("garbled")[1] == 0
+
+
+@BOTH
+async def test_an_event_longer_than_any_answer_holds_ends_the_stream_instead_of_passing_on_unread(
+    gw: Gateway, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway, "MAX_EVENT_BYTES", 100_000)
+    endless_event = b'data: {"error": {"message": "' + b"x" * 150_000  # never ended, in pieces
+    pieces = [endless_event[start : start + 8192] for start in range(0, len(endless_event), 8192)]
+    await gw.offer("unframed", events(first_event(path), *pieces, then="stall", upstream=gw.upstream))
+
+    response, text = await gw.stream("unframed", path=path)
+
+    assert "xxxx" not in text
+    assert "longer than 100000 bytes" in stream_error(text, path)["message"]
+    assert (await gw.record(response)).error_code == "upstream_error"
 
 
 @BOTH
@@ -692,6 +726,186 @@ async def test_a_responses_stream_whose_upstream_ends_after_its_error_event_stil
     assert "db-7" not in text
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        data({"error": f"db at secret-host rejected key {UPSTREAM_KEY}"}),
+        data({"error": [{"message": f"key {UPSTREAM_KEY}"}]}),
+        b"event: error\n" + data({"message": f"key {UPSTREAM_KEY} at secret-host"}),
+    ],
+    ids=["error-a-string", "error-a-list", "named-error"],
+)
+async def test_an_error_event_in_any_shape_reaches_the_client_in_the_apis_words_only(
+    gw: Gateway, failure: bytes
+) -> None:
+    await gw.offer("shapeless", events(data(chat_chunk("Hel")), failure, DONE))
+
+    response, text = await gw.stream("shapeless")
+
+    assert UPSTREAM_KEY not in text and "secret-host" not in text
+    error = [json.loads(line) for line in sse_data(text) if line != "[DONE]"][1]["error"]
+    assert (set(error), error["code"]) == ({"message", "type", "param", "code"}, "upstream_error")
+    assert response["x-request-id"] in error["message"]
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "upstream_error")
+
+
+async def test_a_response_failed_whose_error_is_no_object_is_a_failure_in_the_apis_words(gw: Gateway) -> None:
+    failed = {
+        **RESPONSE,
+        "status": "failed",
+        "error": f"key {UPSTREAM_KEY} refused at secret-host",
+        "incomplete_details": {"reason": f"secret-host said {UPSTREAM_KEY}", "raw": "secret-host"},
+    }
+    await gw.offer("failed-r", events(first_event(RESPONSES), response_event("response.failed", 1, response=failed)))
+
+    response, text = await gw.stream("failed-r", path=RESPONSES)
+
+    assert UPSTREAM_KEY not in text and "secret-host" not in text
+    ended = last_event(text)["response"]
+    assert ended["error"]["code"] == "upstream_error" and response["x-request-id"] in ended["error"]["message"]
+    assert ended["incomplete_details"] == {"reason": None}
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "upstream_error")
+
+
+def endless(upstream: ScriptedUpstream) -> Script:
+    """A chat stream that never ends, whatever the request's output limit: a word a chunk until the reader goes."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                part = data(chat_chunk("flood "))
+                writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                await writer.drain()
+        except ConnectionError:
+            upstream.hung_up += 1
+
+    return script
+
+
+async def test_a_stream_that_runs_past_the_requests_output_limit_is_ended_and_billed_no_more_than_the_limit(
+    gw: Gateway,
+) -> None:
+    before = gw.upstream.hung_up
+    await gw.offer("flood", endless(gw.upstream))
+
+    response, text = await gw.stream("flood", max_tokens=5)
+
+    error = stream_error(text, CHAT)
+    assert error["code"] == "upstream_error" and "more text than the request's 5 output tokens" in error["message"]
+    assert text.count("flood") < 100
+    record = await gw.record(response)
+    assert (record.status, record.output_tokens) == (502, 5)
+    assert await until(lambda: gw.upstream.hung_up == before + 1)
+
+
+@BOTH
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 10**9, "completion_tokens": 3},
+        {"prompt_tokens": 5, "completion_tokens": 50_000},
+        {"prompt_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 999_999}},
+        {"prompt_tokens": 5, "completion_tokens": 3, "completion_tokens_details": {"reasoning_tokens": 999_999}},
+    ],
+    ids=["input-past-the-context", "output-past-the-limit", "cached-past-the-input", "reasoning-past-the-output"],
+)
+async def test_usage_the_request_could_not_have_used_is_not_believed(
+    gw: Gateway, path: str, usage: dict[str, Any]
+) -> None:
+    if path == RESPONSES:
+        usage = {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "input_tokens_details": usage.get("prompt_tokens_details"),
+            "output_tokens_details": usage.get("completion_tokens_details"),
+        }
+        answered = {**RESPONSE, "status": "completed", "usage": usage}
+    else:
+        answered = {"id": "x", "object": "chat.completion", "choices": [], "usage": usage}
+    await gw.offer("boastful", answer(200, answered))
+    limit = {"max_tokens": 100} if path == CHAT else {"max_output_tokens": 100}
+
+    response = await gw.post("boastful", path=path, **limit)
+
+    assert response.status_code == 200
+    record = await gw.record(response)
+    reads = gateway.estimate_input_tokens(gw.body("boastful", path=path, **limit))
+    assert (record.input_tokens, record.output_tokens, record.cached_tokens, record.reasoning_tokens) == (
+        reads,
+        0,
+        0,
+        0,
+    )
+
+
+def drip(upstream: ScriptedUpstream) -> Script:
+    """A whole answer's headers, then its body a byte at a time, each in less than the read timeout."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n")
+        try:
+            while True:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        except ConnectionError:
+            upstream.hung_up += 1
+
+    return script
+
+
+@BOTH
+async def test_a_whole_answer_sent_a_byte_at_a_time_ends_at_the_answers_time_limit(
+    gw: Gateway, settings: Any, path: str
+) -> None:
+    settings.GATEWAY_STREAM_MAX_SECONDS = 1  # a byte comes every 0.2 s: the read timeout (1 s) is never met
+    await gw.offer("dripping", drip(gw.upstream))
+
+    response = await asyncio.wait_for(gw.post("dripping", path=path), 10)
+
+    assert response.status_code == 504
+    assert error_of(response)["code"] == "upstream_timeout"
+    assert gw.window("dripping")[1] == 0
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("garbage-value, 37", "1"), ("99999999999", "86400"), ("Wed, 21 Oct 2015 07:28:00 GMT", "1")],
+    ids=["garbage", "past-a-day", "a-date-gone-by"],
+)
+async def test_an_upstreams_retry_after_reaches_the_client_as_seconds_it_can_read(
+    gw: Gateway, path: str, given: str, expected: str
+) -> None:
+    await gw.offer("limited-odd", answer(429, b"<html>Too Many Requests</html>", headers={"Retry-After": given}))
+
+    response = await gw.post("limited-odd", path=path)
+
+    assert (response.status_code, response["Retry-After"]) == (429, expected)
+
+
+@BOTH
+async def test_a_stream_in_an_encoding_the_gateway_did_not_ask_for_is_a_502(gw: Gateway, path: str) -> None:
+    async def gzipped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = gzip.compress(b"".join(chat_stream()))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+    await gw.offer("zipped", gzipped)
+
+    response = await gw.post("zipped", path=path, stream=True)
+
+    assert response.status_code == 502
+    assert "'gzip' encoding" in error_of(response)["message"]
+    assert gw.window("zipped")[1] == 0
+
+
 @BOTH
 async def test_an_upstream_that_never_begins_its_answer_is_a_504(gw: Gateway, path: str) -> None:
     await gw.offer("mute", silence(gw.upstream))
@@ -785,3 +999,14 @@ async def test_a_client_that_hangs_up_mid_stream_closes_the_upstream_request_fre
     assert (record.input_tokens, record.output_tokens) == (reads, 1 if path == CHAT else 0)
     assert await UsageRecord.objects.filter(request_id=response["x-request-id"]).acount() == 1
     assert gw.window("abandoned")[1] == 0
+
+
+def test_a_stream_cut_into_chunks_anywhere_gives_the_events_it_gives_whole() -> None:
+    stream = b"data: a\r\n\r\n: keepalive\n\ndata: b\r\ndata: c\r\n\r\nevent: error\ndata: {}\n\ndata: tail"
+    whole = gateway.SSEFrames()
+    expected = whole.feed(stream), whole.rest()
+    for size in range(1, 12):
+        frames = gateway.SSEFrames()
+        got = [event for start in range(0, len(stream), size) for event in frames.feed(stream[start : start + size])]
+        assert (got, frames.rest()) == expected
+    assert expected == ([b"data: a", b": keepalive", b"data: b\ndata: c", b"event: error\ndata: {}"], b"data: tail")
