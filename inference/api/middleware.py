@@ -27,7 +27,7 @@ from inference.openai.errors import (
     status_error,
 )
 
-from .context import RequestContext
+from .context import RequestContext, context_of
 from .errors import is_api_path, is_browser_path, render, render_exception
 
 # Plain Django views outside the API (no error shape of the API's), timed and numbered like it.
@@ -55,8 +55,14 @@ def request_id_of(request: HttpRequest) -> str:
 
 
 class RequestIdLogFilter(logging.Filter):
+    """Puts the request's id on each record logged while it is served; Django's own line for a response
+    (``django.request``), logged once the middleware is done, finds it on the request it names."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = _request_id.get()
+        request_id = _request_id.get()
+        if request_id == "-" and (context := context_of(getattr(record, "request", None))) is not None:
+            request_id = context.request_id
+        record.request_id = request_id
         return True
 
 

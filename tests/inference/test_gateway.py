@@ -199,10 +199,13 @@ def test_an_upstream_error_keeps_its_status_code_and_param_and_its_words_go_to_t
     assert any("Upstream says no." in line for line in logged)
 
 
-def test_an_upstream_failure_without_a_body_is_a_502(setup: Setup) -> None:
+def test_an_upstream_failure_without_a_body_is_a_502_logged_under_its_request_id(setup: Setup) -> None:
     response = setup.post(chat(model="error-500-text"))
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_error"
+    # Django's own line for the response, logged after the request's middleware is done, names it too.
+    request_id = response.headers["x-request-id"]
+    assert wait_until(lambda: f"ERROR django.request [{request_id}] Bad Gateway" in setup.log())
 
 
 def test_a_slow_upstream_times_out_with_a_504(setup: Setup) -> None:
