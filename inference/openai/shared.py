@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -247,17 +249,61 @@ Model = TypeVar("Model", bound=BaseModel)
 def parse(model: type[Model], data: Any) -> Model:
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    budget = _schema_budget.set(_Budget(MOST_SUBSCHEMAS_CHECKED))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, data) from None
+    finally:
+        _schema_budget.reset(budget)
 
 
 # --- rules both request families apply -------------------------------------------------------------
 
 
+# Checking a schema against JSON Schema's own schema costs about 0.3 ms a subschema, and a pattern's compilation
+# grows with its length: a request's schemas (its tools' and its format's) are given at most this much of it, counted
+# first, so that a body of tens of thousands of subschemas is refused before the check rather than after seconds
+# of it. No runner's grammar takes schemas that large.
+MOST_SUBSCHEMAS_CHECKED = 4096
+MOST_PATTERN_CHARACTERS = 10_000
+
+
+@dataclass(slots=True)
+class _Budget:
+    left: int
+
+
+_schema_budget: ContextVar[_Budget | None] = ContextVar("schema_budget", default=None)
+
+
+def _checking_cost_problem(schema: dict[str, Any]) -> str | None:
+    """What makes ``schema`` too costly to check, found by one walk that counts its objects against the request's
+    budget (each schema its own outside a request) and measures its patterns; None when it may be checked."""
+    budget = _schema_budget.get() or _Budget(MOST_SUBSCHEMAS_CHECKED)
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(item for item in node if isinstance(item, dict | list))
+            continue
+        budget.left -= 1
+        if budget.left < 0:
+            return f"the request's schemas hold more than {MOST_SUBSCHEMAS_CHECKED} objects in all"
+        patterns = [node.get("pattern")]
+        if isinstance(named := node.get("patternProperties"), dict):
+            patterns += named
+        if any(isinstance(pattern, str) and len(pattern) > MOST_PATTERN_CHARACTERS for pattern in patterns):
+            return f"a pattern is longer than {MOST_PATTERN_CHARACTERS} characters"
+        stack.extend(value for value in node.values() if isinstance(value, dict | list))
+    return None
+
+
 def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A JSON schema valid under its own ``$schema`` draft (2020-12 when it names none)."""
+    """A JSON schema valid under its own ``$schema`` draft (2020-12 when it names none), once its size allows the
+    check."""
+    if problem := _checking_cost_problem(schema):
+        raise ValueError(f"too large a JSON schema: {problem}")
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as exc:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 from django.conf import settings
 
 from inference.engine.runners.grammar_costs import schema_leads_problem
+from inference.openai import shared
 from tests.conftest import API, MODEL_ID
 from tests.inference.test_schema_output import LINKED_LIST
 
@@ -194,3 +196,49 @@ async def test_a_few_alike_branches_one_inside_another_are_served(api: API) -> N
     response = await api.post(CHAT, chat(response_format=output_schema(arrays_in_arrays(2, 8))))
 
     assert response.status_code == 200, response.content
+
+
+@pytest.fixture
+def checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The objects in each schema checked against JSON Schema's own schema, as the checks come."""
+    sizes: list[int] = []
+    real = shared.validator_for
+
+    def counting(schema: Any, **kwargs: Any) -> Any:
+        sizes.append(json.dumps(schema).count("{"))
+        return real(schema, **kwargs)
+
+    monkeypatch.setattr(shared, "validator_for", counting)
+    return sizes
+
+
+def wide(properties: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+
+
+async def test_a_schema_too_large_to_check_is_refused_before_it_is_checked(api: API, checked: list[int]) -> None:
+    response = await api.post(CHAT, chat(response_format=output_schema(wide(5000))))
+
+    assert_refused(response, "response_format.json_schema.schema", "more than 4096 objects in all")
+    assert checked == []
+
+
+async def test_a_requests_schemas_share_one_checking_budget_however_many_tools_hold_them(
+    api: API, checked: list[int]
+) -> None:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": wide(150)}} for i in range(40)]
+
+    response = await api.post(CHAT, chat(tools=tools))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"].startswith("tools.") and error["param"].endswith(".function.parameters")
+    assert "more than 4096 objects in all" in error["message"]
+    assert 0 < sum(checked) <= 4096
+
+
+async def test_a_pattern_too_long_to_check_is_refused_before_it_is_compiled(api: API, checked: list[int]) -> None:
+    response = await api.post(CHAT, chat(response_format=output_schema(with_pattern("a" * 20_000))))
+
+    assert_refused(response, "response_format.json_schema.schema", "a pattern is longer than 10000 characters")
+    assert checked == []
