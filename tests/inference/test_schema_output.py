@@ -169,6 +169,54 @@ async def test_a_keyword_the_grammar_would_leave_out_is_a_400_naming_where_it_is
     assert says in error["message"]
 
 
+STRICT_A = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+STRICT_B = {
+    "type": "object",
+    "properties": {"b": {"type": "integer"}},
+    "required": ["b"],
+    "additionalProperties": False,
+}
+# Schemas no finite value matches: a grammar built from them never lets the output close.
+ENDLESS = {
+    "itself-required": (
+        {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"], "additionalProperties": False},
+        "no value of it can be written to its end",
+    ),
+    "refs-in-a-loop": (
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        "no value of it can be written to its end",
+    ),
+    "an-empty-enum": (with_city({"enum": []}), "no value of it can be written to its end"),
+    "closed-objects-joined": (
+        with_city({"allOf": [STRICT_A, STRICT_B]}),
+        "no value matches its allOf: one of the objects it joins allows no property 'b', which another requires",
+    ),
+}
+
+
+@pytest.mark.parametrize(("schema", "says"), ENDLESS.values(), ids=ENDLESS.keys())
+@pytest.mark.parametrize("place", ["response_format", "strict tool", "text.format"])
+async def test_a_schema_no_value_of_which_ends_is_a_400_naming_where_it_is(
+    api: API, place: str, schema: dict[str, Any], says: str
+) -> None:
+    if place == "response_format":
+        path, body, param = CHAT, chat_with_schema(schema), "response_format.json_schema.schema"
+    elif place == "strict tool":
+        tool = {"type": "function", "function": {"name": "visit", "strict": True, "parameters": schema}}
+        body = {key: value for key, value in chat_with_schema(schema).items() if key != "response_format"}
+        path, body, param = CHAT, {**body, "tools": [tool], "tool_choice": "required"}, "tools.0.function.parameters"
+    else:
+        text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+        path, body, param = RESPONSES, {"model": MODEL_ID, "input": "Hi", "text": text}, "text.format.schema"
+
+    response = await api.post(path, body)
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert says in error["message"]
+
+
 async def test_a_format_comes_back_as_a_value_of_that_format_whatever_the_question(api: API) -> None:
     schema = with_city({"type": "string", "format": "ipv4"})
     body = chat_with_schema(schema)

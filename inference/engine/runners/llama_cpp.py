@@ -69,6 +69,7 @@ from .base import (
     schema_at,
 )
 from .grammar_costs import grammar_cost_problem
+from .schema_ends import endless_problem
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ def _prepared(schema: dict[str, Any], limits: SchemaLimits) -> dict[str, Any]:
         schema, leads=limits.leads, ambiguity=limits.ambiguity
     ):
         raise SchemaTooLarge(problem)
-    if problem := keyword_problem(schema, formats=frozenset(_FORMAT_PATTERNS)):
+    if problem := keyword_problem(schema, formats=frozenset(_FORMAT_PATTERNS)) or endless_problem(schema):
         raise ValueError(problem)
     return _root_ref_as_all_of(_anchored(schema))
 

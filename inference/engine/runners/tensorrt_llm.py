@@ -56,6 +56,7 @@ from .base import (
     subschemas,
 )
 from .llama_cpp import grammar_for
+from .schema_ends import endless_problem
 
 logger = logging.getLogger(__name__)
 
@@ -676,6 +677,7 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
     return (
         keyword_problem(schema, formats=_XGRAMMAR_FORMATS)
         or _xgrammar_problem(schema)
+        or endless_problem(schema)
         or _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
     )
 
@@ -687,7 +689,11 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
         for schema in (constraint.schema, constraint.text_schema):
             if schema is None:
                 continue
-            if problem := keyword_problem(schema, formats=_XGRAMMAR_FORMATS) or _xgrammar_problem(schema):
+            if problem := (
+                keyword_problem(schema, formats=_XGRAMMAR_FORMATS)
+                or _xgrammar_problem(schema)
+                or endless_problem(schema)
+            ):
                 return problem
         return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema, constraint.text_schema))
     return schema_problem(constraint.schema)

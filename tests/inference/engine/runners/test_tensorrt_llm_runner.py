@@ -799,6 +799,18 @@ def test_a_tool_schema_the_engine_cannot_compile_is_refused_too(engine: Seen) ->
 
 
 @pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+        {"type": "object", "properties": {"x": {"enum": []}}, "required": ["x"]},
+    ],
+    ids=["itself-required", "an-empty-enum"],
+)
+def test_a_schema_no_value_of_which_ends_is_refused_before_xgrammar_compiles_it(schema: dict[str, Any]) -> None:
+    assert "no value of it can be written to its end" in (runner_module.schema_problem(schema) or "")
+
+
+@pytest.mark.parametrize(
     ("schema", "says"),
     [
         ({"type": "string", "not": {"enum": ["Paris"]}}, "its 'not' cannot be enforced by this model's grammar"),
