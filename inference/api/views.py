@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -18,7 +17,7 @@ from inference.openai.errors import stored_responses_not_offered
 from inference.openai.responses import ResponseCreateRequest, TokenCountRequest
 from inference.serving import chat, gateway, responses
 from inference.serving.caller import Caller, Result
-from inference.usage import reports
+from inference.usage import reading
 
 from .base import AsyncAPIView
 
@@ -137,7 +136,7 @@ class UsageView(AsyncAPIView):
     async def get(self, request: Request) -> Response:
         query = usage_wire.parse_query(request.query_params)
         organization = request.user
-        groups, total = await sync_to_async(reports.organization_usage, thread_sensitive=False)(
+        groups, total = await reading.organization_usage(
             organization_id=organization.pk, start=query.start, end=query.end, group_by=query.group_by
         )
         return Response(usage_wire.organization_usage(organization.slug, query, groups, total))

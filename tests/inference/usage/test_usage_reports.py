@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import threading
@@ -17,6 +18,7 @@ from django.test import Client, override_settings
 
 from inference import tasks
 from inference.models import UsageDailyRollup, UsageRecord
+from inference.usage import reading as reading_module
 from inference.usage import reports
 from orgs.models import APIKey, Organization
 from orgs.services import create_api_key
@@ -455,6 +457,34 @@ async def test_a_new_key_of_the_same_organization_sees_the_organization_usage(
     body = (await api.get(USAGE + "?group_by=model", key=other_key)).json()
 
     assert body["total"]["requests"] == 2
+
+
+async def test_usage_is_read_one_query_at_a_time_and_past_a_few_waiting_the_next_is_a_429(
+    api: API, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released, reading, most_at_once = threading.Event(), [0], [0]
+    real = reports.organization_usage
+
+    def slow(**kwargs: Any) -> Any:
+        reading[0] += 1
+        most_at_once[0] = max(most_at_once[0], reading[0])
+        released.wait(10)
+        reading[0] -= 1
+        return real(**kwargs)
+
+    monkeypatch.setattr(reports, "organization_usage", slow)
+    asked = [asyncio.create_task(api.get(USAGE)) for _ in range(reading_module.MOST_QUEUED + 2)]
+    for _ in range(200):  # while the first query is held, only refusals can come back
+        if sum(task.done() for task in asked) == 2:
+            break
+        await asyncio.sleep(0.05)
+    released.set()
+    answers = [await task for task in asked]
+
+    refused = [answer for answer in answers if answer.status_code == 429]
+    assert len(refused) == 2 and sum(answer.status_code == 200 for answer in answers) == reading_module.MOST_QUEUED
+    assert refused[0].json()["error"]["type"] == "rate_limit_error" and refused[0]["Retry-After"] == "2"
+    assert most_at_once[0] == 1
 
 
 def test_not_even_a_superuser_can_delete_a_usage_record_in_the_admin(record: Record) -> None:
