@@ -280,6 +280,11 @@ def roll_up_day(day: date) -> int | None:
     records (they may have been pruned, so existing rollups are kept). Safe to run again."""
     if day >= utc_today():
         raise ValueError(f"{day} is not over yet: only past days are rolled up")
+    if _pruned(day) and UsageDailyRollup.objects.filter(day=day).exists():
+        raise ValueError(
+            f"{day} was rolled up and its raw records pruned: recomputing it from the records left would lose "
+            "the rest of its usage"
+        )
     # Summed outside the transaction, so SQLite's write lock is not held while reading; the day's
     # rows are then replaced at once, so a report never sees a day half rolled up.
     rows = aggregate_records(UsageRecord.objects.filter(_created_on([day])))
@@ -314,9 +319,16 @@ def roll_up() -> list[date]:
     today = utc_today()
     recent = today - timedelta(days=REROLL_DAYS)
     days = list(_days_with_records(today))
-    rollups = UsageDailyRollup.objects.filter(day__in=[day for day in days if day < recent])
+    rollups = UsageDailyRollup.objects.filter(day__in=[day for day in days if day < recent or _pruned(day)])
     rolled = set(rollups.order_by().values_list("day", flat=True).distinct())
-    return [day for day in days if (day not in rolled or day >= recent) and roll_up_day(day) is not None]
+    again = [day for day in days if day not in rolled or (day >= recent and not _pruned(day))]
+    return [day for day in again if roll_up_day(day) is not None]
+
+
+def _pruned(day: date) -> bool:
+    """Whether ``day``'s raw records are pruned (once it is rolled up)."""
+    cutoff = retention_cutoff()
+    return cutoff is not None and day < cutoff
 
 
 def retention_cutoff() -> date | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission, User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 
 from inference import tasks
@@ -191,8 +191,22 @@ def test_pruning_rolls_up_a_day_that_was_never_rolled_up_before_deleting_it(reco
     assert reports.prune() == 1
 
     assert list(UsageDailyRollup.objects.values_list("day", "output_tokens")) == [(days_ago(10), 7)]
-    assert reports.roll_up_day(days_ago(10)) is None  # no raw records left: the rollup is kept, not emptied
+    with pytest.raises(ValueError, match="raw records pruned"):  # the rollup is all that is left of it
+        reports.roll_up_day(days_ago(10))
     assert UsageDailyRollup.objects.count() == 1
+
+
+@override_settings(USAGE_RETENTION_DAYS=1)
+def test_a_record_that_comes_after_its_day_was_pruned_never_replaces_the_days_rollup(record: Record) -> None:
+    record(day=days_ago(2), output_tokens=5000)
+    reports.roll_up_and_prune()
+    record(day=days_ago(2), output_tokens=22)  # written late, after its day's records were pruned
+
+    with pytest.raises(CommandError, match="raw records pruned"):
+        call_command("rollup_usage", "--day", days_ago(2).isoformat(), stdout=io.StringIO())
+    reports.roll_up()  # the last two days are rolled up again, but not this one: its records are gone
+
+    assert list(UsageDailyRollup.objects.values_list("day", "output_tokens")) == [(days_ago(2), 5000)]
 
 
 @override_settings(USAGE_RETENTION_DAYS=0)
