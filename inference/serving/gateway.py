@@ -992,6 +992,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     except BaseException as exc:
         grant.release()
         record_error(meter, None, exc)
+        if isinstance(exc, APIError):
+            exc.headers = {**grant.headers, **exc.headers}  # as every answer to an admitted request has them
         raise
     relay = StreamRelay(
         tally=tally,

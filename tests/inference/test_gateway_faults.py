@@ -348,6 +348,8 @@ async def test_an_upstream_429_without_an_openai_body_is_a_rate_limit_that_says_
     assert response.status_code == 429
     assert (error_of(response)["type"], error_of(response)["code"]) == ("rate_limit_error", "rate_limited")
     assert response["Retry-After"] == expected
+    # The organization's own limits beside the upstream's word, as on every answer to an admitted request.
+    assert response["x-ratelimit-limit-tokens"] == str(10**9)
 
 
 @BOTH
