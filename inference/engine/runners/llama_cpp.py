@@ -427,6 +427,11 @@ def _converter_problem(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "its $ref chains or nesting go too deep to build a grammar from"
     message = str(exc) or type(exc).__name__
+    if message.startswith("Unrecognized schema: "):  # followed by the subschema as a Python dict
+        return (
+            "one of its subschemas holds no keyword this model's grammar reads (such as a $dynamicRef or "
+            "$recursiveRef): give it a type, or a $ref to a definition"
+        )
     if message.startswith(_PATTERN_ERRORS):
         head = re.split(r";| in /| at index ", message, maxsplit=1)[0].strip()
         return f"one of its patterns cannot be read ({head.lower()})"

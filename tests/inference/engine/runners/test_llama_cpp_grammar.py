@@ -973,3 +973,11 @@ def test_a_checked_schema_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None
         assert schema_problem(schema) is None
 
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("subschema", [{"$dynamicRef": "#meta"}, {"$recursiveRef": "#"}, {"foo": 1}])
+def test_a_subschema_without_a_keyword_the_grammar_reads_is_named_in_plain_words(subschema: dict[str, Any]) -> None:
+    problem = schema_problem({"type": "object", "properties": {"a": subschema}, "required": ["a"]}) or ""
+
+    assert problem.startswith("one of its subschemas holds no keyword this model's grammar reads")
+    assert "{" not in problem
