@@ -879,6 +879,8 @@ class SSEFrames:
         self._carriage_return = False  # a chunk ended between a CR and its LF
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if not self._buffer and not self._carriage_return and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            return chunk[:-2].split(b"\n\n")  # most chunks: whole events, nothing held from before
         if self._carriage_return:
             chunk, self._carriage_return = b"\r" + chunk, False
         if b"\r" in chunk:
