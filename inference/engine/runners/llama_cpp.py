@@ -1380,8 +1380,23 @@ class Closing:
         if token in self.vocabulary.ends:  # the value is whole: the model meant to end it too, or to write nothing
             return token, bool(meant)
         chosen = self._text(token)
-        # The same text in other tokens (more of it, or less) is the model's text still.
-        return token, not (chosen.startswith(meant) or meant.startswith(chosen))
+        if meant.startswith(chosen):  # less of the model's text: its rest may follow
+            return token, False
+        if not chosen.startswith(meant):
+            return token, True
+        # More of it is the model's text where the grammar admits no other (a function's name, an empty object's
+        # brackets), or where what it adds closes what the model's token left open; not a value of closing's own (a
+        # string the model had just opened, closed empty or filled; a comma and the next name).
+        scan = JsonScan(in_string=self.in_string)
+        for char in meant.decode("utf-8", errors="replace"):
+            scan.read(char)
+        more = chosen[len(meant) :]
+        return token, not self._one_text(allowed, chosen) and (scan.in_string or bool(more.strip(b'"]}')))
+
+    def _one_text(self, allowed: np.ndarray, longest: bytes) -> bool:
+        """Whether every token the grammar allows spells a start of ``longest``: the text is the grammar's, not the
+        model's to choose."""
+        return all(longest.startswith(self._text(int(token))) for token in np.flatnonzero(np.isfinite(allowed)))
 
     def _text(self, token: int) -> bytes:
         piece = self.pieces[token]

@@ -981,3 +981,41 @@ def test_a_subschema_without_a_keyword_the_grammar_reads_is_named_in_plain_words
 
     assert problem.startswith("one of its subschemas holds no keyword this model's grammar reads")
     assert "{" not in problem
+
+
+PIECES = [b'"', b'", "', b'"}', b'""', b"}", b"<end>", b'"Eug', b"Eug", b"{", b"{}", b"E"]
+
+
+def closing_choice(own: bytes, allowed: list[bytes], closers: str, *, in_string: bool) -> tuple[bytes, bool]:
+    """What closing writes when the model's likeliest token is ``own`` and the grammar allows ``allowed``, and
+    whether it departs from the model's text."""
+    from types import SimpleNamespace
+
+    vocabulary = llama_cpp.ClosingVocabulary.of(SimpleNamespace(pieces=PIECES, ends=frozenset({5})))  # type: ignore[arg-type]
+    logits = np.full(len(PIECES), -np.inf)
+    for piece in allowed:
+        logits[PIECES.index(piece)] = 1.0
+    logits[PIECES.index(own)] = 2.0
+    closing = llama_cpp.Closing(vocabulary, closers, pieces=PIECES, in_string=in_string)
+    token, departed = closing.choose(logits)
+    return PIECES[token], departed
+
+
+@pytest.mark.parametrize(
+    ("allowed", "chosen"),
+    [([b'", "', b'"Eug'], b'", "'), ([b'""', b"E"], b'""')],
+    ids=["an-empty-value-and-the-next-name", "an-empty-value"],
+)
+def test_closing_a_string_the_model_had_just_opened_departs_from_its_text(allowed: list[bytes], chosen: bytes) -> None:
+    # The model meant to open the city's value; closing wrote one of its own: the call was cut, not finished.
+    assert closing_choice(b'"', allowed, "}", in_string=False) == (chosen, True)
+
+
+def test_closing_after_the_string_the_model_was_ending_keeps_to_its_text() -> None:
+    # The model meant to end the value; closing also ends the object it is in, as the model would have.
+    assert closing_choice(b'"', [b'"}', b"Eug"], '"}', in_string=True) == (b'"}', False)
+
+
+def test_closing_that_spells_in_one_token_what_the_grammar_admits_alone_keeps_to_the_models_text() -> None:
+    # A tool without parameters: the model meant "{" and closing wrote "{}", the only object the grammar admits.
+    assert closing_choice(b"{", [b"{}"], "", in_string=False) == (b"{}", False)
