@@ -1215,9 +1215,7 @@ class _Sampler:
             if sampling.top_p < 1.0:
                 self._chain.add_top_p(sampling.top_p, 1)
             self._chain.add_temp(sampling.temperature)
-            # llama.cpp's seed is 32 bits, and 0xFFFFFFFF in them asks it for a random one: OpenAI's 64-bit seeds are
-            # folded into the others, so that every seed repeats itself.
-            self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else sampling.seed % 0xFFFFFFFF)
+            self._chain.add_dist(secrets.randbits(32) if sampling.seed is None else seed_32(sampling.seed))
         self._candidates = _internals.LlamaTokenDataArray(n_vocab=model.n_vocab())
         # Whether the last token closing took departs from the one the model would have taken (``Closing.choose``).
         self.departed = False
@@ -1302,6 +1300,19 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
         token, self.departed = closing.choose(candidates.candidates_data.logit)
         return token
+
+
+_64_BITS = (1 << 64) - 1
+
+
+def seed_32(seed: int) -> int:
+    """An OpenAI seed (64 bits) as llama.cpp's, which is 32 bits and takes 0xFFFFFFFF to ask for a random one: mixed
+    (SplitMix64's finalizer) before it is folded, so that every seed repeats itself and seeds that differ only in
+    their high bits (1 and 2**32, -1 and 2**32 - 2) do not draw alike."""
+    mixed = (seed + 0x9E3779B97F4A7C15) & _64_BITS
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _64_BITS
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _64_BITS
+    return (mixed ^ (mixed >> 31)) % 0xFFFFFFFF
 
 
 def _required(schema: Any, found: set[str] | None = None) -> set[str]:

@@ -1019,3 +1019,10 @@ def test_closing_after_the_string_the_model_was_ending_keeps_to_its_text() -> No
 def test_closing_that_spells_in_one_token_what_the_grammar_admits_alone_keeps_to_the_models_text() -> None:
     # A tool without parameters: the model meant "{" and closing wrote "{}", the only object the grammar admits.
     assert closing_choice(b"{", [b"{}"], "", in_string=False) == (b"{}", False)
+
+
+def test_seeds_that_differ_only_in_their_high_bits_draw_apart() -> None:
+    pairs = [(1, 2**32), (0, 2**32 - 1), (-1, 2**32 - 2), (2**63 - 1, -(2**63))]
+
+    assert all(llama_cpp.seed_32(one) != llama_cpp.seed_32(other) for one, other in pairs)
+    assert all(0 <= llama_cpp.seed_32(seed) < 0xFFFFFFFF for pair in pairs for seed in pair)
