@@ -688,16 +688,7 @@ class StreamRelay:
             if self._ended and self._failure and self.terminal is RESPONSE_END:
                 yield self._response_failed(self._failure)  # the upstream's error event was its last
             elif not self._ended and not self.tally.error_code:
-                self.tally.status, self.tally.error_code = 502, "upstream_error"
-                yield self._sse_error(
-                    APIError(
-                        f"The gateway's stream stopped before its end. Quote the request id {self.request_id} when "
-                        "you report it.",
-                        code="upstream_error",
-                        status=502,
-                        type=SERVER,
-                    )
-                )
+                yield self._upstream_error("The gateway's stream stopped before its end.")
         except TimeoutError:
             self.tally.status, self.tally.error_code = 504, "upstream_timeout"
             yield self._sse_error(unreachable(TimeoutError(), request_id=self.request_id))
@@ -733,16 +724,13 @@ class StreamRelay:
         """The stream's end once the upstream sent what no answer holds (``_fault``): the client is told, the
         connection dropped."""
         logger.warning("the gateway's stream for request %s was ended: it sent %s", self.request_id, self._fault)
+        return self._upstream_error(f"The gateway's stream was ended: it sent {self._fault}.")
+
+    def _upstream_error(self, what: str) -> bytes:
+        """The stream's closing ``upstream_error``: what went wrong, and the request id to quote."""
         self.tally.status, self.tally.error_code = 502, "upstream_error"
-        return self._sse_error(
-            APIError(
-                f"The gateway's stream was ended: it sent {self._fault}. Quote the request id {self.request_id} when "
-                "you report it.",
-                code="upstream_error",
-                status=502,
-                type=SERVER,
-            )
-        )
+        message = f"{what} Quote the request id {self.request_id} when you report it."
+        return self._sse_error(APIError(message, code="upstream_error", status=502, type=SERVER))
 
     def _failed(self, event: bytes, code: str) -> str:
         """The upstream failed mid-stream with ``code``: logged with its words, recorded, and the words the client

@@ -141,6 +141,19 @@ LEFT_OUT = {
 }
 
 
+def placed(schema: dict[str, Any], place: str) -> tuple[str, dict[str, Any], str]:
+    """A request holding ``schema`` as a chat ``response_format``, a forced strict tool's parameters or a Responses
+    ``text.format``: its path, its body, and the parameter a 400 about the schema names."""
+    if place == "response_format":
+        return CHAT, chat_with_schema(schema), "response_format.json_schema.schema"
+    if place == "strict tool":
+        tool = {"type": "function", "function": {"name": "visit", "strict": True, "parameters": schema}}
+        body = {key: value for key, value in chat_with_schema(schema).items() if key != "response_format"}
+        return CHAT, {**body, "tools": [tool], "tool_choice": "required"}, "tools.0.function.parameters"
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+    return RESPONSES, {"model": MODEL_ID, "input": "Hi", "text": text}, "text.format.schema"
+
+
 def with_city(city: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": {"city": city}, "required": ["city"], "additionalProperties": False}
 
@@ -150,16 +163,7 @@ def with_city(city: dict[str, Any]) -> dict[str, Any]:
 async def test_a_keyword_the_grammar_would_leave_out_is_a_400_naming_where_it_is(
     api: API, place: str, city: dict[str, Any], says: str
 ) -> None:
-    schema = with_city(city)
-    if place == "response_format":
-        path, body, param = CHAT, chat_with_schema(schema), "response_format.json_schema.schema"
-    elif place == "strict tool":
-        tool = {"type": "function", "function": {"name": "visit", "strict": True, "parameters": schema}}
-        body = {key: value for key, value in chat_with_schema(schema).items() if key != "response_format"}
-        path, body, param = CHAT, {**body, "tools": [tool]}, "tools.0.function.parameters"
-    else:
-        text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
-        path, body, param = RESPONSES, {"model": MODEL_ID, "input": "Hi", "text": text}, "text.format.schema"
+    path, body, param = placed(with_city(city), place)
 
     response = await api.post(path, body)
 
@@ -199,15 +203,7 @@ ENDLESS = {
 async def test_a_schema_no_value_of_which_ends_is_a_400_naming_where_it_is(
     api: API, place: str, schema: dict[str, Any], says: str
 ) -> None:
-    if place == "response_format":
-        path, body, param = CHAT, chat_with_schema(schema), "response_format.json_schema.schema"
-    elif place == "strict tool":
-        tool = {"type": "function", "function": {"name": "visit", "strict": True, "parameters": schema}}
-        body = {key: value for key, value in chat_with_schema(schema).items() if key != "response_format"}
-        path, body, param = CHAT, {**body, "tools": [tool], "tool_choice": "required"}, "tools.0.function.parameters"
-    else:
-        text = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
-        path, body, param = RESPONSES, {"model": MODEL_ID, "input": "Hi", "text": text}, "text.format.schema"
+    path, body, param = placed(schema, place)
 
     response = await api.post(path, body)
 
