@@ -396,7 +396,7 @@ def retry_after(value: str | None) -> str:
         return str(min(int(value[:6]), MOST_RETRY_AFTER))
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return "1"
     if when.tzinfo is None:
         return "1"
@@ -590,7 +590,7 @@ class StreamRelay:
     _ended: bool = False
     _sequence: int = -1  # a Responses stream's last sequence number
     _response: dict[str, Any] | None = None  # the Response a Responses stream began with
-    _closed: bool = False  # a Responses stream's terminal event went out
+    _closed: bool = False  # the stream's last event went out (chat's [DONE], a Response's terminal event)
     _failure: str = ""  # what the client was told when the upstream failed mid-stream
     _interrupted: Failed | None = None  # why the stream is to end now (its key revoked)
     _wait: asyncio.Timeout | None = None  # the wait for the upstream's next bytes, while it lasts
@@ -786,10 +786,11 @@ class StreamRelay:
     def _event(self, event: bytes) -> bytes:
         """The event as the client gets it (with its separator), or nothing."""
         others, payload = _sse_parts(event)
-        if payload is None:  # a comment, a keepalive
+        if payload is None or not payload.strip() or self._closed:  # a comment, a keepalive, what follows the end
             return event + b"\n\n"
-        if self.terminal is CHAT_END and payload == b"[DONE]":
-            self._ended = True
+        if payload.strip() == b"[DONE]":  # chat's last event; some servers end a Responses stream with it too
+            if self.terminal is CHAT_END:
+                self._ended = self._closed = True
             return event + b"\n\n"
         if not _an_object(payload):  # no client could read it: the stream is broken
             self._fault = "data that is not a JSON object"

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
-from typing import Final
+from typing import Any, Final
 
 from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 
 from inference.openai.errors import RATE_LIMIT, APIError
 
@@ -41,10 +42,20 @@ class _Reader:
             )
         self.queued += 1
         try:
-            read = sync_to_async(reports.organization_usage, thread_sensitive=False, executor=self.thread)
+            read = sync_to_async(_read, thread_sensitive=False, executor=self.thread)
             return await read(organization_id=organization_id, start=start, end=end, group_by=group_by)
         finally:
             self.queued -= 1
+
+
+def _read(**query: Any) -> tuple[list[UsageGroup], Tally]:
+    """A usage query on the reader's thread, whose database connection no request cycle closes: one that broke
+    (the database restarted) or grew old is replaced first, as Django does per request."""
+    close_old_connections()
+    try:
+        return reports.organization_usage(**query)
+    finally:
+        close_old_connections()
 
 
 reader = _Reader()

@@ -548,6 +548,19 @@ async def test_data_that_is_not_a_json_object_ends_the_stream_with_an_error_and_
 
 
 @BOTH
+async def test_empty_data_and_a_done_after_the_last_event_pass_as_they_came(gw: Gateway, path: str) -> None:
+    extra = b"data: \n\n"
+    stream = chat_stream(extra) if path == CHAT else (*responses_stream(extra), DONE)
+    await gw.offer("lenient", events(*stream))
+
+    response, text = await gw.stream("lenient", path=path)
+
+    assert '"error"' not in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+
+
+@BOTH
 async def test_an_event_longer_than_any_answer_holds_ends_the_stream_instead_of_passing_on_unread(
     gw: Gateway, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -876,8 +889,13 @@ async def test_a_whole_answer_sent_a_byte_at_a_time_ends_at_the_answers_time_lim
 @BOTH
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("garbage-value, 37", "1"), ("99999999999", "86400"), ("Wed, 21 Oct 2015 07:28:00 GMT", "1")],
-    ids=["garbage", "past-a-day", "a-date-gone-by"],
+    [
+        ("garbage-value, 37", "1"),
+        ("99999999999", "86400"),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", "1"),
+        ("1 Jan 10000000000 00:00:00 GMT", "1"),
+    ],
+    ids=["garbage", "past-a-day", "a-date-gone-by", "a-date-past-any-calendar"],
 )
 async def test_an_upstreams_retry_after_reaches_the_client_as_seconds_it_can_read(
     gw: Gateway, path: str, given: str, expected: str

@@ -1402,7 +1402,8 @@ class Closing:
         for char in meant.decode("utf-8", errors="replace"):
             scan.read(char)
         more = chosen[len(meant) :]
-        return token, not self._one_text(allowed, chosen) and (scan.in_string or bool(more.strip(b'"]}')))
+        closes_only = not b"".join(more.split()).strip(b'"]}')
+        return token, not self._one_text(allowed, chosen) and (scan.in_string or not closes_only)
 
     def _one_text(self, allowed: np.ndarray, longest: bytes) -> bool:
         """Whether every token the grammar allows spells a start of ``longest``: the text is the grammar's, not the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import schema_at, subschemas
+from .base import schema_at
 
 _PRIMITIVES = frozenset({"string", "number", "integer", "boolean", "null"})
 # Keywords that make a schema without a ``type`` an object's or an array's, as the runners' grammars read them.
@@ -24,13 +24,12 @@ _ARRAY_KEYWORDS = ("items", "prefixItems", "minItems")
 
 def endless_problem(schema: Any) -> str | None:
     """Why no value of ``schema`` can be written to its end, or None when one can."""
-    if contradiction := _contradiction(schema):
-        return contradiction
+    walk = _Ends(schema)
     try:
-        ends = _Ends(schema).of_root()
+        ends = walk.of_root()
     except RecursionError:  # each $ref followed is a call: a chain of them as long as a client likes
         return "its $ref chains or nesting go too deep to build a grammar from"
-    return None if ends else _ENDLESS
+    return None if ends else walk.contradiction or _ENDLESS
 
 
 _ENDLESS = (
@@ -45,6 +44,7 @@ class _Ends:
         self.known: set[int] = set()  # $ref targets shown to end
         self.seen: dict[int, bool] = {}  # this pass's verdicts on $ref targets
         self.open: set[int] = set()  # $ref targets being looked at (met again, they are taken not to end)
+        self.contradiction: str | None = None  # an allOf met whose objects forbid what another requires
 
     def of_root(self) -> bool:
         while True:
@@ -84,8 +84,12 @@ class _Ends:
         for union in ("anyOf", "oneOf"):
             if isinstance(branches := schema.get(union), list) and not any(self.ends(one) for one in branches):
                 return False
-        if isinstance(parts := schema.get("allOf"), list) and not all(self.ends(part) for part in parts):
-            return False
+        if isinstance(parts := schema.get("allOf"), list):
+            if not all(self.ends(part) for part in parts):
+                return False
+            if contradiction := _contradiction(schema, parts, self.root):
+                self.contradiction = contradiction
+                return False
         return any(self._kind_ends(schema, kind) for kind in _kinds(schema))
 
     def _kind_ends(self, schema: dict[str, Any], kind: str) -> bool:
@@ -121,30 +125,24 @@ def _kinds(schema: dict[str, Any]) -> list[str]:
     return sorted(_PRIMITIVES)
 
 
-def _contradiction(root: Any) -> str | None:
-    """An ``allOf`` of objects one of which forbids (``additionalProperties: false``) a property another requires:
-    OpenAI's strict style closes every object so, and the grammar would join their properties into output no branch
-    allows."""
-    for node in subschemas(root):
-        parts = node.get("allOf")
-        if not isinstance(parts, list):
+def _contradiction(schema: dict[str, Any], parts: list[Any], root: Any) -> str | None:
+    """Why the objects ``schema`` joins by ``allOf`` (and ``schema`` itself) admit no value, one of them forbidding
+    (``additionalProperties: false``) a property another requires: OpenAI's strict style closes every object so,
+    and the grammar would join their properties into output no branch allows. None when they do not."""
+    objects = [one for one in (schema, *(_resolved(part, root) for part in parts)) if isinstance(one, dict)]
+    for closed in objects:
+        if closed.get("additionalProperties") is not False:
             continue
-        objects = [node, *(_resolved(part, root) for part in parts)]
-        objects = [one for one in objects if isinstance(one, dict)]
-        for closed in objects:
-            if closed.get("additionalProperties") is not False:
-                continue
-            allowed = closed.get("properties")
-            allowed = set(allowed) if isinstance(allowed, dict) else set()
-            for other in objects:
-                required = other.get("required")
-                names = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
-                missing = [name for name in names if name not in allowed]
-                if missing and other is not closed:
-                    return (
-                        f"no value matches its allOf: one of the objects it joins allows no property {missing[0]!r}, "
-                        "which another requires"
-                    )
+        allowed = closed.get("properties")
+        allowed = set(allowed) if isinstance(allowed, dict) else set()
+        for other in objects:
+            required = other.get("required")
+            names = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+            if other is not closed and (missing := [name for name in names if name not in allowed]):
+                return (
+                    f"no value matches its allOf: one of the objects it joins allows no property {missing[0]!r}, "
+                    "which another requires"
+                )
     return None
 
 

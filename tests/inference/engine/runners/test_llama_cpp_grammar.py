@@ -983,7 +983,7 @@ def test_a_subschema_without_a_keyword_the_grammar_reads_is_named_in_plain_words
     assert "{" not in problem
 
 
-PIECES = [b'"', b'", "', b'"}', b'""', b"}", b"<end>", b'"Eug', b"Eug", b"{", b"{}", b"E"]
+PIECES = [b'"', b'", "', b'"}', b'""', b"}", b"<end>", b'"Eug', b"Eug", b"{", b"{}", b"E", b'" }', b'"\n}']
 
 
 def closing_choice(own: bytes, allowed: list[bytes], closers: str, *, in_string: bool) -> tuple[bytes, bool]:
@@ -1014,6 +1014,11 @@ def test_closing_a_string_the_model_had_just_opened_departs_from_its_text(allowe
 def test_closing_after_the_string_the_model_was_ending_keeps_to_its_text() -> None:
     # The model meant to end the value; closing also ends the object it is in, as the model would have.
     assert closing_choice(b'"', [b'"}', b"Eug"], '"}', in_string=True) == (b'"}', False)
+
+
+@pytest.mark.parametrize("spaced", [b'" }', b'"\n}'], ids=["a-space", "a-line-break"])
+def test_closing_after_the_string_the_model_was_ending_keeps_to_its_text_however_it_is_spaced(spaced: bytes) -> None:
+    assert closing_choice(b'"', [spaced, b"Eug"], '"}', in_string=True) == (spaced, False)
 
 
 def test_closing_that_spells_in_one_token_what_the_grammar_admits_alone_keeps_to_the_models_text() -> None:

@@ -30,6 +30,19 @@ ENDS = {
         **required("x", {"allOf": [{"$ref": "#/$defs/A"}], "description": "an A"}),
     },
     "a-const-beside-anything": required("x", {"const": {"deep": [1]}, "$ref": "#"}),
+    "closed-objects-joined-only-in-a-branch-it-need-not-take": required(
+        "x",
+        {
+            "anyOf": [
+                {"allOf": [{**NODE, "additionalProperties": False}, required("w", {"type": "string"})]},
+                {"type": "null"},
+            ]
+        },
+    ),
+    "closed-objects-joined-only-in-a-definition-nothing-uses": {
+        "type": "string",
+        "$defs": {"Unused": {"allOf": [{**NODE, "additionalProperties": False}, required("w", {"type": "string"})]}},
+    },
 }
 
 ENDLESS = {
