@@ -95,7 +95,7 @@ USAGE_RECORDS_PENDING = Gauge(
 # Known label values start at 0, so that an outage shows as a rise on a graph rather than as a series appearing.
 for _service in ("redis", "database"):
     UNAVAILABLE.labels(_service)
-for _reason in ("database_unavailable", "refused", "shutdown"):
+for _reason in ("database_unavailable", "refused", "organization_deleted", "shutdown"):
     USAGE_RECORDS_DROPPED.labels(_reason)
 
 

@@ -21,6 +21,7 @@ from django.utils import timezone
 from core.outages import DATABASE_ERRORS
 from inference.models import UsageRecord
 from inference.usage import metrics
+from orgs.models import APIKey, Organization
 
 logger = logging.getLogger("inference.usage.records")
 
@@ -172,14 +173,37 @@ class _Writer:
         for index, row in enumerate(batch):
             try:
                 close_old_connections()
-                _insert([row])
+                try:
+                    _insert([row])
+                except DATABASE_ERRORS:
+                    raise
+                except Exception as refusal:  # noqa: BLE001  (see whether what it names is gone)
+                    self._write_orphan(row, refusal)
             except DATABASE_ERRORS as exc:
                 self._database_away(exc, waiting=len(batch) - index)
                 return batch[index:]
-            except Exception:
-                metrics.USAGE_RECORDS_DROPPED.labels("refused").inc()
-                logger.exception("a usage record was refused by the database and dropped: %s", row.get("request_id"))
         return None
+
+    @staticmethod
+    def _write_orphan(row: dict[str, Any], refusal: Exception) -> None:
+        """A row the database refused: one whose key was deleted while its request ran is written without the
+        key, as the key's deletion left its other records (``SET_NULL``); one whose organization was deleted goes
+        with the organization's other records; any other is dropped, said so."""
+        if not Organization.objects.filter(pk=row["organization_id"]).exists():
+            metrics.USAGE_RECORDS_DROPPED.labels("organization_deleted").inc()
+            logger.warning("a usage record of a deleted organization was dropped: %s", row.get("request_id"))
+            return
+        key = row.get("api_key_id")
+        if key is not None and not APIKey.objects.filter(pk=key).exists():
+            try:
+                _insert([{**row, "api_key_id": None}])
+                return
+            except DATABASE_ERRORS:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                refusal = exc
+        metrics.USAGE_RECORDS_DROPPED.labels("refused").inc()
+        logger.error("a usage record was refused by the database and dropped: %s", row.get("request_id"), exc_info=refusal)
 
     def _database_away(self, exc: BaseException, *, waiting: int) -> None:
         if self._outage_since is None:

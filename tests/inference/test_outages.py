@@ -21,6 +21,7 @@ from core.logs import OutageLogFilter
 from inference.models import UsageRecord
 from inference.usage import metrics, records
 from orgs.models import Organization
+from orgs.services import create_api_key
 from tests.conftest import API, MODEL_ID
 from tests.services import Redis, free_port
 
@@ -135,14 +136,51 @@ def test_a_row_the_database_refuses_costs_only_itself(organization: Organization
     refused = sample("b3os_usage_records_dropped_total", reason="refused")
     meter(organization, "req_good_1").record(status=200)
     bad = meter(organization, "req_bad")
-    bad.organization_id = organization.pk + 1000  # no such organization: the foreign key refuses the row
-    bad.record(status=200)
+    bad.record(status=-1)  # the column holds no negative number
     meter(organization, "req_good_2").record(status=200)
 
     records.flush(timeout=5.0)
 
     assert written("req_good_1", "req_bad", "req_good_2") == {"req_good_1", "req_good_2"}
     assert sample("b3os_usage_records_dropped_total", reason="refused") == refused + 1
+
+
+def test_a_request_whose_key_was_deleted_while_it_ran_is_recorded_without_the_key(organization: Organization) -> None:
+    create_api_key(organization=organization, name="deleted mid-request")
+    key = organization.api_keys.get(name="deleted mid-request")
+    running = meter(organization, "req_key_gone")
+    running.api_key_id = key.pk
+    key.delete()  # as the admin's shell or a fixture may: the key's earlier records keep their rows, keyless
+
+    running.record(status=200, input_tokens=5, output_tokens=7)
+    records.flush(timeout=5.0)
+
+    record = UsageRecord.objects.get(request_id="req_key_gone")
+    assert (record.organization_id, record.api_key_id, record.input_tokens, record.output_tokens) == (
+        organization.pk,
+        None,
+        5,
+        7,
+    )
+
+
+def test_a_request_whose_organization_was_deleted_while_it_ran_goes_with_its_records_said_so_without_a_traceback(
+    transactional_db: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    gone = Organization.objects.create(slug="gone-mid-request", name="Gone")
+    running = meter(gone, "req_org_gone")
+    gone.delete()
+    before = sample("b3os_usage_records_dropped_total", reason="organization_deleted")
+
+    with caplog.at_level(logging.WARNING, logger="inference.usage.records"):
+        running.record(status=200)
+        records.flush(timeout=5.0)
+
+    assert written("req_org_gone") == set()
+    assert sample("b3os_usage_records_dropped_total", reason="organization_deleted") == before + 1
+    [line] = [r for r in caplog.records if "req_org_gone" in r.getMessage()]
+    assert (line.levelname, line.exc_info) == ("WARNING", None)
+    assert "deleted organization" in line.getMessage()
 
 
 # --- what the log says while Redis is away -----------------------------------------------------------------
