@@ -203,7 +203,9 @@ class _Writer:
             except Exception as exc:  # noqa: BLE001
                 refusal = exc
         metrics.USAGE_RECORDS_DROPPED.labels("refused").inc()
-        logger.error("a usage record was refused by the database and dropped: %s", row.get("request_id"), exc_info=refusal)
+        logger.error(
+            "a usage record was refused by the database and dropped: %s", row.get("request_id"), exc_info=refusal
+        )
 
     def _database_away(self, exc: BaseException, *, waiting: int) -> None:
         if self._outage_since is None:
