@@ -46,7 +46,11 @@ _lock = threading.Lock()
 _executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="runner")
 
 
-def _module(runner: str) -> Any:
+def runner_module(runner: str, settings: object = None) -> Any:
+    """The runner's module; ``RunnerError`` for a runner or settings no module reads (a row saved around the
+    admin's checks: from a shell, a fixture, SQL)."""
+    if settings is not None and not isinstance(settings, dict):
+        raise RunnerError("the model's runner settings are not a JSON object", code="runner_unavailable")
     try:
         return import_module(RUNNER_MODULES[runner])
     except KeyError:
@@ -70,7 +74,7 @@ def _once(cache: dict[str, T], runner: str, settings: dict[str, Any], make: Call
 
 def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
     """The process's loaded runner for this model, loading it on first use."""
-    return _once(_runners, runner, settings, lambda: _module(runner).load(settings))
+    return _once(_runners, runner, settings, lambda: runner_module(runner, settings).load(settings))
 
 
 # A catalog entry whose runner settings change gets a runner loaded with the new ones. The one loaded with the old
@@ -90,7 +94,7 @@ def _job_started(job: GenerationJob) -> Runner:
     with _lock:
         runner = _runners.get(key)
         if runner is None:
-            runner = _runners[key] = _module(job.runner).load(job.runner_settings)
+            runner = _runners[key] = runner_module(job.runner, job.runner_settings).load(job.runner_settings)
         now = time.monotonic()
         _running[key] = _running.get(key, 0) + 1
         _last_used[key] = now
@@ -150,7 +154,7 @@ def get_capacity(runner: str, settings: dict[str, Any]) -> Any | None:
     key = _cache_key(runner, settings)
     if key not in _capacities:
         try:
-            estimate = getattr(_module(runner), "capacity", None)
+            estimate = getattr(runner_module(runner, settings), "capacity", None)
             _capacities[key] = estimate(settings) if estimate is not None else None
         except RunnerError:
             return None
@@ -158,7 +162,7 @@ def get_capacity(runner: str, settings: dict[str, Any]) -> Any | None:
 
 
 def get_renderer(runner: str, settings: dict[str, Any]) -> PromptRenderer:
-    return _once(_renderers, runner, settings, lambda: _module(runner).renderer(settings))
+    return _once(_renderers, runner, settings, lambda: runner_module(runner, settings).renderer(settings))
 
 
 @dataclass(frozen=True, slots=True)

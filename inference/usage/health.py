@@ -32,7 +32,7 @@ from django.db import close_old_connections, connection
 from core.redis import async_client
 from inference.engine import execution
 from inference.engine.runners.base import RunnerError
-from inference.engine.runners.llama_cpp import model_path as llama_cpp_model_path
+from inference.engine.runners.llama_cpp import RunnerSettings as LlamaCppSettings
 from inference.models import CatalogEntry
 
 Status = Literal["ok", "error", "absent"]
@@ -111,17 +111,15 @@ async def check_redis(timeout: float = 2.0) -> Check:
 
 def _runner_available(entry: CatalogEntry) -> None:
     """Raise ``RunnerError`` unless this process could load the entry's runner, without loading it."""
+    execution.runner_module(entry.runner, entry.runner_settings)  # a runner and settings it reads
     if entry.runner == "llama_cpp":
-        path = Path(llama_cpp_model_path(entry.runner_settings))
         if importlib.util.find_spec("llama_cpp") is None:
             raise RunnerError("llama-cpp-python is not installed", code="runner_unavailable")
+        path = Path(LlamaCppSettings.of(entry.runner_settings).path)
         if not path.is_file():
             raise RunnerError(f"no model file at {path}", code="runner_unavailable")
-    elif entry.runner == "tensorrt_llm":
-        if importlib.util.find_spec("tensorrt_llm") is None:
-            raise RunnerError("TensorRT-LLM is not installed here", code="runner_unavailable")
-    else:
-        raise RunnerError(f"unknown runner {entry.runner!r}", code="runner_unavailable")
+    elif entry.runner == "tensorrt_llm" and importlib.util.find_spec("tensorrt_llm") is None:
+        raise RunnerError("TensorRT-LLM is not installed here", code="runner_unavailable")
 
 
 def _capacity(entry: CatalogEntry) -> dict[str, int] | None:
@@ -131,9 +129,7 @@ def _capacity(entry: CatalogEntry) -> dict[str, int] | None:
 
 def embedded_model(entry: CatalogEntry) -> ModelHealth:
     def health(status: Literal["ok", "error"], workers: str, detail: str, **more: Any) -> ModelHealth:
-        return ModelHealth(
-            id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail, **more
-        )
+        return ModelHealth(id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail, **more)
 
     # The runner cache is the process's own record of what it has loaded.
     if (runner := execution.loaded_runner(entry.runner, entry.runner_settings)) is not None:

