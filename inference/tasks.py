@@ -15,7 +15,7 @@ from django.core import checks
 from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, serve_job
-from inference.engine.execution import get_capacity, get_runner
+from inference.engine.execution import get_capacity, get_runner, start_sweeping
 from inference.engine.runners.base import GenerationJob
 from inference.models import CatalogEntry
 from inference.usage.reports import roll_up_and_prune
@@ -124,6 +124,7 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
     _served_queues = frozenset(queues or ())
     if _runs_jobs_in_main_process(sender):
         logger.info("loaded %s", load_served_models(_served_queues))
+        start_sweeping()  # a model taken out of the catalog has its memory freed
         concurrency = getattr(sender, "concurrency", None)
         if isinstance(concurrency, int) and concurrency < (needed := jobs_held(_served_queues)):
             logger.warning(
@@ -155,3 +156,4 @@ def _stop_saying_which_queues_are_served(**_: Any) -> None:
 @worker_process_init.connect
 def _load_models_at_worker_process_init(**_: Any) -> None:
     logger.info("loaded %s", load_served_models(_served_queues))
+    start_sweeping()

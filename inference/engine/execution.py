@@ -81,8 +81,10 @@ def get_runner(runner: str, settings: dict[str, Any]) -> Runner:
 # ones is superseded, and closed (its memory freed) once it has run no job for ``RETIRE_AFTER_SECONDS``: long
 # enough that API processes still holding the old settings in their catalog cache (``catalog.CACHE_SECONDS``)
 # do not make it load and close in turns. Jobs say which entry they are for (``GenerationJob.model_id``), so two
-# entries on the same weights with settings of their own keep a runner each. Looked at as jobs start and end.
+# entries on the same weights with settings of their own keep a runner each. Looked at as jobs start and end, and
+# every ``SWEEP_SECONDS`` against the catalog: an entry disabled, deleted or renamed runs no more jobs to say so.
 RETIRE_AFTER_SECONDS = 30.0
+SWEEP_SECONDS = 10.0
 _current: dict[str, str] = {}  # model id → the cache key of its latest job
 _superseded: dict[str, float] = {}  # cache key → since when no model's latest job used it
 _running: dict[str, int] = {}  # cache key → the jobs running on its runner
@@ -131,9 +133,59 @@ def _retire_idle(now: float) -> list[Runner]:
     return retired
 
 
+def sweep(served: dict[str, str]) -> None:
+    """``served``: each enabled catalog entry's cache key, by model id. A runner that no served entry's latest job
+    used (its entry was disabled, deleted, renamed or given new settings) is superseded; the idle ones are closed."""
+    with _lock:
+        now = time.monotonic()
+        for model_id, key in list(_current.items()):
+            if served.get(model_id) != key:
+                del _current[model_id]
+                if key not in _current.values():
+                    _superseded.setdefault(key, now)
+        retired = _retire_idle(now)
+    _close_retired(retired)
+
+
+def _served() -> dict[str, str]:
+    from django.db import close_old_connections, connection
+
+    from inference.models import CatalogEntry
+
+    close_old_connections()
+    try:
+        entries = CatalogEntry.objects.enabled().values_list("public_id", "runner", "runner_settings")
+        return {model_id: _cache_key(runner, settings) for model_id, runner, settings in entries}
+    finally:
+        connection.close()
+
+
+_sweeping = threading.Event()
+
+
+def start_sweeping() -> None:
+    """In a process that serves models (``serve`` in embedded mode, a model worker): ``sweep`` every
+    ``SWEEP_SECONDS`` against the catalog, on a thread of its own."""
+    if _sweeping.is_set():
+        return
+    _sweeping.set()
+
+    def sweep_forever() -> None:
+        while True:
+            time.sleep(SWEEP_SECONDS)
+            try:
+                served = _served()
+            except Exception as exc:  # noqa: BLE001  (the database away: the next sweep looks again)
+                logger.debug("could not read the catalog to close the runners it no longer serves: %s", exc)
+                continue
+            sweep(served)
+
+    threading.Thread(target=sweep_forever, name="runner-sweep", daemon=True).start()
+
+
 def _close_retired(runners: list[Runner]) -> None:
     for runner in runners:
-        logger.info("closing a runner whose model's settings changed")
+        logger.info("closing a runner whose model's settings changed or that is no longer served")
         try:
             runner.close()
         except Exception:

@@ -19,7 +19,7 @@ from twisted.web import http as twisted_http
 
 from inference.api.connection import APIHTTPFactory
 from inference.api.middleware import REQUEST_ID_EXTENSION, new_request_id
-from inference.engine import dispatch, generation
+from inference.engine import dispatch, execution, generation
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.openai.errors import response_timeout
@@ -168,6 +168,7 @@ class Command(BaseCommand):
         if not settings.DISTRIBUTED:
             # Embedded mode has no Celery beat: this process rolls usage up and prunes it itself.
             start_periodic_rollup()
+            execution.start_sweeping()  # a model taken out of the catalog has its memory freed
             self.check_runners()
             if not no_warm_up:
                 dispatch.warm_up_embedded()

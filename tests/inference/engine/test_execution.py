@@ -91,6 +91,53 @@ async def test_two_models_on_the_same_weights_keep_a_runner_each() -> None:
     assert not is_closed(old) and not is_closed(new)
 
 
+async def test_a_runner_whose_model_was_disabled_deleted_or_renamed_is_closed_once_idle() -> None:
+    await run(job("test/leaving", OLD))
+    runner = loaded_runner("llama_cpp", OLD)
+
+    execution.sweep({"test/leaving": execution._cache_key("llama_cpp", OLD)})
+    assert loaded_runner("llama_cpp", OLD) is runner and not is_closed(runner)
+
+    execution.sweep({"test/arriving": execution._cache_key("llama_cpp", OLD)})  # renamed: no job for it yet
+    assert loaded_runner("llama_cpp", OLD) is None and is_closed(runner)
+
+
+async def test_a_runner_whose_model_was_given_new_settings_is_closed_though_no_job_came_on_them() -> None:
+    await run(job("test/reset", OLD))
+    runner = loaded_runner("llama_cpp", OLD)
+
+    execution.sweep({"test/reset": execution._cache_key("llama_cpp", NEW)})
+
+    assert is_closed(runner) and loaded_runner("llama_cpp", NEW) is None
+
+
+async def test_a_runner_still_running_a_job_of_a_model_taken_away_closes_when_the_job_ends() -> None:
+    await run(job("test/taken", OLD))
+    runner = loaded_runner("llama_cpp", OLD)
+    assert runner is not None
+    long = asyncio.create_task(run(job("test/taken", OLD, max_tokens=200)))
+    while runner.stats().active < 1:
+        await asyncio.sleep(0.01)
+
+    execution.sweep({})
+    assert not is_closed(runner)
+
+    assert (await long).completion_tokens == 200
+    assert is_closed(runner)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_catalog_read_for_a_sweep_names_each_enabled_entrys_runner() -> None:
+    from inference.models import CatalogEntry
+
+    await CatalogEntry.objects.acreate(public_id="test/on", runner_settings=OLD)
+    await CatalogEntry.objects.acreate(public_id="test/off", runner_settings=NEW, enabled=False)
+
+    served = await asyncio.to_thread(execution._served)
+
+    assert served["test/on"] == execution._cache_key("llama_cpp", OLD) and "test/off" not in served
+
+
 async def test_jobs_waiting_for_a_sequence_hold_no_thread_each(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {**OLD, "queue": 32}
     await run(job("test/waiting", settings))
