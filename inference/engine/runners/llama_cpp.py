@@ -1519,6 +1519,8 @@ class Vocabulary:
 
         self.model = model
         self.pieces = [piece(model, token) for token in range(model.n_vocab())]
+        # For logprobs' alternatives: a control token (the end of a turn) by its name, as its text (none) cannot.
+        self.names = [text or piece(model, token, special=True) for token, text in enumerate(self.pieces)]
         self.ends = frozenset(token for token in range(model.n_vocab()) if lib.llama_vocab_is_eog(model.vocab, token))
         self._closing: ClosingVocabulary | None = None
 
@@ -1682,13 +1684,15 @@ class _Sequence:
 
     def _logprob(self, logits: np.ndarray, token: int, top: int) -> TokenLogprob:
         logprobs = _log_softmax(logits)
-        pieces = self.vocabulary.pieces  # bytes, not text: a token can be a piece of a character
+        # Bytes, not text: a token can be a piece of a character. The token taken is its text, as the output holds
+        # it; an alternative that is a control token (the end of the turn) is named, which its text would not.
+        names = self.vocabulary.names
         best: tuple[tuple[bytes, float], ...] = ()
         if top:
             ids = np.argpartition(-logprobs, top)[:top]
             ids = ids[np.argsort(-logprobs[ids])]
-            best = tuple((pieces[int(i)], float(logprobs[i])) for i in ids)
-        return TokenLogprob(pieces[token], float(logprobs[token]), best)
+            best = tuple((names[int(i)], float(logprobs[i])) for i in ids)
+        return TokenLogprob(self.vocabulary.pieces[token], float(logprobs[token]), best)
 
 
 @dataclass

@@ -158,6 +158,16 @@ def test_stop_sequences_and_logprobs_apply_per_sequence(
     assert len(logprobs) == 8 and all(len(lp.top) == 3 and lp.logprob <= 0 for lp in logprobs)
 
 
+def test_an_end_of_turn_among_the_alternatives_is_named_not_an_empty_token(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    answered = run(runner, job(render("Say yes."), max_tokens=20, logprobs=True, top_logprobs=20))
+
+    alternatives = [token for chunk in answered.chunks for lp in chunk.logprobs for token, _ in lp.top]
+    assert b"<|im_end|>" in alternatives
+    assert b"" not in alternatives
+
+
 def test_a_cancelled_sequence_stops_and_frees_its_slot_while_the_others_finish(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
