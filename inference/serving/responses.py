@@ -501,7 +501,12 @@ class ResponseEncoder:
         answer, and a turn may otherwise end with a tool the service ran, or with reasoning. Without it, output of
         reasoning or function calls alone stands, as OpenAI sends it."""
         truncated = done.finish_reason == "length"
-        events = self._close("incomplete" if truncated else "completed")
+        events: list[dict[str, Any]] = []
+        if self._pending_logprobs and (self._open.kind == "message" if self._open is not None else not self.output):
+            # Tokens whose text never came (the first bytes of a character the budget cut) keep their logprobs, in
+            # a delta of no text: their bytes are in them, as in chat's.
+            events += self._text("message", "")
+        events += self._close("incomplete" if truncated else "completed")
         answered = bool(self.output)
         if ends_with_answer:
             last_message = max((i for i, item in enumerate(self.output) if item["type"] == "message"), default=-1)

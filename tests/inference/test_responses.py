@@ -299,6 +299,21 @@ async def test_the_logprob_bytes_of_a_character_split_over_tokens_add_up_to_it(
     assert part["logprobs"][0]["token"] == "bytes:\\xf0\\x9f"  # a piece of a character, named as OpenAI does
 
 
+async def test_the_tokens_of_a_character_the_budget_cut_keep_their_logprobs(api: API, openai_spec: OpenAISpec) -> None:
+    # The greedy answer's 17th token holds the first bytes of a character the 18th would finish.
+    body = ask(input="Reply with only emoji: 🎉🚀🍕😀👍", max_output_tokens=17, include=["message.output_text.logprobs"])
+    result = (await api.post(RESPONSES, body)).json()
+    events, streamed = await stream(api, body, openai_spec)
+
+    part = result["output"][0]["content"][0]
+    written, text = bytes(b for lp in part["logprobs"] for b in lp["bytes"]), part["text"].encode()
+    assert len(part["logprobs"]) == result["usage"]["output_tokens"] == 17
+    assert written.startswith(text) and len(written) > len(text)  # the cut character's first bytes, and no text
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [lp["token"] for lp in deltas] == [lp["token"] for lp in part["logprobs"]]
+    assert streamed["output"][0]["content"][0] == part
+
+
 # --- the conversation, replayed --------------------------------------------------------------------
 
 
