@@ -301,7 +301,8 @@ async def test_the_logprob_bytes_of_a_character_split_over_tokens_add_up_to_it(
 
 async def test_the_tokens_of_a_character_the_budget_cut_keep_their_logprobs(api: API, openai_spec: OpenAISpec) -> None:
     # The greedy answer's 17th token holds the first bytes of a character the 18th would finish.
-    body = ask(input="Reply with only emoji: 🎉🚀🍕😀👍", max_output_tokens=17, include=["message.output_text.logprobs"])
+    include = ["message.output_text.logprobs"]
+    body = ask(input="Reply with only emoji: 🎉🚀🍕😀👍", max_output_tokens=17, include=include)
     result = (await api.post(RESPONSES, body)).json()
     events, streamed = await stream(api, body, openai_spec)
 
