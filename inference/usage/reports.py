@@ -417,15 +417,24 @@ class UsageFilter:
 
 
 def usage_rows(usage: UsageFilter) -> list[UsageRow]:
-    """The filter's usage per day and dimension: rollups where a day has them, raw records otherwise."""
+    """The filter's usage per day and dimension: rollups where a day has them, raw records otherwise. A day rolled
+    up while its rollups are read (its raw records stay until they are pruned) would count twice, or not at all:
+    they are read again until the days rolled up are the same before and after."""
     today = utc_today()
     last = min(usage.end, today + timedelta(days=1))
     rollups = UsageDailyRollup.objects.filter(day__gte=usage.start, day__lt=min(last, today))
-    rolled = set(rollups.order_by().values_list("day", flat=True).distinct())
-    rows = [
-        UsageRow(r.day, r.organization_id, r.api_key_id, r.model, r.endpoint, r.route, Tally.of_rollup(r))
-        for r in usage.narrow(rollups).order_by().iterator(chunk_size=2000)
-    ]
+
+    def rolled_days() -> set[date]:
+        return set(rollups.order_by().values_list("day", flat=True).distinct())
+
+    rows: list[UsageRow] = []
+    rolled, before = rolled_days(), None
+    while rolled != before:  # days are only ever added to the rolled-up ones, so this ends
+        rows = [
+            UsageRow(r.day, r.organization_id, r.api_key_id, r.model, r.endpoint, r.route, Tally.of_rollup(r))
+            for r in usage.narrow(rollups).order_by().iterator(chunk_size=2000)
+        ]
+        before, rolled = rolled, rolled_days()
     raw_days = [day for day in days_between(usage.start, last) if day not in rolled]
     if raw_days:
         rows += aggregate_records(usage.narrow(UsageRecord.objects.filter(_created_on(raw_days))))

@@ -232,6 +232,21 @@ def test_percentiles_are_within_a_bucket_of_the_exact_values(record: Record) -> 
     assert tally.ttft_p95 == pytest.approx(95, rel=0.05)
 
 
+def test_a_day_rolled_up_while_a_report_reads_it_counts_once(record: Record, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(day=days_ago(1), output_tokens=7)
+    narrow = reports.UsageFilter.narrow
+
+    def rolled_up_meanwhile(self: reports.UsageFilter, queryset: Any) -> Any:
+        if queryset.model is UsageDailyRollup and not UsageDailyRollup.objects.exists():
+            reports.roll_up_day(days_ago(1))  # another process's rollup, committed between the report's reads
+        return narrow(self, queryset)
+
+    monkeypatch.setattr(reports.UsageFilter, "narrow", rolled_up_meanwhile)
+    tally = reports.total(reports.usage_rows(reports.UsageFilter(start=days_ago(1), end=today())))
+
+    assert (tally.requests, tally.output_tokens) == (1, 7)
+
+
 def test_a_report_reads_the_same_from_rollups_as_from_raw_records(record: Record, other_org: Organization) -> None:
     for n, ms in enumerate((30, 300, 3000, 30000)):
         record(day=days_ago(1 + n % 2), total_ms=ms, model=(MODEL_A, MODEL_B)[n % 2])
