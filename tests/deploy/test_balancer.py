@@ -19,7 +19,7 @@ from tests.services import free_port
 
 pytestmark = pytest.mark.distributed
 
-Balancer = Callable[[int, int], str]
+Balancer = Callable[..., str]
 
 
 @pytest.fixture
@@ -29,10 +29,11 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
         pytest.fail("haproxy is not installed: `make test` installs it")
     processes: list[subprocess.Popen[bytes]] = []
 
-    def start(api_1_port: int, api_2_port: int) -> str:
+    def start(api_1_port: int, api_2_port: int, metrics_token: str = "the-metrics-token") -> str:
         bind = ("127.0.0.1", free_port())
         environment = {
             "PATH": os.environ["PATH"],
+            "METRICS_TOKEN": metrics_token,
             "API_HOST": "127.0.0.1",
             "API_1_PORT": str(api_1_port),
             "API_2_PORT": str(api_2_port),
@@ -112,23 +113,34 @@ METRICS = b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: close\r\n\r\nb3
 
 
 @pytest.mark.parametrize(
-    ("source", "headers", "status"),
+    ("source", "path", "headers", "token", "status"),
     [
-        ("127.0.0.1", {}, 200),
-        ("127.0.0.2", {"Authorization": "Bearer the-metrics-token"}, 200),
-        ("127.0.0.2", {}, 403),
-        ("127.0.0.2", {"Host": "127.0.0.1"}, 403),
+        ("127.0.0.1", "/metrics", {}, "", 200),
+        ("127.0.0.2", "/metrics", {"Authorization": "Bearer the-metrics-token"}, "the-metrics-token", 200),
+        ("127.0.0.2", "/metrics", {}, "the-metrics-token", 403),
+        ("127.0.0.2", "/metrics", {"Host": "127.0.0.1"}, "the-metrics-token", 403),
+        ("127.0.0.2", "/%6detrics", {}, "the-metrics-token", 403),
+        ("127.0.0.2", "//metrics", {}, "the-metrics-token", 403),
+        ("127.0.0.2", "/metrics", {"Authorization": "Bearer anything"}, "", 403),
     ],
-    ids=["this-host", "elsewhere-with-a-token", "elsewhere", "elsewhere-naming-this-host"],
+    ids=[
+        "this-host",
+        "elsewhere-with-a-token",
+        "elsewhere",
+        "elsewhere-naming-this-host",
+        "elsewhere-percent-encoded",
+        "elsewhere-with-two-slashes",
+        "elsewhere-with-any-authorization-where-no-token-is-set",
+    ],
 )
 def test_metrics_go_through_the_balancer_only_to_this_host_or_with_a_token(
-    balancer: Balancer, source: str, headers: dict[str, str], status: int
+    balancer: Balancer, source: str, path: str, headers: dict[str, str], token: str, status: int
 ) -> None:
     api = fake_api(METRICS)
-    url = balancer(api, api)
+    url = balancer(api, api, metrics_token=token)
 
     with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as client:
-        response = client.get(url + "/metrics", headers=headers)
+        response = client.get(httpx.URL(url).copy_with(raw_path=path.encode()), headers=headers)
 
     assert response.status_code == status
     if status == 403:
