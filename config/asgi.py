@@ -17,8 +17,9 @@ django.setup(set_prefix=False)
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
-from django.core.exceptions import RequestAborted  # noqa: E402
+from django.core.exceptions import RequestAborted, SuspiciousFileOperation  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E402
+from django.http import Http404  # noqa: E402
 from django.urls import set_script_prefix  # noqa: E402
 
 from inference.api.errors import is_api_path  # noqa: E402
@@ -79,4 +80,15 @@ async def _disconnected(receive) -> str | None:  # type: ignore[no-untyped-def]
     return reason if isinstance(reason, str) else None
 
 
-application = ProtocolTypeRouter({"http": ASGIStaticFilesHandler(Handler()), "websocket": refuse_websocket})
+class StaticFiles(ASGIStaticFilesHandler):
+    """The admin's static files; a path that climbs out of their folder (``/static/../config/settings.py``) is not
+    found, as any other file not there, rather than a 500 with a traceback in the log."""
+
+    def serve(self, request):  # type: ignore[no-untyped-def]
+        try:
+            return super().serve(request)
+        except SuspiciousFileOperation:
+            raise Http404("no such static file") from None
+
+
+application = ProtocolTypeRouter({"http": StaticFiles(Handler()), "websocket": refuse_websocket})

@@ -271,3 +271,23 @@ async def test_operations_endpoints_carry_a_request_id_and_timing(api: API, path
     response = await api.client.get(path)
     assert re.fullmatch(r"req_[0-9a-z]{26}", response["x-request-id"])
     assert response["Server-Timing"].startswith("total;dur=")
+
+
+# Static files
+
+
+@pytest.mark.parametrize("path", ["/static/../config/settings.py", "/static/%2e%2e/%2e%2e/config/settings.py"])
+async def test_a_static_path_that_climbs_out_of_its_folder_is_not_found_not_a_500(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    answer = await asgi("GET", path, headers={})
+
+    assert answer.status == 404
+    assert b"SECRET_KEY" not in answer.body
+    assert not [record for record in caplog.records if record.levelname == "ERROR"]
+
+
+async def test_a_static_file_is_served() -> None:
+    answer = await asgi("GET", "/static/admin/css/base.css", headers={})
+
+    assert answer.status == 200 and b"{" in answer.body
