@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -165,6 +166,7 @@ INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
+    "axes",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
@@ -189,6 +191,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
 
 # Browsers may call the API from any origin, as OpenAI's API lets them: keys travel in a header, never in cookies,
@@ -229,8 +232,25 @@ TEMPLATES = [
 ]
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": f"django.contrib.auth.password_validation.{name}"}
+    for name in (
+        "UserAttributeSimilarityValidator",
+        "MinimumLengthValidator",
+        "CommonPasswordValidator",
+        "NumericPasswordValidator",
+    )
 ]
+
+# The admin's login (django-axes): five wrong passwords for one user from one address lock that pair out for 15
+# minutes (a 429), each failure logged (its name and address masked); a right password clears the count. The address
+# is the connection's own: a header that names another (X-Forwarded-For) is the client's to forge. Behind deploy/'s
+# balancer every login comes from it, so the lockout is in effect per user.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = 5
+AXES_COOLOFF_TIME = timedelta(minutes=15)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = lambda request: request.META.get("REMOTE_ADDR")  # noqa: E731
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -453,6 +473,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.server": {"level": "WARNING"},
+        "axes.apps": {"level": "WARNING"},  # its version, at every start
         "daphne": {"level": "WARNING"},
         # llama.cpp's own log, which llama-cpp-python's callback prints at or above this logger's level: its lines
         # on loading a model (over a thousand) only when debugging.
