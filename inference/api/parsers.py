@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from typing import Any
 
 import orjson
@@ -46,7 +47,9 @@ class JSONBodyParser(BaseParser):
                 # range (read as infinity) and, below, a lone surrogate in a string.
                 data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
         except ValueError as exc:  # orjson's error among them; past Python's 4,300 digits too
-            raise ParseError(str(exc)) from None
+            if "integer string conversion" in (message := str(exc)):  # Python's words name its own setting
+                message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+            raise ParseError(message) from None
         if exact and (surrogate := _lone_surrogate(data)) is not None:
             raise ParseError(f"no low surrogate in string at '{surrogate}'")
         if exact and isinstance(data, dict | list) and (found := _past_64_bits(data)) is not None:
