@@ -243,14 +243,14 @@ AUTH_PASSWORD_VALIDATORS = [
 
 # The admin's login (django-axes): five wrong passwords for one user from one address lock that pair out for 15
 # minutes (a 429), each failure logged (its name and address masked); a right password clears the count. The address
-# is the connection's own: a header that names another (X-Forwarded-For) is the client's to forge. Behind deploy/'s
-# balancer every login comes from it, so the lockout is in effect per user.
+# is the connection's own, or behind a proxy on this host (deploy/'s balancer) the one it appended to X-Forwarded-For:
+# the rest of that header is the client's to forge (core/addresses.py).
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = 5
 AXES_COOLOFF_TIME = timedelta(minutes=15)
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
-AXES_CLIENT_IP_CALLABLE = lambda request: request.META.get("REMOTE_ADDR")  # noqa: E731
+AXES_CLIENT_IP_CALLABLE = "core.addresses.client_address"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -44,6 +44,19 @@ def test_a_forwarded_for_header_does_not_make_a_guesser_someone_else() -> None:
     assert log_in(PASSWORD) == 429
 
 
+def test_behind_the_balancer_a_guesser_is_locked_out_by_the_address_it_appended_not_the_user_everywhere() -> None:
+    def through_balancer(client: str, password: str, forged: str = "") -> int:
+        forwarded = f"{forged}, {client}" if forged else client  # HAProxy appends what it was reached from
+        browser = Client(REMOTE_ADDR="127.0.0.1", HTTP_X_FORWARDED_FOR=forwarded)
+        return browser.post(LOGIN, {"username": "operator", "password": password}).status_code
+
+    for n in range(5):
+        through_balancer("203.0.113.7", f"guess-{n}", forged=f"198.51.100.{n}")
+
+    assert through_balancer("203.0.113.7", PASSWORD) == 429
+    assert through_balancer("203.0.113.8", PASSWORD) == 302
+
+
 def test_the_right_password_before_the_limit_clears_the_count() -> None:
     for n in range(4):
         log_in(f"guess-{n}")
