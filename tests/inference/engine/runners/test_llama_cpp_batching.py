@@ -254,30 +254,6 @@ def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
     assert turn.finished is not None and turn.finished.cached_tokens >= first.finished.prompt_tokens
 
 
-def test_a_prompt_answers_with_the_same_numbers_however_its_cached_prefix_was_once_read() -> None:
-    """A prefix read in a long prompt's chunk (many of one sequence's tokens in a step) or in a short prompt's."""
-    renderer = llama_cpp.renderer(SETTINGS)
-    hi = [{"role": "user", "content": "Say hi."}]
-    later_turn = [*hi, {"role": "assistant", "content": "Hello there! " * 20}, {"role": "user", "content": "Again?"}]
-
-    def first_logprobs(*prompts: str) -> tuple[int, tuple[tuple[bytes, float], ...]]:
-        own = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1})
-        try:
-            for prompt in prompts[:-1]:
-                run(own, job(prompt, max_tokens=1))
-            answered = run(own, job(prompts[-1], max_tokens=1, logprobs=True, top_logprobs=3))
-        finally:
-            own.close()
-        assert answered.finished is not None
-        return answered.finished.cached_tokens, answered.chunks[0].logprobs[0].top
-
-    read_short = first_logprobs(renderer.render(hi, None))
-    read_long = first_logprobs(renderer.render(later_turn, None), renderer.render(hi, None))
-
-    assert read_short[0] == 0 and read_long[0] > 0
-    assert read_long[1] == read_short[1]
-
-
 def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_refused(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
