@@ -161,6 +161,8 @@ SETTING_NAMES = frozenset({"model_path", "package", "file", *SETTING_RANGES})
 def settings_problem(settings: dict[str, Any]) -> str | None:
     """What is wrong with the numbers in a catalog entry's settings, or None. The model file is checked where the
     model loads: in distributed mode that is a worker's host, not the one the admin runs on."""
+    if not isinstance(settings, dict):  # saved around the admin (a shell, a fixture, SQL)
+        return "they must be a JSON object."
     for name, (least, most) in SETTING_RANGES.items():
         value = settings.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most):
@@ -2121,8 +2123,6 @@ def _token_floor(longest: int, specials: tuple[str, ...]) -> Callable[[str], int
 
 def self_test(settings: dict[str, Any]) -> None:
     """One short generation: what a native library built for another CPU crashes on (see ``engine.preflight``)."""
-    if not isinstance(settings, dict):
-        raise RunnerError("the model's runner settings are not a JSON object", code="runner_unavailable")
     RunnerSettings.of(settings)  # the settings' own faults are the entry's, told as such, not the library's
     context = 256  # a prefill chunk is at most a sequence
     chunk = min(settings.get("prefill_chunk") or PREFILL_CHUNK, context)
