@@ -64,14 +64,20 @@ async def test_a_model_given_new_settings_closes_the_runner_of_its_old_ones() ->
     assert loaded_runner("llama_cpp", NEW) is not None
 
 
-async def test_a_job_still_running_on_the_old_settings_finishes_before_their_runner_closes() -> None:
-    await run(job("test/draining", OLD))
-    old = loaded_runner("llama_cpp", OLD)
-    assert old is not None
-    # Long enough to outlast loading the new settings' runner on a busy machine.
-    long = asyncio.create_task(run(job("test/draining", OLD, max_tokens=400)))
-    while old.stats().active < 1:
+async def running_on_the_old_settings(model_id: str, max_tokens: int) -> tuple[Any, asyncio.Task[Finished]]:
+    """The runner of ``OLD``, once a job of ``max_tokens`` is generating on it, and that job."""
+    await run(job(model_id, OLD))
+    runner = loaded_runner("llama_cpp", OLD)
+    assert runner is not None
+    long = asyncio.create_task(run(job(model_id, OLD, max_tokens=max_tokens)))
+    while runner.stats().active < 1:
         await asyncio.sleep(0.01)
+    return runner, long
+
+
+async def test_a_job_still_running_on_the_old_settings_finishes_before_their_runner_closes() -> None:
+    # Long enough to outlast loading the new settings' runner on a busy machine.
+    old, long = await running_on_the_old_settings("test/draining", max_tokens=400)
 
     await run(job("test/draining", NEW))
     assert not is_closed(old)
@@ -122,12 +128,7 @@ async def test_a_runner_whose_model_was_given_new_settings_is_closed_though_no_j
 
 
 async def test_a_runner_still_running_a_job_of_a_model_taken_away_closes_when_the_job_ends() -> None:
-    await run(job("test/taken", OLD))
-    runner = loaded_runner("llama_cpp", OLD)
-    assert runner is not None
-    long = asyncio.create_task(run(job("test/taken", OLD, max_tokens=200)))
-    while runner.stats().active < 1:
-        await asyncio.sleep(0.01)
+    runner, long = await running_on_the_old_settings("test/taken", max_tokens=200)
 
     execution.sweep({})
     assert not is_closed(runner)
