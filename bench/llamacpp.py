@@ -19,7 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "var" / "bench"
 
 # The CPU runner's flags (scripts/build-cpu-runner), and llama.cpp's default build for the compiling CPU.
-PORTABLE = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON")
+PORTABLE = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_LLAMAFILE=OFF",
+)
 NATIVE = ("-DGGML_NATIVE=ON",)
 
 

@@ -240,6 +240,8 @@ def llama_server(binaries: Path, work: Path, *, slots: int, threads: int) -> Ser
             "-c",
             str(slots * CONTEXT),
             "--cont-batching",
+            "-fa",
+            "off",  # as the runner's context (its flash attention's numbers depend on how a prompt is batched)
         ],
         stdout=open(work / "llama-server.log", "wb"),
         stderr=subprocess.STDOUT,
@@ -307,6 +309,8 @@ def batched_bench(binaries: Path, streams: list[int], tokens: int, threads: int)
             ",".join(map(str, streams)),
             "-t",
             str(threads),
+            "-fa",
+            "off",
         ],
         capture_output=True,
         text=True,

@@ -1800,6 +1800,12 @@ class LlamaCppRunner:
         params.n_batch = params.n_ubatch = max(config.prefill_chunk + config.parallel, 64)
         params.n_seq_max = config.parallel
         params.kv_unified = False  # each sequence has its own part of the cache: one never crowds out another
+        # Without flash attention. On the CPU, ggml's takes one of two kernels by how many of a sequence's tokens a
+        # step reads (64 or more: f32 tiles; fewer: f16 sums), and the keys and values they write differ by enough
+        # to move a logprob by a tenth: a prompt's answer would depend on how its cached prefix was once read (in a
+        # long prompt's chunk, or a short one's). The plain path, in a build without llamafile's kernels
+        # (scripts/build-cpu-runner), gives a sequence the same numbers however its step was made up.
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = config.threads
         params.no_perf = True
         try:

