@@ -126,7 +126,7 @@ class ChannelJob:
             if (backlog := await self._backlog()) >= settings.JOB_BACKLOG_MAX:
                 yield [JobFailed("overloaded", f"{backlog} jobs wait on queue {self._queue} for a worker with room")]
                 return
-            self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
+            reply = await self._open_reply()
             await asyncio.to_thread(
                 current_app.send_task,
                 GENERATE_TASK,
@@ -140,6 +140,9 @@ class ChannelJob:
             await self._close()
             yield [JobFailed("service_unavailable", f"the job could not be queued: {type(exc).__name__}")]
             return
+        except BaseException:  # cancelled (the client hung up) while the job was being queued: no one will listen
+            await self._close()
+            raise
         try:
             async for events in self._messages(reply):
                 if events and isinstance(events[-1], Finished | JobFailed):
@@ -149,6 +152,17 @@ class ChannelJob:
                 yield events
         finally:
             await self._close()
+
+    async def _open_reply(self) -> str:
+        """A new reply channel, subscribed. channels_redis's subscribe swallows a cancellation that comes while it
+        runs (the client hung up just then): the channel is returned as if nothing had been asked, and the job would
+        run to its end for a client that is gone, recorded as answered. Such a cancellation is raised here."""
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
+        self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError
+        return reply
 
     async def _backlog(self) -> int:
         """The jobs waiting on the queue's list for a worker with room. Each worker has taken as many jobs as its

@@ -377,6 +377,37 @@ async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded
     assert reply_channels(cluster) == []  # refused before any reply channel was opened
 
 
+async def test_a_job_cancelled_while_its_reply_channel_is_opened_is_cancelled_and_never_queued(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client hangs up just as its job subscribes to its reply channel, which channels_redis's subscribe does not
+    let a cancellation interrupt."""
+    queue = "model.nobody-consumes-this"
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    job = GenerationJob("hung-up", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    client = redis.Redis.from_url(url)
+
+    async def no_backlog() -> int:
+        return 0
+
+    try:
+        with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+            await get_channel_layer().new_channel(prefix="warm.")  # its connection made, as a serving process's is
+            channel_job = ChannelJob(job, queue=queue)
+            monkeypatch.setattr(channel_job, "_backlog", no_backlog)  # the subscribe is the first thing it waits for
+            first = asyncio.ensure_future(anext(channel_job.events()))
+            for _ in range(2):
+                await asyncio.sleep(0)  # inside the subscribe
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        assert client.llen(queue) == 0
+        assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+    finally:
+        client.delete(queue)
+
+
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
     async with worker_played_by_the_test(cluster) as (events, publish):
         # A worker's messages 0 and 2: 1 never arrived.
