@@ -49,6 +49,8 @@ class JSONBodyParser(BaseParser):
         except ValueError as exc:  # orjson's error among them; past Python's 4,300 digits too
             if "integer string conversion" in (message := str(exc)):  # Python's words name its own setting
                 message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+            elif "not valid UTF-8" in message:  # orjson's words for any bad byte: "surrogates not allowed"
+                message = _not_utf8(raw) or message
             raise ParseError(message) from None
         if exact and (surrogate := _lone_surrogate(data)) is not None:
             raise ParseError(f"no low surrogate in string at '{surrogate}'")
@@ -72,6 +74,15 @@ class JSONBodyParser(BaseParser):
 # string, read again for nothing).
 # An integer orjson may not read as one: 20 digits or more, or 19 with a minus (below -2**63).
 _LONG_INTEGER = re.compile(rb"(?<![\d.eE])\d{19,}(?![\d.eE])")
+
+
+def _not_utf8(raw: bytes) -> str | None:
+    """Where a body stops being UTF-8, the only encoding JSON is sent in (RFC 8259), if it does."""
+    try:
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        return f"it is not UTF-8, as JSON must be: byte {exc.start} (0x{raw[exc.start]:02x}) starts no character"
+    return None
 
 
 def _no_constant(name: str) -> Any:

@@ -141,6 +141,19 @@ async def test_an_integer_of_thousands_of_digits_is_a_400(api: API) -> None:
     assert "an integer has more than 4300 digits" in error["message"] and "sys." not in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ('{"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"), "byte 60 (0xe9)"),
+        ('{"model": "m"}'.encode("utf-16"), "byte 0 (0xff)"),
+    ],
+    ids=["latin-1", "utf-16"],
+)
+async def test_a_body_in_another_encoding_than_utf8_is_a_400_that_says_where(api: API, body: bytes, where: str) -> None:
+    error = assert_error(await api.post(CHAT, body, raw=True), 400, "invalid_json")
+    assert f"is not valid JSON: it is not UTF-8, as JSON must be: {where} starts no character" in error["message"]
+
+
 async def test_long_runs_of_digits_in_a_string_are_only_text(api: API) -> None:
     body = {"model": "no-such-model", "messages": [{"role": "user", "content": "1" * 30}]}
     assert_error(await api.post(CHAT, body), 404, "model_not_available")
