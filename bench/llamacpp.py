@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "var" / "bench"
 
-# The CPU runner's flags (scripts/build-cpu-runner), and llama.cpp's default build for the compiling CPU.
+# The CPU runner's flags (scripts/build-cpu-runner), and a build for the compiling CPU otherwise alike.
 PORTABLE = (
     "-DGGML_NATIVE=OFF",
     "-DGGML_AVX=ON",
@@ -28,7 +28,7 @@ PORTABLE = (
     "-DGGML_BMI2=ON",
     "-DGGML_LLAMAFILE=OFF",
 )
-NATIVE = ("-DGGML_NATIVE=ON",)
+NATIVE = ("-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=OFF")  # only the instruction sets differ
 
 
 def pinned_version() -> str:

@@ -37,12 +37,27 @@ def _options(retry: Any) -> dict[str, Any]:
     }
 
 
+class _Redis(aioredis.Redis):  # type: ignore[misc]  # redis-py's asyncio client is untyped here
+    """A command that never swallows its task's cancellation. With a socket timeout, redis-py sends a command through
+    ``asyncio.wait_for``, which on Python 3.11 returns the inner result when the task is cancelled in the step the
+    send completes: a request whose client hung up just then (a job being queued, a limit being charged) went on as
+    if nothing had been asked. Such a cancellation is raised once the command has answered."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
+        result = await super().execute_command(*args, **options)
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError
+        return result
+
+
 def async_client() -> Any:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
         pool = aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, **_options(AsyncRetry(NoBackoff(), 1)))
-        client = _async_clients[loop_id] = aioredis.Redis(connection_pool=pool)
+        client = _async_clients[loop_id] = _Redis(connection_pool=pool)
     return client
 
 

@@ -603,7 +603,11 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     store = _store()
     now = clock()
     if isinstance(store, RedisStore):
-        decision = await store.try_admit(key, limits, tokens, slot, now)
+        try:
+            decision = await store.try_admit(key, limits, tokens, slot, now)
+        except asyncio.CancelledError:  # the client left while Redis admitted it, or not: the slot is not held
+            asyncio.get_running_loop().create_task(store.release(key, slot))
+            raise
     else:
         decision = store.try_admit(key, limits, tokens, slot, now)
     if not decision.admitted:

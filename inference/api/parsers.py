@@ -49,7 +49,7 @@ class JSONBodyParser(BaseParser):
         except ValueError as exc:  # orjson's error among them; past Python's 4,300 digits too
             if "integer string conversion" in (message := str(exc)):  # Python's words name its own setting
                 message = f"an integer has more than {sys.get_int_max_str_digits()} digits"
-            elif "not valid UTF-8" in message:  # orjson's words for any bad byte: "surrogates not allowed"
+            elif "not valid UTF-8" in message or isinstance(exc, UnicodeDecodeError):  # orjson's, Python's words
                 message = _not_utf8(raw) or message
             raise ParseError(message) from None
         if exact and (surrogate := _lone_surrogate(data)) is not None:
@@ -81,7 +81,7 @@ def _not_utf8(raw: bytes) -> str | None:
     try:
         raw.decode()
     except UnicodeDecodeError as exc:
-        return f"it is not UTF-8, as JSON must be: byte {exc.start} (0x{raw[exc.start]:02x}) starts no character"
+        return f"it is not UTF-8, as JSON must be: byte {exc.start} (0x{raw[exc.start]:02x}): {exc.reason}"
     return None
 
 

@@ -154,9 +154,10 @@ class ChannelJob:
             await self._close()
 
     async def _open_reply(self) -> str:
-        """A new reply channel, subscribed. channels_redis's subscribe swallows a cancellation that comes while it
-        runs (the client hung up just then): the channel is returned as if nothing had been asked, and the job would
-        run to its end for a client that is gone, recorded as answered. Such a cancellation is raised here."""
+        """A new reply channel, subscribed. The subscribe goes out on channels_redis's own connection, through the
+        ``asyncio.wait_for`` that swallows a cancellation on Python 3.11 (see ``core.redis``): a client that hung up
+        just then would have its job run to the end, recorded as answered. Such a cancellation is raised here, once
+        the channel is known, so that it is closed."""
         task = asyncio.current_task()
         asked = task.cancelling() if task is not None else 0
         self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))

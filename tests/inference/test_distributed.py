@@ -23,6 +23,7 @@ import redis
 from channels.layers import get_channel_layer
 from django.test import override_settings
 
+from inference.engine import dispatch
 from inference.engine.dispatch import MESSAGE_TYPE, PRESENCE_TTL_SECONDS, ChannelJob, presence_key
 from inference.engine.execution import Accepted, JobFailed
 from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
@@ -386,26 +387,24 @@ async def test_a_job_cancelled_while_its_reply_channel_is_opened_is_cancelled_an
     url = cluster.env["REDIS_URL"]
     layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
     job = GenerationJob("hung-up", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
-    client = redis.Redis.from_url(url)
+    sent: list[object] = []
 
     async def no_backlog() -> int:
         return 0
 
-    try:
-        with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
-            await get_channel_layer().new_channel(prefix="warm.")  # its connection made, as a serving process's is
-            channel_job = ChannelJob(job, queue=queue)
-            monkeypatch.setattr(channel_job, "_backlog", no_backlog)  # the subscribe is the first thing it waits for
-            first = asyncio.ensure_future(anext(channel_job.events()))
-            for _ in range(2):
-                await asyncio.sleep(0)  # inside the subscribe
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-        assert client.llen(queue) == 0
-        assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
-    finally:
-        client.delete(queue)
+    monkeypatch.setattr(dispatch.current_app, "send_task", lambda *args, **kwargs: sent.append(args))
+    with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+        await get_channel_layer().new_channel(prefix="warm.")  # its connection made, as a serving process's is
+        channel_job = ChannelJob(job, queue=queue)
+        monkeypatch.setattr(channel_job, "_backlog", no_backlog)  # the subscribe is the first thing it waits for
+        first = asyncio.ensure_future(anext(channel_job.events()))
+        for _ in range(2):
+            await asyncio.sleep(0)  # inside the subscribe
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    assert sent == []
+    assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
 
 
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:

@@ -144,14 +144,21 @@ async def test_an_integer_of_thousands_of_digits_is_a_400(api: API) -> None:
 @pytest.mark.parametrize(
     ("body", "where"),
     [
-        ('{"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"), "byte 60 (0xe9)"),
-        ('{"model": "m"}'.encode("utf-16"), "byte 0 (0xff)"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"),
+            "byte 60 (0xe9): invalid continuation byte",
+        ),
+        ('{"model": "m"}'.encode("utf-16"), "byte 0 (0xff): invalid start byte"),
+        (
+            '{"seed": 12345678901234567890, "messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"),
+            "byte 76 (0xe9): invalid continuation byte",
+        ),
     ],
-    ids=["latin-1", "utf-16"],
+    ids=["latin-1", "utf-16", "read-again-for-a-long-integer"],
 )
 async def test_a_body_in_another_encoding_than_utf8_is_a_400_that_says_where(api: API, body: bytes, where: str) -> None:
     error = assert_error(await api.post(CHAT, body, raw=True), 400, "invalid_json")
-    assert f"is not valid JSON: it is not UTF-8, as JSON must be: {where} starts no character" in error["message"]
+    assert f"is not valid JSON: it is not UTF-8, as JSON must be: {where}" in error["message"]
 
 
 async def test_long_runs_of_digits_in_a_string_are_only_text(api: API) -> None:

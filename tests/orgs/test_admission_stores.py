@@ -163,3 +163,31 @@ async def test_a_correction_that_cannot_reach_redis_keeps_admissions_charge_and_
         server.terminate()
 
     assert grant.charged == 100
+
+
+async def test_a_redis_command_under_way_when_its_request_is_cancelled_raises_the_cancellation(
+    tmp_path: Path, settings: Any
+) -> None:
+    """redis-py sends a command through ``asyncio.wait_for``, which on Python 3.11 hands the command's answer to a task
+    cancelled in the step the send completes, as if nothing had been asked (a client that hung up just then)."""
+    server, settings.REDIS_URL = start_redis(tmp_path)
+    redis_clients._async_clients.clear()
+    try:
+        client = redis_clients.async_client()
+        await client.ping()  # its connection made, as a serving process's is
+        outcomes = []
+        for steps in (1, 2):
+            command = asyncio.ensure_future(client.llen("a-queue"))
+            for _ in range(steps):
+                await asyncio.sleep(0)  # the command is being sent
+            command.cancel()
+            try:
+                await command
+                outcomes.append("answered")
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+        assert outcomes == ["cancelled", "cancelled"]
+    finally:
+        await redis_clients.async_client().aclose()
+        redis_clients._async_clients.clear()
+        server.terminate()
