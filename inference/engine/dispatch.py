@@ -37,7 +37,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from core.outages import REDIS_ERRORS
-from core.redis import async_client, sync_client
+from core.redis import async_client, cancellation_kept, sync_client
 from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from inference.engine.runners.base import Finished, GenerationJob, RunnerError
 from inference.models import CatalogEntry
@@ -154,15 +154,11 @@ class ChannelJob:
             await self._close()
 
     async def _open_reply(self) -> str:
-        """A new reply channel, subscribed. The subscribe goes out on channels_redis's own connection, through the
-        ``asyncio.wait_for`` that swallows a cancellation on Python 3.11 (see ``core.redis``): a client that hung up
-        just then would have its job run to the end, recorded as answered. Such a cancellation is raised here, once
-        the channel is known, so that it is closed."""
-        task = asyncio.current_task()
-        asked = task.cancelling() if task is not None else 0
-        self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
-        if task is not None and task.cancelling() > asked:
-            raise asyncio.CancelledError
+        """A new reply channel, subscribed. The subscribe goes out on channels_redis's own connection, past
+        ``core.redis``'s client: a cancellation it swallows is raised here, once the channel is known, so that it is
+        closed (else the job would run to its end for a client that is gone, recorded as answered)."""
+        with cancellation_kept():
+            self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
         return reply
 
     async def _backlog(self) -> int:
