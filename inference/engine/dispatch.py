@@ -76,6 +76,9 @@ class _Unserved(Exception):
 
 T = TypeVar("T")
 
+# Reply channels being closed: their tasks, held until they end.
+_closing: set[asyncio.Future[None]] = set()
+
 
 async def _on_a_live_connection(call: Callable[[], Awaitable[T]]) -> T:
     """``call()``, made once more at once when it failed on a pooled connection that Redis had closed.
@@ -236,20 +239,30 @@ class ChannelJob:
         return message
 
     async def _close(self) -> None:
-        """Unsubscribe from the reply channel, which tells the worker to stop if it has not finished. Channels has
-        no call for this: a layer closes a channel when a receive on it is cancelled, as when a consumer exits."""
+        """Unsubscribe from the reply channel, which tells the worker to stop if it has not finished. The unsubscribe
+        runs as a task of its own, so that a caller cancelled again while it waits (a second hang-up, a server
+        shutting down) does not leave the channel subscribed and the job running for nobody."""
         reply, self._reply = self._reply, None
         if reply is None:
             return
+        receive, self._receive = self._receive, None
+        closing = asyncio.ensure_future(self._unsubscribe(reply, receive))
+        _closing.add(closing)
+        closing.add_done_callback(_closing.discard)
+        await asyncio.shield(closing)
+
+    async def _unsubscribe(self, reply: str, receive: asyncio.Future[dict[str, Any]] | None) -> None:
+        """Channels has no call for this: a layer closes a channel when a receive on it is cancelled, as when a
+        consumer exits."""
         while True:
-            receive = self._receive or asyncio.ensure_future(self._layer.receive(reply))
-            self._receive = None
+            receive = receive or asyncio.ensure_future(self._layer.receive(reply))
             await asyncio.sleep(0)  # the receive starts waiting, or takes a message that was still on its way
             if not receive.done():
                 receive.cancel()
                 # The unsubscribe goes on by itself if Redis is slow to answer; the caller does not wait for it.
                 await asyncio.wait({receive}, timeout=OUTAGE_CHECK_SECONDS)
                 return
+            receive = None
 
     async def cancel(self) -> None:
         await self._close()

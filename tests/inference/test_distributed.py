@@ -407,6 +407,26 @@ async def test_a_job_cancelled_while_its_reply_channel_is_opened_is_cancelled_an
     assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
 
 
+async def test_a_job_cancelled_again_while_it_closes_its_reply_channel_still_closes_it(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client hangs up, and a second cancellation (the server shutting down) lands while the job closes its reply
+    channel: the channel is closed all the same, which is what tells the worker to stop."""
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    job = GenerationJob("hung-up-twice", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    monkeypatch.setattr(dispatch.current_app, "send_task", lambda *args, **kwargs: None)
+    with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+        first = asyncio.ensure_future(anext(ChannelJob(job, queue="model.nobody-consumes-this").events()))
+        assert await asyncio.to_thread(wait_until, lambda: len(reply_channels(cluster)) == 1)
+        first.cancel()
+        await asyncio.sleep(0)  # the job starts closing its reply channel
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+
+
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
     async with worker_played_by_the_test(cluster) as (events, publish):
         # A worker's messages 0 and 2: 1 never arrived.
