@@ -37,7 +37,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from core.outages import REDIS_ERRORS
-from core.redis import async_client, cancellation_kept, sync_client
+from core.redis import async_client, sync_client
 from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
 from inference.engine.runners.base import Finished, GenerationJob, RunnerError
 from inference.models import CatalogEntry
@@ -76,8 +76,15 @@ class _Unserved(Exception):
 
 T = TypeVar("T")
 
-# Reply channels being closed: their tasks, held until they end.
-_closing: set[asyncio.Future[None]] = set()
+# Reply channels being opened or closed past their callers: the tasks, held until they end.
+_background: set[asyncio.Future[Any]] = set()
+
+
+def _in_background(work: Awaitable[T]) -> asyncio.Future[T]:
+    task = asyncio.ensure_future(work)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
 
 
 async def _on_a_live_connection(call: Callable[[], Awaitable[T]]) -> T:
@@ -157,12 +164,20 @@ class ChannelJob:
             await self._close()
 
     async def _open_reply(self) -> str:
-        """A new reply channel, subscribed. The subscribe goes out on channels_redis's own connection, past
-        ``core.redis``'s client: a cancellation it swallows is raised here, once the channel is known, so that it is
-        closed (else the job would run to its end for a client that is gone, recorded as answered)."""
-        with cancellation_kept():
-            self._reply = reply = await _on_a_live_connection(lambda: self._layer.new_channel(prefix="job."))
+        """A new reply channel, subscribed. The subscribe runs as a task of its own (channels_redis's would swallow a
+        cancellation, or leave a channel subscribed under a name nobody knows): a caller cancelled while it runs (the
+        client hung up) leaves it to finish, and the channel is closed once it is known."""
+        opening = _in_background(_on_a_live_connection(lambda: self._layer.new_channel(prefix="job.")))
+        try:
+            self._reply = reply = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._close_opened)
+            raise
         return reply
+
+    def _close_opened(self, opening: asyncio.Future[str]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            _in_background(self._unsubscribe(opening.result(), None))
 
     async def _backlog(self) -> int:
         """The jobs waiting on the queue's list for a worker with room. Each worker has taken as many jobs as its
@@ -246,10 +261,7 @@ class ChannelJob:
         if reply is None:
             return
         receive, self._receive = self._receive, None
-        closing = asyncio.ensure_future(self._unsubscribe(reply, receive))
-        _closing.add(closing)
-        closing.add_done_callback(_closing.discard)
-        await asyncio.shield(closing)
+        await asyncio.shield(_in_background(self._unsubscribe(reply, receive)))
 
     async def _unsubscribe(self, reply: str, receive: asyncio.Future[dict[str, Any]] | None) -> None:
         """Channels has no call for this: a layer closes a channel when a receive on it is cancelled, as when a

@@ -378,33 +378,48 @@ async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded
     assert reply_channels(cluster) == []  # refused before any reply channel was opened
 
 
-async def test_a_job_cancelled_while_its_reply_channel_is_opened_is_cancelled_and_never_queued(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("connection", ["warm", "cold"])
+@pytest.mark.parametrize("steps", range(10))
+async def test_a_job_cancelled_as_its_reply_channel_is_opened_leaves_no_channel_and_is_queued_only_once_open(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, steps: int, connection: str
 ) -> None:
-    """The client hangs up just as its job subscribes to its reply channel, which channels_redis's subscribe does not
-    let a cancellation interrupt."""
+    """The client hangs up ``steps`` event-loop steps into its job's start: inside channels_redis's subscribe (which
+    swallows a cancellation at some steps, and on a connection still being made leaves the channel subscribed at
+    others) or while the job is handed to Celery (which goes on in its thread: the worker finds nobody listening)."""
     queue = "model.nobody-consumes-this"
     url = cluster.env["REDIS_URL"]
     layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
     job = GenerationJob("hung-up", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
     sent: list[object] = []
+    opened: list[str] = []
 
     async def no_backlog() -> int:
         return 0
 
     monkeypatch.setattr(dispatch.current_app, "send_task", lambda *args, **kwargs: sent.append(args))
     with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
-        await get_channel_layer().new_channel(prefix="warm.")  # its connection made, as a serving process's is
+        channel_layer = get_channel_layer()
+        if connection == "warm":
+            await channel_layer.new_channel(prefix="warm.")  # its connection made, as a serving process's is
+        new_channel = channel_layer.new_channel
+
+        async def noted_new_channel(prefix: str) -> str:
+            opened.append(channel := await new_channel(prefix))
+            return channel
+
+        monkeypatch.setattr(channel_layer, "new_channel", noted_new_channel)
         channel_job = ChannelJob(job, queue=queue)
         monkeypatch.setattr(channel_job, "_backlog", no_backlog)  # the subscribe is the first thing it waits for
         first = asyncio.ensure_future(anext(channel_job.events()))
-        for _ in range(2):
-            await asyncio.sleep(0)  # inside the subscribe
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        open_before_the_hang_up = bool(opened)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-    assert sent == []
-    assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+        assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+        assert [channel for channel in channel_layer.channels if channel.startswith("asgijob.")] == []
+    assert sent == [] or open_before_the_hang_up
 
 
 async def test_a_job_cancelled_again_while_it_closes_its_reply_channel_still_closes_it(
