@@ -278,6 +278,14 @@ def input_items(params: AgentResponseRequest) -> list[dict[str, Any]]:
     return items
 
 
+def _check_not_in_history(params: AgentResponseRequest, history: list[dict[str, Any]]) -> None:
+    """An item of the conversation sent again with ``previous_response_id`` would be read twice, and kept twice."""
+    kept = {item_id for item in history if isinstance(item_id := item.get("id"), str)}
+    for _, item_id in params.echoed_ids():
+        if item_id in kept:
+            raise wire.duplicate_item(item_id)
+
+
 def _check_replayed_calls(items: list[dict[str, Any]], agent: Agent) -> None:
     """A server tool's run sent back must be of a tool the instance runs: the model reads the runs as the context of
     its system message, and a run of a tool that no instance of it runs can only have been written by the client."""
@@ -383,6 +391,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
         if params.keeps:
             found.check_room(adding=stored_size(items))
         previous, history = found.last, found.items
+        _check_not_in_history(params, history)
     elif params.keeps and (size := stored_size(items)) > settings.AGENT_CONVERSATION_MAX_BYTES:
         raise conversation_too_large(
             f"This input's {size} bytes of items pass the {settings.AGENT_CONVERSATION_MAX_BYTES} one conversation "

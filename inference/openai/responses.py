@@ -8,7 +8,7 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
@@ -354,6 +354,22 @@ class GatewayResponseRequest(LooseModel):
         return self.max_output_tokens
 
 
+def duplicate_item(item_id: str) -> APIError:
+    """OpenAI's refusal of an item given twice: in one input, or sent again after ``previous_response_id``'s."""
+    return invalid_request(
+        f"Duplicate item found with id {item_id}. Remove duplicate items from your input and try again.", param="input"
+    )
+
+
+def _first_repeated(values: Iterable[str]) -> str | None:
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
+
+
 class ResponseCreateRequest(WireModel):
     model: ModelId
     input: Input
@@ -430,8 +446,23 @@ class ResponseCreateRequest(WireModel):
         for index, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available on this node")
+        if (repeated := _first_repeated(id for _, id in self.echoed_ids())) is not None:
+            raise duplicate_item(repeated)
         self._check_reasoning()
         self._check_tools()
+
+    def echoed_ids(self) -> list[tuple[int, str]]:
+        """The ids of the input items that carry one (items a response gave, sent back), with their indexes; not
+        the ids item references name."""
+        if isinstance(self.input, str):
+            return []
+        return [
+            (index, item_id)
+            for index, item in enumerate(self.input)
+            if not isinstance(item, ItemReference)
+            and isinstance(item_id := (item.model_extra or {}).get("id"), str)
+            and item_id
+        ]
 
     def _texts(self) -> Iterator[str]:
         """The instructions and the text of every input message."""

@@ -150,6 +150,28 @@ async def test_without_store_nothing_is_kept_and_the_whole_history_in_input_read
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"
 
 
+@pytest.mark.database
+async def test_items_of_the_conversation_sent_again_with_previous_response_id_are_refused_as_duplicates(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    model = plain_agent.instance_id
+    _, first = await tenant.stream(model=model, input="My name is Ada.", **SHORT)
+    again = [*first["output"], {"role": "user", "content": "What is my name?"}]
+    body = {"model": model, "input": again, "stream": True, "previous_response_id": first["id"]}
+
+    refused = await tenant.post("/v1/responses", body)
+
+    assert refused.status_code == 400
+    assert refused.json()["error"] == {
+        "message": f"Duplicate item found with id {first['output'][0]['id']}. Remove duplicate items from your input "
+        "and try again.",
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": "invalid_request",
+    }
+    assert await StoredResponse.objects.acount() == 1
+
+
 # --- what a stored conversation holds -------------------------------------------------------------------------
 
 # Refused by the spare-parts agent's input guardrail: each turn is stored without running the model.

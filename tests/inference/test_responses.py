@@ -442,6 +442,21 @@ async def test_it_refuses_input_items_that_do_not_fit_together(api: API, items: 
     assert error["message"] == message
 
 
+async def test_it_refuses_an_item_given_twice_as_openai_does(api: API) -> None:
+    answer = {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}
+    response = await api.post(RESPONSES, ask(input=[QUESTION, answer, answer, {"role": "user", "content": "And?"}]))
+
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "code": "invalid_request",
+            "message": "Duplicate item found with id msg_1. Remove duplicate items from your input and try again.",
+            "param": "input",
+            "type": "invalid_request_error",
+        }
+    }
+
+
 @pytest.mark.parametrize(
     "arguments",
     ["{city", '{"city": "\\ud800"}', "[" * 1000 + "]" * 1000],
