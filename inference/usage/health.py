@@ -9,7 +9,8 @@ served and no gateway is configured to serve instead (nothing can be served: a l
 ``degraded`` when only some models have no worker, and ``ok`` otherwise.
 
 Load balancers and anyone else may call ``/health`` as often as they like, without a key: a result is
-kept for ``HEALTH_CACHE_SECONDS`` and callers meanwhile share it (and share the one check under way), and
+kept for ``HEALTH_CACHE_SECONDS`` and callers meanwhile share it (and share the one check under way; past it, the
+last result answers while the next check runs, for up to ``STALE_SECONDS``), and
 the checks run on threads of their own, so a burst of calls neither reaches the broker nor takes the threads
 that authenticate API requests. Redis is asked over the process's own connection pool.
 """
@@ -204,22 +205,37 @@ async def check() -> Health:
 
 _cached: tuple[float, Health] | None = None
 _pending: tuple[asyncio.AbstractEventLoop, asyncio.Task[Health]] | None = None
+# A check this old is still answered from while the next one runs, so that a caller with a short timeout (a
+# Kubernetes probe's is one second) is not held for the workers' answer; past it, callers wait for the next check.
+STALE_SECONDS = 60.0
 
 
 async def current() -> Health:
-    """The deployment's health as checked within the last ``HEALTH_CACHE_SECONDS``; one check at a time."""
-    global _cached, _pending
-    if _cached is not None and time.monotonic() - _cached[0] < settings.HEALTH_CACHE_SECONDS:
+    """The deployment's health as last checked: within ``HEALTH_CACHE_SECONDS``, else (no older than
+    ``STALE_SECONDS``) while a new check runs; one check at a time, kept when it ends whether or not anyone still
+    waits for it."""
+    global _pending
+    age = time.monotonic() - _cached[0] if _cached is not None else None
+    if _cached is not None and age is not None and age < settings.HEALTH_CACHE_SECONDS:
         return _cached[1]
     loop = asyncio.get_running_loop()
     if _pending is None or _pending[0] is not loop or _pending[1].done():
-        _pending = (loop, loop.create_task(check()))
-    task = _pending[1]
+        task = loop.create_task(check())
+        task.add_done_callback(_keep)
+        _pending = (loop, task)
+    if _cached is not None and age is not None and settings.HEALTH_CACHE_SECONDS and age < STALE_SECONDS:
+        return _cached[1]
     # Shielded: a caller that hangs up does not cancel the check the others are waiting for.
-    health = await asyncio.shield(task)
-    if _pending is not None and _pending[1] is task:
-        _cached, _pending = (time.monotonic(), health), None
-    return health
+    return await asyncio.shield(_pending[1])
+
+
+def _keep(task: asyncio.Task[Health]) -> None:
+    global _cached, _pending
+    if _pending is None or _pending[1] is not task:
+        return  # cleared meanwhile
+    _pending = None
+    if not task.cancelled() and task.exception() is None:
+        _cached = (time.monotonic(), task.result())
 
 
 def clear_cache() -> None:

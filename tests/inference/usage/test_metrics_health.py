@@ -221,6 +221,38 @@ async def test_a_burst_of_health_calls_shares_one_check_for_a_few_seconds(
     assert checks == 1
 
 
+async def test_a_check_whose_callers_gave_up_is_kept_and_an_older_one_answers_at_once_while_the_next_runs(
+    catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe with a short timeout (a Kubernetes probe's is one second) against a check that takes longer (the
+    workers' broadcast waits its whole timeout)."""
+    answering = asyncio.Event()
+    checks = 0
+    real_check = health.check
+
+    async def slow() -> health.Health:
+        nonlocal checks
+        checks += 1
+        await answering.wait()
+        return await real_check()
+
+    monkeypatch.setattr(health, "check", slow)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(health.current(), 0.2)
+    answering.set()
+    async with asyncio.timeout(5):
+        while health._pending is not None:
+            await asyncio.sleep(0.01)
+    assert (await health.current()).status == "ok" and checks == 1  # the check nobody waited for any more
+
+    answering.clear()
+    assert health._cached is not None
+    health._cached = (health._cached[0] - 10, health._cached[1])  # older than HEALTH_CACHE_SECONDS
+    assert (await asyncio.wait_for(health.current(), 0.2)).status == "ok"
+    assert checks == 2  # the next one runs meanwhile
+    answering.set()
+
+
 @override_settings(DISTRIBUTED=True, HEALTH_WORKER_TIMEOUT_SECONDS=1, HEALTH_CACHE_SECONDS=0)
 async def test_healths_broadcast_to_the_workers_runs_on_its_own_threads_and_redis_is_asked_over_the_pool(
     catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
