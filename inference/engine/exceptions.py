@@ -118,3 +118,14 @@ class Overloaded(EngineError):
         self.model_id = model_id
         self.retry_after = retry_after
         self.headers: dict[str, str] = {}  # the caller's rate-limit headers, once it was admitted
+
+
+class NotStarted(EngineError):
+    """No runner took the job for want of one, before any response began: no worker consumes the model's queue
+    (``no_worker``), or the job could not be queued (``service_unavailable``). Try again after ``retry_after``."""
+
+    def __init__(self, code: str, detail: str, *, retry_after: int) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.retry_after = retry_after
+        self.headers: dict[str, str] = {}  # the caller's rate-limit headers, once it was admitted

@@ -36,6 +36,7 @@ from .exceptions import (
     ChatTemplateRefused,
     ContextLengthExceeded,
     ModelUnavailable,
+    NotStarted,
     Overloaded,
     PenaltyNotApplied,
     SchemaNotEnforceable,
@@ -46,6 +47,10 @@ from .prompting import Message, RenderedPrompt, check_context, render_prompt
 from .runners.base import Finished, GenerationJob, PromptRenderer, RunnerError, Sampling, TextChunk, TokenLogprob
 
 logger = logging.getLogger("inference.engine.generation")
+
+# A job's first answer that says no runner could take it (no worker consumes its queue, Redis away as it was queued):
+# the deployment's state, refused before any response begins, as a full queue is.
+NOT_STARTED_CODES = frozenset({"no_worker", "service_unavailable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +110,8 @@ class Generation:
 
     async def start(self) -> None:
         """Hands the job to its runner and waits until the runner has taken it (to generate now, or to queue),
-        so that a refusal is an error before any response begins: raises ``Overloaded``."""
+        so that a refusal is an error before any response begins: raises ``Overloaded``, or ``NotStarted`` when no
+        runner could take it at all."""
         if self._job is not None:
             return
         self._job = job = start_job(self.job, queue=self.entry.queue)
@@ -118,9 +124,14 @@ class Generation:
             await job.cancel()
             raise
         self._accepted = any(isinstance(event, Accepted) for event in first)
-        if not self._accepted and first and isinstance(first[0], JobFailed) and first[0].code == "overloaded":
-            self.finished = True
-            raise Overloaded(self.entry.public_id, retry_after=settings.OVERLOADED_RETRY_AFTER_SECONDS)
+        if not self._accepted and first and isinstance(refused := first[0], JobFailed):
+            if refused.code == "overloaded":
+                self.finished = True
+                raise Overloaded(self.entry.public_id, retry_after=settings.OVERLOADED_RETRY_AFTER_SECONDS)
+            if refused.code in NOT_STARTED_CODES:
+                self.finished = True
+                logger.warning("job %s did not start: %s: %s", self.job.job_id, refused.code, refused.message)
+                raise NotStarted(refused.code, refused.message, retry_after=settings.OUTAGE_RETRY_AFTER_SECONDS)
         self._first = [event for event in first if not isinstance(event, Accepted)]
 
     async def _batches(self) -> AsyncGenerator[list[JobEvent], None]:

@@ -20,6 +20,7 @@ from inference.engine.exceptions import (
     ContextLengthExceeded,
     ModelNotServed,
     ModelUnavailable,
+    NotStarted,
     OutputLimitTooLarge,
     Overloaded,
     PenaltyNotApplied,
@@ -282,6 +283,15 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
     if isinstance(exc, ChatTemplateRefused):
         return invalid_request(
             f"The model's chat template cannot render these messages: {exc.detail}", param=names.prompt
+        )
+    if isinstance(exc, NotStarted):
+        what = GENERATION_FAILURES.get(exc.code, "no model runner could take the request")
+        return APIError(
+            f"Generation could not start: {what}. Try again in {exc.retry_after} seconds.",
+            code=exc.code,
+            status=503,
+            type=SERVER,
+            headers={**exc.headers, "Retry-After": str(exc.retry_after)},
         )
     if isinstance(exc, Overloaded):
         # 429 is the caller's own limits; a server without room for more work answers 503, as OpenAI's does.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference.engine.catalog import get_enabled_model
-from inference.engine.exceptions import ModelNotServed, OutputLimitTooLarge, Overloaded
+from inference.engine.exceptions import ModelNotServed, NotStarted, OutputLimitTooLarge, Overloaded
 from inference.engine.generation import Done, Failed, Generation
 from inference.models import CatalogEntry
 from inference.openai.errors import APIError, from_exception, generation_failed
@@ -185,6 +185,6 @@ async def run_admitted(
         else:
             grant.release()
         record_error(meter, generation if generation.accepted else None, exc)
-        if isinstance(exc, Overloaded):
+        if isinstance(exc, Overloaded | NotStarted):
             exc.headers = grant.headers  # as every answer to an admitted request has them
         raise

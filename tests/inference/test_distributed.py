@@ -263,11 +263,14 @@ def test_no_worker_for_the_model_is_a_clear_error_before_the_start_timeout(clust
     try:
         assert wait_until(lambda: not queue_served(cluster), timeout=PRESENCE_TTL_SECONDS + 5)
         response = post(cluster, {**QUESTION, "max_tokens": 4})
+        # Streamed too, it is refused before any response begins, not a 200 stream ending in an error.
+        streamed = post(cluster, {**QUESTION, "max_tokens": 4, "stream": True})
 
-        assert response.status_code == 503
-        error = response.json()["error"]
-        assert error["code"] == "no_worker"
-        assert "no model worker is serving this model" in error["message"]
+        for refused in (response, streamed):
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            error = refused.json()["error"]
+            assert error["code"] == "no_worker"
+            assert "no model worker is serving this model" in error["message"]
         # Told by the queue's lapsed presence, not by the start timeout (``JOB_START_TIMEOUT_SECONDS``).
         assert f"no_worker: no worker consumes the queue {QUEUE}" in (cluster.var_dir / "server.log").read_text()
     finally:
