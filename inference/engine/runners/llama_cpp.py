@@ -208,12 +208,15 @@ class RunnerSettings:
 
 
 _loaded: list[Callable[[], None]] = []
+_exiting = False  # the process is exiting: a job cut now is cut by the shutdown (a worker's cold stop)
 
 
 @atexit.register
 def _close_all() -> None:
     # Closed while the interpreter still works; left to garbage collection at exit, llama.cpp's
     # finalizers run after their module globals are gone and print errors.
+    global _exiting
+    _exiting = True
     for close in reversed(_loaded):
         close()
 
@@ -1897,8 +1900,13 @@ class LlamaCppRunner:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        cut = (
+            RunnerError("the process serving the model shut down", code="server_shutting_down")
+            if _exiting
+            else RunnerError("the model was unloaded", code="runner_unavailable")
+        )
         for sequence in [*self._waiting, *self._active]:
-            sequence.fail(RunnerError("the model was unloaded", code="runner_unavailable"))
+            sequence.fail(cut)
             sequence.close()
         self._waiting.clear()
         self._active.clear()

@@ -525,3 +525,20 @@ def test_each_decode_lists_its_sequences_in_slot_order_so_llama_cpp_runs_them_in
     assert [run.text for run in again] == [run.text for run in reversed(first)]
     assert all(run.finished and run.finished.cached_tokens > 0 for run in again)
     assert seen and all(ids == sorted(ids) for ids in seen)
+
+
+@pytest.mark.parametrize(("exiting", "code"), [(True, "server_shutting_down"), (False, "runner_unavailable")])
+def test_a_job_its_runner_closes_under_it_is_told_why(
+    render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, exiting: bool, code: str
+) -> None:
+    """Closed as its process exits (a worker's cold stop), or as its model is unloaded (its settings changed)."""
+    monkeypatch.setattr(llama_cpp, "_exiting", exiting)
+    own = llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": 1})
+    events = own.stream(job(render("Count from 1 to 100 in words."), max_tokens=512), lambda: False)
+    next(events)  # under way
+    own.close()
+
+    with pytest.raises(RunnerError) as cut:
+        for _ in events:
+            pass
+    assert cut.value.code == code
