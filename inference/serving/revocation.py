@@ -19,6 +19,7 @@ from typing import Protocol
 from django.conf import settings
 
 from core.db import db_task
+from core.outages import unavailable_service
 from inference.engine import generation as generations
 from inference.engine.generation import Failed, Generation
 from orgs.keycache import current_version
@@ -98,8 +99,12 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
             usable = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
         except Exception as exc:  # Redis or the database away: the next round tries again
             if not failing:
+                # An outage is told in one line; anything else is a fault, with its traceback.
+                outage = unavailable_service(exc)
                 logger.warning(
-                    "could not check the keys of the answers under way; trying again each second", exc_info=exc
+                    "could not check the keys of the answers under way (%s); trying again each second",
+                    f"{outage} unavailable: {type(exc).__name__}: {exc}" if outage else type(exc).__name__,
+                    exc_info=None if outage else exc,
                 )
             failing = True
             continue

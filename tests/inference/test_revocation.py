@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
+import redis.exceptions
 from asgiref.sync import sync_to_async
 
 from inference.engine import generation
@@ -75,7 +76,7 @@ async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it
 
     async def version() -> object:
         if away.is_set():
-            raise ConnectionError("Error 111 connecting to localhost:6379. Connection refused.")
+            raise redis.exceptions.ConnectionError("Error 111 connecting to localhost:6379. Connection refused.")
         return await reachable()
 
     monkeypatch.setattr(revocation, "current_version", version)
@@ -88,11 +89,13 @@ async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it
     finally:
         revocation.unwatch_stream(answer)
 
-    said = [record.getMessage() for record in caplog.records if record.name == revocation.logger.name]
-    assert said == [
-        "could not check the keys of the answers under way; trying again each second",
+    said = [record for record in caplog.records if record.name == revocation.logger.name]
+    assert [record.getMessage() for record in said] == [
+        "could not check the keys of the answers under way (redis unavailable: ConnectionError: Error 111 "
+        "connecting to localhost:6379. Connection refused.); trying again each second",
         "the keys of the answers under way are checked again",
     ]
+    assert said[0].exc_info is None  # an outage in one line, not a traceback
     assert answer.ended_by == []
 
 
