@@ -12,6 +12,7 @@ watch ends once its loop has run no such answer for ``IDLE_SECONDS``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Protocol
@@ -71,7 +72,8 @@ def unwatch_stream(stream: Interruptible) -> None:
 def _watching(loop: asyncio.AbstractEventLoop) -> None:
     _last_watched[loop] = time.monotonic()
     if (task := _watches.get(loop)) is None or task.done():
-        _watches[loop] = loop.create_task(_watch(loop))
+        # In a context of its own: the watch outlives the request that started it, whose id its log lines would bear.
+        _watches[loop] = loop.create_task(_watch(loop), context=contextvars.Context())
 
 
 def _under_way(loop: asyncio.AbstractEventLoop) -> list[Interruptible]:

@@ -9,6 +9,7 @@ import pytest
 import redis.exceptions
 from asgiref.sync import sync_to_async
 
+from inference.api import middleware
 from inference.engine import generation
 from inference.engine.generation import Failed
 from inference.models import UsageRecord
@@ -75,13 +76,17 @@ async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it
     reachable = revocation.current_version
 
     async def version() -> object:
+        ids.add(middleware._request_id.get())
         if away.is_set():
             raise redis.exceptions.ConnectionError("Error 111 connecting to localhost:6379. Connection refused.")
         return await reachable()
 
     monkeypatch.setattr(revocation, "current_version", version)
     answer = Answer()
+    ids: set[str] = set()
+    started_by = middleware._request_id.set("req_that_started_the_watch")
     revocation.watch_stream(answer, kept.pk)
+    middleware._request_id.reset(started_by)
     try:
         await asyncio.sleep(revocation.CHECK_SECONDS * 3.5)  # three rounds that fail
         away.clear()
@@ -96,6 +101,7 @@ async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it
         "the keys of the answers under way are checked again",
     ]
     assert said[0].exc_info is None  # an outage in one line, not a traceback
+    assert ids == {"-"}  # the watch outlives the request that started it, and does not log under its id
     assert answer.ended_by == []
 
 
