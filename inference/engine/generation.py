@@ -116,14 +116,28 @@ class Generation:
             return
         self._job = job = start_job(self.job, queue=self.entry.queue)
         self._events = aiter(job.events())
+        _starting[id(self)] = self
         try:
-            first = await anext(self._events)
+            # A wait without end (a job queued for a worker waits up to JOB_START_TIMEOUT_SECONDS), which
+            # ``interrupt`` ends at once.
+            async with asyncio.timeout(None) as self._wait:
+                first = await anext(self._events)
         except StopAsyncIteration:
+            first = []
+        except TimeoutError:  # interrupted (the server shutting down) before any runner took the job
             first = []
         except BaseException:
             await job.cancel()
             raise
+        finally:
+            self._wait = None
+            del _starting[id(self)]
         self._accepted = any(isinstance(event, Accepted) for event in first)
+        if not self._accepted and self._interrupted is not None:
+            await job.cancel()
+            self.finished = True
+            failure = self._interrupted
+            raise NotStarted(failure.code, failure.message, retry_after=settings.OUTAGE_RETRY_AFTER_SECONDS)
         if not self._accepted and first and isinstance(refused := first[0], JobFailed):
             if refused.code == "overloaded":
                 self.finished = True
@@ -231,8 +245,10 @@ class Generation:
             self._wait.reschedule(asyncio.get_running_loop().time())
 
 
-# The generations running in this process (``Generation.run``), to end when it shuts down.
+# The generations running in this process (``Generation.run``), to end when it shuts down; and those waiting for a
+# runner to take their jobs (``Generation.start``), which end before any response begins.
 _running: dict[int, Generation] = {}
+_starting: dict[int, Generation] = {}
 
 SHUTTING_DOWN = Failed("server_shutting_down", "the server shut down before the answer was complete")
 
@@ -244,8 +260,9 @@ def running() -> list[Generation]:
 
 def interrupt_all(failure: Failed = SHUTTING_DOWN) -> int:
     """Ends every generation running in this process with ``failure`` (each stream then ends as any failed one
-    does: an error event, and its usage recorded); returns how many."""
-    running = list(_running.values())
+    does: an error event, and its usage recorded), and refuses those still waiting for a runner (503, before any
+    response begins); returns how many."""
+    running = [*_running.values(), *_starting.values()]
     for generation in running:
         generation.interrupt(failure)
     return len(running)

@@ -23,11 +23,24 @@ import redis
 from channels.layers import get_channel_layer
 from django.test import override_settings
 
-from inference.engine import dispatch
+from inference.engine import dispatch, generation
 from inference.engine.dispatch import MESSAGE_TYPE, PRESENCE_TTL_SECONDS, ChannelJob, presence_key
+from inference.engine.exceptions import NotStarted
 from inference.engine.execution import Accepted, JobFailed
+from inference.engine.generation import GenerationRequest
 from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
-from tests.conftest import MODEL_ID, ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http, wait_until
+from inference.models import CatalogEntry
+from tests.conftest import (
+    DEFAULT_MODEL,
+    MODEL_ID,
+    ROOT,
+    LiveServer,
+    free_port,
+    start_server,
+    stop_server,
+    wait_for_http,
+    wait_until,
+)
 from tests.services import Redis
 
 pytestmark = pytest.mark.distributed
@@ -443,6 +456,33 @@ async def test_a_job_cancelled_again_while_it_closes_its_reply_channel_still_clo
         with pytest.raises(asyncio.CancelledError):
             await first
         assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+
+
+async def test_a_job_still_waiting_for_a_worker_when_the_server_shuts_down_is_refused_and_never_left_running(
+    cluster: Cluster,
+) -> None:
+    """The worker's threads are all busy: the job waits in the queue, and the request for its first event, when the
+    grace period ends; it ends before any response begins (503), its job cancelled."""
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    entry = CatalogEntry(**{**DEFAULT_MODEL, "public_id": "b3os/every-worker-busy"})
+    client = redis.Redis.from_url(url)
+    client.set(presence_key(entry.queue), "1", ex=60)  # a worker consumes the queue, with no thread free
+    try:
+        with override_settings(DISTRIBUTED=True, REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+            waiting = await generation.prepare(
+                entry=entry, request=GenerationRequest(messages=[{"role": "user", "content": "Hello"}])
+            )
+            starting = asyncio.ensure_future(waiting.start())
+            assert await asyncio.to_thread(wait_until, lambda: len(reply_channels(cluster)) == 1)
+
+            assert generation.interrupt_all() == 1
+            with pytest.raises(NotStarted) as refused:
+                await starting
+            assert refused.value.code == "server_shutting_down"
+            assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
+    finally:
+        client.delete(presence_key(entry.queue), entry.queue)
 
 
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
