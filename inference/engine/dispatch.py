@@ -49,6 +49,7 @@ logger = logging.getLogger("inference.engine.dispatch")
 GENERATE_TASK = "inference.generate"
 HEARTBEAT_SECONDS = 1.0
 OUTAGE_CHECK_SECONDS = 1.0
+UNSUBSCRIBE_RETRY_SECONDS = 600.0
 LISTENER_POLL_SECONDS = 0.2
 # How long a worker waits for a new job's reply channel to be listened on before it drops the job: long enough for an
 # API process's Channels layer to notice a connection a Redis restart closed and subscribe again (its receive loop
@@ -271,10 +272,36 @@ class ChannelJob:
             await asyncio.sleep(0)  # the receive starts waiting, or takes a message that was still on its way
             if not receive.done():
                 receive.cancel()
+                _in_background(self._unsubscribed(reply, receive))
                 # The unsubscribe goes on by itself if Redis is slow to answer; the caller does not wait for it.
                 await asyncio.wait({receive}, timeout=OUTAGE_CHECK_SECONDS)
                 return
             receive = None
+
+    async def _unsubscribed(self, reply: str, receive: asyncio.Future[dict[str, Any]]) -> None:
+        """Once the cancelled ``receive`` has unsubscribed, or failed to. channels_redis forgets a channel whose
+        unsubscribe failed (Redis away), yet its connection (redis-py's ``PubSub``) keeps the channel, and subscribes
+        to it again whenever it reconnects, for as long as the process lives. The connection is made to forget it
+        too, and Redis is told once a second until it answers (or ``UNSUBSCRIBE_RETRY_SECONDS`` pass)."""
+        await asyncio.wait({receive})
+        shard = self._layer._get_layer()._get_shard(reply)
+        if reply not in shard._subscribed_to:
+            return  # the layer's own unsubscribe went through
+        shard._subscribed_to.discard(reply)
+        pubsub = shard._pubsub
+        for key in pubsub._normalize_keys({reply: None}):
+            pubsub.channels.pop(key, None)
+        deadline = asyncio.get_running_loop().time() + UNSUBSCRIBE_RETRY_SECONDS
+        while True:
+            try:
+                async with shard._lock:  # as the layer sends its own commands on the connection
+                    await pubsub.execute_command("UNSUBSCRIBE", reply)
+                return
+            except REDIS_ERRORS:
+                if asyncio.get_running_loop().time() >= deadline:
+                    logger.warning("reply channel %s may stay subscribed: Redis was away for too long", reply)
+                    return
+                await asyncio.sleep(OUTAGE_CHECK_SECONDS)
 
     async def cancel(self) -> None:
         await self._close()

@@ -433,6 +433,9 @@ async def test_a_job_cancelled_as_its_reply_channel_is_opened_leaves_no_channel_
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
+        async with asyncio.timeout(10):  # the subscribe, and the unsubscribe after it, go on past the request
+            while dispatch._background:
+                await asyncio.sleep(0.01)
         assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
         assert [channel for channel in channel_layer.channels if channel.startswith("asgijob.")] == []
     assert sent == [] or open_before_the_hang_up
@@ -483,6 +486,35 @@ async def test_a_job_still_waiting_for_a_worker_when_the_server_shuts_down_is_re
             assert await asyncio.to_thread(wait_until, lambda: reply_channels(cluster) == [])
     finally:
         client.delete(presence_key(entry.queue), entry.queue)
+
+
+async def test_a_reply_channel_closed_while_redis_is_away_is_not_subscribed_again_once_redis_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client hangs up while Redis restarts: channels_redis's unsubscribe fails then, and its connection would
+    subscribe to the channel again once Redis is back."""
+    server = Redis(tmp_path).start()
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [server.url]}}
+    job = GenerationJob("hung-up-in-an-outage", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    monkeypatch.setattr(dispatch.current_app, "send_task", lambda *args, **kwargs: None)
+
+    def channels() -> list[str]:
+        return sorted(server.cli("pubsub", "channels", "asgi*").split())
+
+    try:
+        with override_settings(REDIS_URL=server.url, CHANNEL_LAYERS={"default": layer}):
+            kept = await get_channel_layer().new_channel(prefix="kept.")  # another request's, open throughout
+            first = asyncio.ensure_future(anext(ChannelJob(job, queue="model.nobody-consumes-this").events()))
+            assert await asyncio.to_thread(wait_until, lambda: len(channels()) == 2)
+            server.stop()
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            server.start()
+            # Once the layer's connection is back (the open channel subscribed again), the closed one is not.
+            assert await asyncio.to_thread(wait_until, lambda: channels() == [kept], timeout=15)
+    finally:
+        server.stop()
 
 
 async def test_a_message_lost_on_the_way_ends_the_stream_with_an_error(cluster: Cluster) -> None:
