@@ -285,12 +285,16 @@ class ChannelJob:
         too, and Redis is told once a second until it answers (or ``UNSUBSCRIBE_RETRY_SECONDS`` pass)."""
         await asyncio.wait({receive})
         shard = self._layer._get_layer()._get_shard(reply)
-        if reply not in shard._subscribed_to:
-            return  # the layer's own unsubscribe went through
-        shard._subscribed_to.discard(reply)
         pubsub = shard._pubsub
-        for key in pubsub._normalize_keys({reply: None}):
-            pubsub.channels.pop(key, None)
+        if pubsub is not None:
+            # Even when the layer's UNSUBSCRIBE was written: on a connection already dead, no answer comes back to
+            # take the channel off redis-py's list, and the next connection would subscribe to it again.
+            for key in pubsub._normalize_keys({reply: None}):
+                pubsub.channels.pop(key, None)
+                pubsub.pending_unsubscribe_channels.discard(key)
+        if reply not in shard._subscribed_to or pubsub is None:
+            return  # the layer's own unsubscribe went out
+        shard._subscribed_to.discard(reply)
         deadline = asyncio.get_running_loop().time() + UNSUBSCRIBE_RETRY_SECONDS
         while True:
             try:

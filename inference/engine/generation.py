@@ -124,8 +124,11 @@ class Generation:
                 first = await anext(self._events)
         except StopAsyncIteration:
             first = []
-        except TimeoutError:  # interrupted (the server shutting down) before any runner took the job
-            first = []
+        except TimeoutError:
+            if self._interrupted is None:  # not the interrupt's: the job's own
+                await job.cancel()
+                raise
+            first = []  # interrupted (the server shutting down) before any runner took the job
         except BaseException:
             await job.cancel()
             raise
@@ -238,8 +241,8 @@ class Generation:
                 await job.cancel()
 
     def interrupt(self, failure: Failed) -> None:
-        """Ends the running generation with ``failure``: at once if it waits for its job's next events, else when
-        they come. Its job is cancelled."""
+        """Ends the generation with ``failure``: at once if it waits for its job's next events (or, starting, for a
+        runner to take its job), else when they come. Its job is cancelled."""
         self._interrupted = failure
         if self._wait is not None:
             self._wait.reschedule(asyncio.get_running_loop().time())

@@ -213,6 +213,8 @@ GENERATION_FAILURES: Mapping[str, str] = {
     "unsupported_parameter": "the model's sampler does not apply a parameter the request set",
     "invalid_api_key": "the API key was revoked or expired, or its organization deactivated, during the answer",
 }
+# What a job that never started is told, where a failure's own words speak of an answer under way.
+NOT_STARTED: Mapping[str, str] = {"server_shutting_down": "the server is shutting down"}
 # Failures the request's own content caused once it ran: a 400, not a server fault.
 REQUEST_FAULT_CODES = ("constraint_too_costly", "context_length_exceeded", "unsupported_parameter")
 
@@ -285,7 +287,7 @@ def from_exception(exc: BaseException, names: ParamNames | None = None) -> APIEr
             f"The model's chat template cannot render these messages: {exc.detail}", param=names.prompt
         )
     if isinstance(exc, NotStarted):
-        what = GENERATION_FAILURES.get(exc.code, "no model runner could take the request")
+        what = NOT_STARTED.get(exc.code) or GENERATION_FAILURES.get(exc.code, "no model runner could take the request")
         return APIError(
             f"Generation could not start: {what}. Try again in {exc.retry_after} seconds.",
             code=exc.code,

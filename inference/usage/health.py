@@ -231,10 +231,11 @@ async def current() -> Health:
 
 def _keep(task: asyncio.Task[Health]) -> None:
     global _cached, _pending
+    failed = task.cancelled() or task.exception() is not None  # asked first: a failure is never left unread
     if _pending is None or _pending[1] is not task:
         return  # cleared meanwhile
     _pending = None
-    if not task.cancelled() and task.exception() is None:
+    if not failed:
         _cached = (time.monotonic(), task.result())
 
 

@@ -1900,13 +1900,12 @@ class LlamaCppRunner:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
-        cut = (
-            RunnerError("the process serving the model shut down", code="server_shutting_down")
-            if _exiting
-            else RunnerError("the model was unloaded", code="runner_unavailable")
-        )
+        if _exiting:
+            why, code = "the process serving the model shut down", "server_shutting_down"
+        else:
+            why, code = "the model was unloaded", "runner_unavailable"
         for sequence in [*self._waiting, *self._active]:
-            sequence.fail(cut)
+            sequence.fail(RunnerError(why, code=code))  # one each: each is raised on its own caller's thread
             sequence.close()
         self._waiting.clear()
         self._active.clear()
