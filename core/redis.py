@@ -10,8 +10,6 @@ finds them all busy.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -39,25 +37,19 @@ def _options(retry: Any) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def cancellation_kept() -> Iterator[None]:
-    """Raises, once the block is done, a cancellation of the current task that something in it swallowed. With a
-    socket timeout, redis-py sends a command through ``asyncio.wait_for``, which on Python 3.11 returns the inner
-    result when the task is cancelled in the step the send completes: a request whose client hung up just then (a job
-    being queued, a limit being charged) went on as if nothing had been asked."""
-    task = asyncio.current_task()
-    asked = task.cancelling() if task is not None else 0
-    yield
-    if task is not None and task.cancelling() > asked:
-        raise asyncio.CancelledError
-
-
 class _Redis(aioredis.Redis):  # type: ignore[misc]  # redis-py's asyncio client is untyped here
-    """A command that never swallows its task's cancellation (``cancellation_kept``)."""
+    """A command that never swallows its task's cancellation. With a socket timeout, redis-py sends a command through
+    ``asyncio.wait_for``, which on Python 3.11 returns the inner result when the task is cancelled in the step the
+    send completes: a request whose client hung up just then (a job being queued, a limit being charged) went on as
+    if nothing had been asked. Such a cancellation is raised once the command has answered."""
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        with cancellation_kept():
-            return await super().execute_command(*args, **options)
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
+        result = await super().execute_command(*args, **options)
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError
+        return result
 
 
 def async_client() -> Any:
