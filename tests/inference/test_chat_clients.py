@@ -126,6 +126,16 @@ LONG_STORY = {
 }
 
 
+# Held to a long array: the answer cannot end on its own before something ends it (the model may end a story early).
+HELD_OPEN = {
+    **LONG_STORY,
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "numbers", "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}},
+    },
+}
+
+
 def recorded(server: LiveServer, request_id: str, columns: str) -> tuple[Any, ...]:
     """The usage record's ``columns``, once the server has written it."""
     deadline = time.monotonic() + 10
@@ -144,7 +154,7 @@ def test_a_key_revoked_mid_stream_ends_the_stream_with_invalid_api_key_and_its_u
     headers = {"Authorization": f"Bearer {key}"}
     with (
         httpx.Client(base_url=node_server.url, headers=headers, timeout=60) as http,
-        http.stream("POST", "/v1/infer/chat/completions", json=LONG_STORY) as response,
+        http.stream("POST", "/v1/infer/chat/completions", json=HELD_OPEN) as response,
     ):
         request_id = response.headers["x-request-id"]
         for line in response.iter_lines():
