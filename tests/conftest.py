@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from orgs import lastused
 from orgs.admission import clear_limits_cache, memory_store
 from orgs.models import Organization
 from orgs.services import create_api_key
+from tests.services import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -208,12 +208,6 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0, step: float
             return False
         time.sleep(step)
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def manage(*args: str, env: dict[str, str]) -> str:

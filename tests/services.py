@@ -6,8 +6,10 @@ stop and start again on the same address (that is how the fault tests take them 
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -20,10 +22,32 @@ class MissingProgram(RuntimeError):
     """A server program the tests need is not installed (``make test`` installs it)."""
 
 
+# Test servers listen below the kernel's ephemeral range (32768 and up on Linux), which the suite's own client
+# connections draw their source ports from, and each port is claimed for the life of the process by a lock file, so
+# that no other test process (the other xdist workers, the PostgreSQL stage running beside them) is handed it while
+# the server it was chosen for is still starting.
+_PORTS = range(20000, 32000)
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "b3os-test-ports"
+_claimed: list[int] = []  # lock files' descriptors, held until the process exits
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port no other process listens on or has claimed, claimed by this one until it exits."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    start = random.randrange(len(_PORTS))
+    for offset in range(len(_PORTS)):
+        port = _PORTS[(start + offset) % len(_PORTS)]
+        lock = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            os.close(lock)
+            continue
+        _claimed.append(lock)
+        return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def postgres_program(name: str) -> str:

@@ -24,7 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from tests.conftest import ROOT, LiveServer, start_server, stop_server, wait_for_http
+from tests.services import free_port
 
 NODE_MODEL = "fuzz/smollm2"
 GATEWAY_MODEL = "fuzz/upstream"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, manage
+from tests.conftest import manage
+from tests.services import free_port
 
 
 def program(name: str) -> str:

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, LiveServer, free_port, start_server, stop_server, wait_for_http
+from tests.conftest import ROOT, LiveServer, start_server, stop_server, wait_for_http
+from tests.services import free_port
 
 DEADLINE = 2  # HTTP_REQUEST_READ_TIMEOUT_SECONDS of the served process
 LATE = 1.5  # what the deadline may be missed by on a busy machine
