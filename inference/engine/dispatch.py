@@ -135,7 +135,13 @@ class ChannelJob:
         try:
             # Subscribed before the job is sent, so the worker's first message has a listener.
             if (backlog := await self._backlog()) >= settings.JOB_BACKLOG_MAX:
-                yield [JobFailed("overloaded", f"{backlog} jobs wait on queue {self._queue} for a worker with room")]
+                # With no worker, the list holds the jobs of callers that gave up on them until they expire
+                # (JOB_START_TIMEOUT_SECONDS): its length then says nothing of a worker's room.
+                if await _on_a_live_connection(lambda: async_client().exists(presence_key(self._queue))):
+                    why = f"{backlog} jobs wait on queue {self._queue} for a worker with room"
+                    yield [JobFailed("overloaded", why)]
+                else:
+                    yield [JobFailed("no_worker", f"no worker consumes the queue {self._queue}")]
                 return
             reply = await self._open_reply()
             await asyncio.to_thread(

@@ -377,20 +377,26 @@ async def worker_played_by_the_test(cluster: Cluster) -> AsyncIterator[tuple[Asy
         yield read(), publish
 
 
-async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded(cluster: Cluster) -> None:
-    queue = "model.nobody-consumes-this"
+@pytest.mark.parametrize(("served", "code"), [(True, "overloaded"), (False, "no_worker")])
+async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded_or_unserved(
+    cluster: Cluster, served: bool, code: str
+) -> None:
+    queue = "model.played-by-the-test"
     url = cluster.env["REDIS_URL"]
     client = redis.Redis.from_url(url)
     client.lpush(queue, *[b"a job waiting for a worker"] * 4)  # JOB_BACKLOG_MAX's default
+    if served:  # a worker says it consumes the queue, and has no room
+        client.set(presence_key(queue), 1, ex=PRESENCE_TTL_SECONDS)
     job = GenerationJob("refused", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
     try:
         with override_settings(REDIS_URL=url):
             batches = [batch async for batch in ChannelJob(job, queue=queue).events()]
     finally:
-        client.delete(queue)
+        client.delete(queue, presence_key(queue))
 
+    # Without a worker, the list holds jobs left by callers that gave up on them: it is no worker, not no room.
     [[refused]] = batches
-    assert isinstance(refused, JobFailed) and refused.code == "overloaded"
+    assert isinstance(refused, JobFailed) and refused.code == code
     assert reply_channels(cluster) == []  # refused before any reply channel was opened
 
 
