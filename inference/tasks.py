@@ -14,7 +14,7 @@ from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError
 
-from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, serve_job
+from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, end_served_jobs, serve_job
 from inference.engine.execution import get_capacity, get_runner, start_sweeping
 from inference.engine.runners.base import GenerationJob
 from inference.models import CatalogEntry
@@ -151,6 +151,22 @@ def _say_which_queues_are_served(**_: Any) -> None:
 def _stop_saying_which_queues_are_served(**_: Any) -> None:
     if _presence is not None:
         _presence.stop()
+
+
+@worker_shutting_down.connect
+def _end_the_jobs_left_after_the_grace_period(**_: Any) -> None:
+    """A worker told to stop (Celery's warm shutdown) takes no new jobs and waits for those it runs; past
+    ``SHUTDOWN_GRACE_SECONDS`` it ends those still running, as ``serve`` does, rather than hold them up to
+    ``STREAM_MAX_SECONDS`` while whoever stopped it waits, or kills it and cuts them with no word to their clients."""
+
+    def end() -> None:
+        if ended := end_served_jobs():
+            logger.warning("ended %d jobs still running after the %ss grace period", ended, grace)
+
+    grace = settings.SHUTDOWN_GRACE_SECONDS
+    timer = threading.Timer(grace, end)
+    timer.daemon = True  # the worker exits once its jobs are done, without waiting for it
+    timer.start()
 
 
 @worker_process_init.connect

@@ -364,8 +364,26 @@ class WorkerPresence:
             self._stopped.wait(PRESENCE_BEAT_SECONDS)
 
 
+# The jobs this worker runs, each with how to end it from another thread (``end_served_jobs``).
+_served: dict[str, Callable[[], object]] = {}
+_served_lock = threading.Lock()
+SHUT_DOWN = "the model worker shut down before the answer was complete"
+
+
+def end_served_jobs() -> int:
+    """Ends every job this worker still runs: its client is told ``server_shutting_down`` (a server error worth
+    retrying) and its runner stops. A worker told to stop calls it once its grace period is over; returns how many
+    jobs there were."""
+    with _served_lock:
+        ends = list(_served.values())
+    for end in ends:
+        end()
+    return len(ends)
+
+
 async def serve_job(job: GenerationJob, reply: str) -> None:
-    """Run ``job`` here and publish its events on ``reply``; stop once nobody listens there any more."""
+    """Run ``job`` here and publish its events on ``reply``; stop once nobody listens there any more, or once
+    ``end_served_jobs`` ends it."""
     layer = get_channel_layer()
     client = async_client()
     cancelled = threading.Event()
@@ -417,8 +435,28 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
         await asyncio.sleep(LISTENER_WAIT_POLL_SECONDS)
     await send([])  # started
     watcher = asyncio.create_task(watch())
+    loop = asyncio.get_running_loop()
+    ended: list[asyncio.Task[None]] = []
+    done = False
+
+    async def shut_down() -> None:
+        await send(encode([JobFailed("server_shutting_down", SHUT_DOWN)]))
+        cancelled.set()
+
+    def shut_down_here() -> None:
+        if not done and not ended:
+            ended.append(loop.create_task(shut_down()))
+
+    with _served_lock:
+        _served[job.job_id] = lambda: loop.call_soon_threadsafe(shut_down_here)
     try:
         async for batch in run_job(job, cancelled):
-            await send(encode(batch))
+            if not ended:  # once ended, the client has its last event; the runner's last ones are for nobody
+                await send(encode(batch))
+        if ended:
+            await ended[0]
     finally:
+        done = True
+        with _served_lock:
+            _served.pop(job.job_id, None)
         watcher.cancel()

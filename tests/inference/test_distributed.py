@@ -263,6 +263,36 @@ def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cl
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
+def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_it_with_server_shutting_down(
+    cluster: Cluster,
+) -> None:
+    cluster.worker.stop()
+    cluster.worker = start_worker({**cluster.env, "SHUTDOWN_GRACE_SECONDS": "3"}, cluster.var_dir / "worker-grace.log")
+    events: list[dict[str, Any]] = []
+    stopped_at = None
+    try:
+        for line in stream_lines(cluster, ENDLESS):
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) == 3 and stopped_at is None:
+                cluster.worker.process.send_signal(signal.SIGTERM)  # as systemd, Kubernetes or Ctrl-C stop it
+                stopped_at = time.monotonic()
+        assert stopped_at is not None
+        ended_at = time.monotonic()
+        assert cluster.worker.process.wait(timeout=15) == 0
+    finally:
+        cluster.restart_worker()
+
+    # The stream went on through the grace period (the job was not cut at once), then ended with an error a client
+    # retries, and the worker exited cleanly instead of holding the job up to STREAM_MAX_SECONDS.
+    assert ended_at - stopped_at >= 3
+    text = [event for event in events if "choices" in event and event["choices"][0]["delta"].get("content")]
+    assert len(text) > 10
+    assert events[-1]["error"]["code"] == "server_shutting_down"
+    assert "ended 1 jobs still running after the 3s grace period" in (cluster.var_dir / "worker-grace.log").read_text()
+    assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
+
+
 def queue_served(cluster: Cluster) -> bool:
     return bool(redis.Redis.from_url(cluster.env["REDIS_URL"]).exists(presence_key(QUEUE)))
 
