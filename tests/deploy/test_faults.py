@@ -133,6 +133,52 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_worker_lost_and_the_oth
             topology.start("smollm2", copy=2 if killed == "smollm2.2" else 1)
 
 
+def test_a_worker_stopped_mid_stream_as_honcho_stops_it_ends_the_stream_cleanly_and_the_other_worker_serves_on(
+    topology: Topology,
+) -> None:
+    key = topology.organization("stopped", "--in-flight", "1")
+    headers = {"Authorization": f"Bearer {key}"}
+    grace = float(topology.values["SHUTDOWN_GRACE_SECONDS"])
+    received = {name: jobs_received(topology, name) for name in ("smollm2", "smollm2.2")}
+    log = {name: topology.running[name].log for name in received}
+    events: list[str] = []
+    stopped = ""
+    stopping = threading.Thread()
+    stopped_at = 0.0
+    url = topology.api_url(1) + "/v1/infer/chat/completions"
+    try:
+        with httpx.stream("POST", url, json=LONG_STORY, headers=headers, timeout=60) as response:
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3 and not stopped:
+                    stopped = next(n for n, count in received.items() if jobs_received(topology, n) > count)
+                    stopping = threading.Thread(target=topology.stop, args=(stopped,))  # honcho passes SIGTERM on
+                    stopping.start()
+                    stopped_at = time.monotonic()
+        ended_after = time.monotonic() - stopped_at
+        stopping.join(timeout=30)
+
+        # Streamed through the grace period, then ended with an error its client retries, before honcho's kill.
+        assert json.loads(events[-1])["error"]["code"] == "server_shutting_down"
+        assert grace <= ended_after < 5
+        output = log[stopped].read_text()
+        assert f"ended 1 jobs still running after the {grace:g}s grace period" in output
+        assert "stopped (rc=0)" in output, output[-2000:]
+        assert wait_until(lambda: usage_of(topology, request_id) == [(200, "server_shutting_down")], 10)
+        assert wait_until(lambda: in_flight(topology) == 0, 5)
+        survivor = "smollm2.2" if stopped == "smollm2" else "smollm2"
+        before = jobs_received(topology, survivor)
+        answer = httpx.post(url, json={**LONG_STORY, "max_tokens": 4, "stream": False}, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert jobs_received(topology, survivor) == before + 1
+    finally:
+        if stopped:
+            stopping.join(timeout=30)
+            topology.start("smollm2", copy=2 if stopped == "smollm2.2" else 1)
+
+
 def test_redis_stopped_mid_traffic_is_a_503_with_retry_after_until_it_is_back(topology: Topology) -> None:
     # With limits, admission asks Redis on every request, as the key check does.
     key = topology.organization("redis-outage", "--rpm", "1000000", "--in-flight", "1000")

@@ -157,6 +157,7 @@ class Topology:
             "GATEWAY_API_KEY": "",
             "JOB_START_TIMEOUT_SECONDS": "60",
             "WORKER_SILENCE_TIMEOUT_SECONDS": "3",
+            "SHUTDOWN_GRACE_SECONDS": "4",  # deploy/env.example's: below honcho's 5 s
             "SMOLLM2_CONCURRENCY": "20",
             # Up to two model workers share the host's cores, as deploy/env.example tells operators to.
             "CPU_RUNNER_THREADS": str(max(1, (os.cpu_count() or 2) // 2)),
