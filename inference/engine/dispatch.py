@@ -365,8 +365,8 @@ class WorkerPresence:
 
 
 # The jobs this worker runs, each with how to end it from another thread (``end_served_jobs``).
-_served: dict[str, Callable[[], object]] = {}
-_served_lock = threading.Lock()
+_running: dict[str, Callable[[], object]] = {}
+_running_lock = threading.Lock()
 SHUT_DOWN = "the model worker shut down before the answer was complete"
 
 
@@ -374,10 +374,13 @@ def end_served_jobs() -> int:
     """Ends every job this worker still runs: its client is told ``server_shutting_down`` (a server error worth
     retrying) and its runner stops. A worker told to stop calls it once its grace period is over; returns how many
     jobs there were."""
-    with _served_lock:
-        ends = list(_served.values())
+    with _running_lock:
+        ends = list(_running.values())
     for end in ends:
-        end()
+        try:
+            end()
+        except RuntimeError:  # its thread's event loop is closed: the job is over
+            pass
     return len(ends)
 
 
@@ -447,8 +450,8 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
         if not done and not ended:
             ended.append(loop.create_task(shut_down()))
 
-    with _served_lock:
-        _served[job.job_id] = lambda: loop.call_soon_threadsafe(shut_down_here)
+    with _running_lock:
+        _running[job.job_id] = lambda: loop.call_soon_threadsafe(shut_down_here)
     try:
         async for batch in run_job(job, cancelled):
             if not ended:  # once ended, the client has its last event; the runner's last ones are for nobody
@@ -457,6 +460,6 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
             await ended[0]
     finally:
         done = True
-        with _served_lock:
-            _served.pop(job.job_id, None)
+        with _running_lock:
+            _running.pop(job.job_id, None)
         watcher.cancel()
