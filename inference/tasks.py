@@ -154,7 +154,7 @@ def _stop_saying_which_queues_are_served(**_: Any) -> None:
 
 
 @worker_shutting_down.connect
-def _end_the_jobs_left_after_the_grace_period(**_: Any) -> None:
+def _end_the_jobs_left_after_the_grace_period(how: str = "", **_: Any) -> None:
     """A worker told to stop (Celery's warm shutdown) takes no new jobs and waits for those it runs; past
     ``SHUTDOWN_GRACE_SECONDS`` it ends those still running, as ``serve`` does, rather than hold them up to
     ``STREAM_MAX_SECONDS`` while whoever stopped it waits, or kills it and cuts them with no word to their clients."""
@@ -163,7 +163,8 @@ def _end_the_jobs_left_after_the_grace_period(**_: Any) -> None:
         if ended := end_served_jobs():
             logger.warning("ended %d jobs still running after the %ss grace period", ended, grace)
 
-    grace = settings.SHUTDOWN_GRACE_SECONDS
+    # A cold stop (SIGQUIT, a second Ctrl-C) ends them at once: Celery's threads pool cannot stop a running job.
+    grace = 0 if how == "Cold" else settings.SHUTDOWN_GRACE_SECONDS
     timer = threading.Timer(grace, end)
     timer.daemon = True  # the worker exits once its jobs are done, without waiting for it
     timer.start()

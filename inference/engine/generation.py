@@ -114,6 +114,9 @@ class Generation:
         runner could take it at all."""
         if self._job is not None:
             return
+        if (refusing := _refusing) is not None:
+            self.finished = True
+            raise NotStarted(refusing.code, refusing.message, retry_after=settings.OUTAGE_RETRY_AFTER_SECONDS)
         self._job = job = start_job(self.job, queue=self.entry.queue)
         self._events = aiter(job.events())
         _starting[id(self)] = self
@@ -259,6 +262,17 @@ SHUTTING_DOWN = Failed("server_shutting_down", "the server shut down before the 
 def running() -> list[Generation]:
     """The generations running in this process."""
     return list(_running.values())
+
+
+_refusing: Failed | None = None
+
+
+def refuse_new(failure: Failed | None = SHUTTING_DOWN) -> None:
+    """From now on a generation is refused with ``failure`` before it starts (503, before any response begins); with
+    ``None``, accepted again. A server past its grace period refuses the requests its clients still send on
+    connections they kept open: nothing waits for them any more, and they would be cut without a word."""
+    global _refusing
+    _refusing = failure
 
 
 def interrupt_all(failure: Failed = SHUTTING_DOWN) -> int:

@@ -109,6 +109,7 @@ class _DrainingServer(daphne_server.Server):
                 return
             if waited >= grace and not interrupted:
                 interrupted = True
+                generation.refuse_new()
                 logger.warning("shutting down: %d generations ended unfinished", generation.interrupt_all())
             clock.callLater(0.05, check)
 

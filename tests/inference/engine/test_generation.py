@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from inference.engine import generation
 from inference.engine.decoding import (
     DecodePlan,
     FunctionTool,
@@ -13,8 +16,11 @@ from inference.engine.decoding import (
     ToolCallPiece,
     plan_decoding,
 )
-from inference.engine.generation import Logprobs, _read
+from inference.engine.exceptions import NotStarted
+from inference.engine.generation import GenerationRequest, Logprobs, _read
 from inference.engine.runners.base import TextChunk, TokenLogprob
+from inference.models import CatalogEntry
+from tests.conftest import DEFAULT_MODEL
 
 # A reasoning model's tokens as Qwen's and DeepSeek's write them: the tags tokens of their own, between line breaks.
 TOKENS = ["<think>", "\n", "The user wants a river.", "\n", "</think>", "\n\n", "The", " Willamette."]
@@ -74,3 +80,20 @@ def test_a_call_the_request_allows_is_read_back_beside_the_answer() -> None:
     pieces = [piece for token in CALLS for piece in decoder.feed(token)] + decoder.finish()
 
     assert [piece.name for piece in pieces if isinstance(piece, ToolCallPiece)] == ["get_weather"]
+
+
+async def test_once_the_server_refuses_new_generations_one_is_refused_before_it_starts_until_accepted_again() -> None:
+    entry = CatalogEntry(**DEFAULT_MODEL)
+    request = GenerationRequest(messages=[{"role": "user", "content": "Hello"}], max_output_tokens=2)
+    generation.refuse_new()
+    try:
+        refused = await generation.prepare(entry=entry, request=request)
+        with pytest.raises(NotStarted) as error:
+            await refused.start()
+        assert (error.value.code, error.value.retry_after) == ("server_shutting_down", 2)
+    finally:
+        generation.refuse_new(None)
+
+    accepted = await generation.prepare(entry=entry, request=request)
+    await accepted.start()
+    assert accepted.accepted
