@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 from collections.abc import Collection
 from typing import Any
@@ -140,6 +141,25 @@ _presence: WorkerPresence | None = None
 
 
 @worker_ready.connect
+def _end_the_jobs_first_on_a_cold_stop(**_: Any) -> None:
+    """A cold stop (SIGQUIT) ends the worker's jobs at once. Celery's own handler cannot: its threads pool does not
+    stop a running job (it logs ``does not implement kill_job`` and waits for them to end on their own)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    celerys = signal.getsignal(signal.SIGQUIT)
+
+    def end() -> None:
+        logger.warning("cold stop: ended %d jobs", end_served_jobs())
+
+    def cold_stop(signum: int, frame: Any) -> None:
+        threading.Thread(target=end, name="cold-stop").start()  # not in a signal handler, which may hold a lock
+        if callable(celerys):
+            celerys(signum, frame)
+
+    signal.signal(signal.SIGQUIT, cold_stop)
+
+
+@worker_ready.connect
 def _say_which_queues_are_served(**_: Any) -> None:
     """Once the worker consumes its queues (its models loaded), jobs sent to them are told a worker is there."""
     global _presence
@@ -154,7 +174,7 @@ def _stop_saying_which_queues_are_served(**_: Any) -> None:
 
 
 @worker_shutting_down.connect
-def _end_the_jobs_left_after_the_grace_period(how: str = "", **_: Any) -> None:
+def _end_the_jobs_left_after_the_grace_period(**_: Any) -> None:
     """A worker told to stop (Celery's warm shutdown) takes no new jobs and waits for those it runs; past
     ``SHUTDOWN_GRACE_SECONDS`` it ends those still running, as ``serve`` does, rather than hold them up to
     ``STREAM_MAX_SECONDS`` while whoever stopped it waits, or kills it and cuts them with no word to their clients."""
@@ -163,8 +183,7 @@ def _end_the_jobs_left_after_the_grace_period(how: str = "", **_: Any) -> None:
         if ended := end_served_jobs():
             logger.warning("ended %d jobs still running after the %ss grace period", ended, grace)
 
-    # A cold stop (SIGQUIT, a second Ctrl-C) ends them at once: Celery's threads pool cannot stop a running job.
-    grace = 0 if how == "Cold" else settings.SHUTDOWN_GRACE_SECONDS
+    grace = settings.SHUTDOWN_GRACE_SECONDS
     timer = threading.Timer(grace, end)
     timer.daemon = True  # the worker exits once its jobs are done, without waiting for it
     timer.start()

@@ -293,6 +293,26 @@ def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_i
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
+def test_a_worker_stopped_cold_ends_its_job_at_once_with_server_shutting_down(cluster: Cluster) -> None:
+    events: list[dict[str, Any]] = []
+    stopped_at = None
+    try:
+        for line in stream_lines(cluster, ENDLESS):
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) == 3 and stopped_at is None:
+                cluster.worker.process.send_signal(signal.SIGQUIT)
+                stopped_at = time.monotonic()
+        assert stopped_at is not None
+        ended_after = time.monotonic() - stopped_at
+        cluster.worker.process.wait(timeout=15)
+    finally:
+        cluster.restart_worker()
+
+    assert events[-1]["error"]["code"] == "server_shutting_down"
+    assert ended_after < 3  # SHUTDOWN_GRACE_SECONDS (25) is a warm stop's, not a cold one's
+
+
 def queue_served(cluster: Cluster) -> bool:
     return bool(redis.Redis.from_url(cluster.env["REDIS_URL"]).exists(presence_key(QUEUE)))
 
