@@ -174,13 +174,24 @@ class ChannelJob:
         """A new reply channel, subscribed. The subscribe runs as a task of its own (channels_redis's would swallow a
         cancellation, or leave a channel subscribed under a name nobody knows): a caller cancelled while it runs (the
         client hung up) leaves it to finish, and the channel is closed once it is known."""
-        opening = _in_background(_on_a_live_connection(lambda: self._layer.new_channel(prefix="job.")))
+        opening = _in_background(_on_a_live_connection(self._subscribed_channel))
         try:
             self._reply = reply = await asyncio.shield(opening)
         except asyncio.CancelledError:
             opening.add_done_callback(self._close_opened)
             raise
         return reply
+
+    async def _subscribed_channel(self) -> str:
+        try:
+            channel: str = await self._layer.new_channel(prefix="job.")
+        except (RuntimeError, AttributeError) as exc:
+            # channels_redis reads its pub/sub connection from a task of its own, without the lock its subscribe
+            # holds: when both reconnect it at once after a Redis restart, redis-py fails with these ("read() called
+            # while another coroutine is already waiting", a writer already gone). The connection was lost all the
+            # same, and is told as such: tried again, else a 503.
+            raise redis.exceptions.ConnectionError(f"the reply channel's connection broke: {exc}") from exc
+        return channel
 
     def _close_opened(self, opening: asyncio.Future[str]) -> None:
         if not opening.cancelled() and opening.exception() is None:

@@ -450,6 +450,42 @@ async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded
     assert reply_channels(cluster) == []  # refused before any reply channel was opened
 
 
+@pytest.mark.parametrize("breaks", [1, 2])
+async def test_a_subscribe_broken_by_a_reconnect_race_is_tried_again_then_a_503_never_a_500(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, breaks: int
+) -> None:
+    """After a Redis restart, channels_redis's receive task and a subscribe both reconnect its one pub/sub connection,
+    and redis-py fails with errors that are not its ConnectionError."""
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    job = GenerationJob(
+        "raced", MODEL_ID, "llama_cpp", DEFAULT_MODEL["runner_settings"], "Hello", 1, Sampling(max_tokens=2)
+    )
+    with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}):
+        channel_job = ChannelJob(job, queue=QUEUE)
+        new_channel = channel_job._layer.new_channel
+        failures = [
+            RuntimeError("read() called while another coroutine is already waiting for incoming data"),
+            AttributeError("'NoneType' object has no attribute 'writelines'"),
+        ][:breaks]
+
+        async def racing(*args: Any, **kwargs: Any) -> str:
+            if failures:
+                raise failures.pop(0)
+            return str(await new_channel(*args, **kwargs))
+
+        monkeypatch.setattr(channel_job._layer, "new_channel", racing)
+        if breaks == 1:  # tried again on the reconnected connection: subscribed
+            await channel_job._open_reply()
+            assert await asyncio.to_thread(reply_channels, cluster) != []
+            await channel_job._close()
+            return
+        batches = [batch async for batch in channel_job.events()]
+
+    [[failed]] = batches
+    assert isinstance(failed, JobFailed) and failed.code == "service_unavailable"
+
+
 @pytest.mark.parametrize("connection", ["warm", "cold"])
 @pytest.mark.parametrize("steps", range(10))
 async def test_a_job_cancelled_as_its_reply_channel_is_opened_leaves_no_channel_and_is_queued_only_once_open(
