@@ -263,11 +263,9 @@ def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cl
     assert post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200
 
 
-def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_it_with_server_shutting_down(
-    cluster: Cluster,
-) -> None:
-    cluster.worker.stop()
-    cluster.worker = start_worker({**cluster.env, "SHUTDOWN_GRACE_SECONDS": "3"}, cluster.var_dir / "worker-grace.log")
+def stream_while_the_worker_stops(cluster: Cluster, sig: signal.Signals) -> tuple[list[dict[str, Any]], float, int]:
+    """Streams a long answer, sends the worker ``sig`` after its third event: the stream's events, how long it went
+    on after the signal, and the worker's exit status. The worker is started again after."""
     events: list[dict[str, Any]] = []
     stopped_at = None
     try:
@@ -275,17 +273,27 @@ def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_i
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
             if len(events) == 3 and stopped_at is None:
-                cluster.worker.process.send_signal(signal.SIGTERM)  # as systemd, Kubernetes or Ctrl-C stop it
+                cluster.worker.process.send_signal(sig)
                 stopped_at = time.monotonic()
         assert stopped_at is not None
-        ended_at = time.monotonic()
-        assert cluster.worker.process.wait(timeout=15) == 0
+        ended_after = time.monotonic() - stopped_at
+        status = cluster.worker.process.wait(timeout=15)
     finally:
         cluster.restart_worker()
+    return events, ended_after, status
+
+
+def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_it_with_server_shutting_down(
+    cluster: Cluster,
+) -> None:
+    cluster.worker.stop()
+    cluster.worker = start_worker({**cluster.env, "SHUTDOWN_GRACE_SECONDS": "3"}, cluster.var_dir / "worker-grace.log")
+
+    events, ended_after, status = stream_while_the_worker_stops(cluster, signal.SIGTERM)  # as systemd or Ctrl-C do
 
     # The stream went on through the grace period (the job was not cut at once), then ended with an error a client
     # retries, and the worker exited cleanly instead of holding the job up to STREAM_MAX_SECONDS.
-    assert ended_at - stopped_at >= 3
+    assert ended_after >= 3 and status == 0
     text = [event for event in events if "choices" in event and event["choices"][0]["delta"].get("content")]
     assert len(text) > 10
     assert events[-1]["error"]["code"] == "server_shutting_down"
@@ -294,20 +302,7 @@ def test_a_worker_told_to_stop_lets_its_job_run_for_the_grace_period_then_ends_i
 
 
 def test_a_worker_stopped_cold_ends_its_job_at_once_with_server_shutting_down(cluster: Cluster) -> None:
-    events: list[dict[str, Any]] = []
-    stopped_at = None
-    try:
-        for line in stream_lines(cluster, ENDLESS):
-            if line.startswith("data: {"):
-                events.append(json.loads(line[6:]))
-            if len(events) == 3 and stopped_at is None:
-                cluster.worker.process.send_signal(signal.SIGQUIT)
-                stopped_at = time.monotonic()
-        assert stopped_at is not None
-        ended_after = time.monotonic() - stopped_at
-        cluster.worker.process.wait(timeout=15)
-    finally:
-        cluster.restart_worker()
+    events, ended_after, _ = stream_while_the_worker_stops(cluster, signal.SIGQUIT)
 
     assert events[-1]["error"]["code"] == "server_shutting_down"
     assert ended_after < 3  # SHUTDOWN_GRACE_SECONDS (25) is a warm stop's, not a cold one's
