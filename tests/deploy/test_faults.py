@@ -27,6 +27,15 @@ LONG_STORY = {
     "stream": True,
 }
 
+# A stream held to a long array: the model cannot end it on its own within a grace period.
+HELD_OPEN = {
+    **LONG_STORY,
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "numbers", "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}},
+    },
+}
+
 pytestmark = pytest.mark.distributed
 
 
@@ -147,7 +156,7 @@ def test_a_worker_stopped_mid_stream_as_honcho_stops_it_ends_the_stream_cleanly_
     stopped_at = 0.0
     url = topology.api_url(1) + "/v1/infer/chat/completions"
     try:
-        with httpx.stream("POST", url, json=LONG_STORY, headers=headers, timeout=60) as response:
+        with httpx.stream("POST", url, json=HELD_OPEN, headers=headers, timeout=60) as response:
             request_id = response.headers["x-request-id"]
             for line in response.iter_lines():
                 if line.startswith("data: "):
