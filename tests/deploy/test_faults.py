@@ -11,6 +11,9 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -103,89 +106,108 @@ def assert_outage_was_handled(phases: Phases, pids_before: dict[str, int], topol
     assert phases.after and all(o.status == 200 and not o.error_code for o in phases.after), summary(phases.after)
 
 
+WORKERS = ("smollm2", "smollm2.2")
+
+
+@dataclass
+class WorkerFault:
+    """A stream whose worker was made to fail after its third event: which worker, the stream's events, how long it
+    went on after, and the organization's key (it may hold one request in flight)."""
+
+    worker: str = ""
+    request_id: str = ""
+    events: list[str] = field(default_factory=list)
+    ended_after: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def last_error(self) -> str:
+        return str(json.loads(self.events[-1])["error"]["code"])
+
+
+def stream_while_its_worker_fails(
+    topology: Topology, slug: str, body: dict[str, Any], fail: Callable[[str], None], fault: WorkerFault
+) -> None:
+    """Streams ``body`` through API process 1 and calls ``fail`` with the name of the worker serving it after the
+    stream's third event; fills in ``fault`` as it goes, so that a test's cleanup knows the worker even on failure."""
+    fault.headers = {"Authorization": f"Bearer {topology.organization(slug, '--in-flight', '1')}"}
+    received = {name: jobs_received(topology, name) for name in WORKERS}
+    url = topology.api_url(1) + "/v1/infer/chat/completions"
+    failed_at = 0.0
+    with httpx.stream("POST", url, json=body, headers=fault.headers, timeout=60) as response:
+        fault.request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                fault.events.append(line[6:])
+            if len(fault.events) == 3 and not fault.worker:
+                fault.worker = next(n for n, count in received.items() if jobs_received(topology, n) > count)
+                fail(fault.worker)
+                failed_at = time.monotonic()
+    fault.ended_after = time.monotonic() - failed_at
+
+
+def assert_the_other_worker_serves_on(topology: Topology, fault: WorkerFault) -> None:
+    # The organization may hold one request in flight: the failed one's slot is free again.
+    assert wait_until(lambda: in_flight(topology) == 0, 5)
+    survivor = WORKERS[1] if fault.worker == WORKERS[0] else WORKERS[0]
+    before = jobs_received(topology, survivor)
+    url = topology.api_url(1) + "/v1/infer/chat/completions"
+    answer = httpx.post(url, json={**LONG_STORY, "max_tokens": 4, "stream": False}, headers=fault.headers, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert jobs_received(topology, survivor) == before + 1
+
+
 def test_a_worker_killed_mid_stream_ends_the_stream_with_worker_lost_and_the_other_worker_serves_on(
     topology: Topology,
 ) -> None:
-    key = topology.organization("killed", "--in-flight", "1")
-    headers = {"Authorization": f"Bearer {key}"}
     silence = float(topology.values["WORKER_SILENCE_TIMEOUT_SECONDS"])
-    received = {name: jobs_received(topology, name) for name in ("smollm2", "smollm2.2")}
-    events: list[str] = []
-    killed = ""
-    killed_at = 0.0
-    url = topology.api_url(1) + "/v1/infer/chat/completions"
-    try:
-        with httpx.stream("POST", url, json=LONG_STORY, headers=headers, timeout=60) as response:
-            request_id = response.headers["x-request-id"]
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3 and not killed:
-                    killed = next(n for n, count in received.items() if jobs_received(topology, n) > count)
-                    os.kill(topology.running[killed].pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-        ended_after = time.monotonic() - killed_at
+    fault = WorkerFault()
 
-        assert json.loads(events[-1])["error"]["code"] == "worker_lost"
-        assert ended_after <= silence + 1.0
-        assert wait_until(lambda: usage_of(topology, request_id) == [(200, "worker_lost")], 10)
-        assert wait_until(lambda: in_flight(topology) == 0, 5)
-        # The organization may hold one request in flight: the lost one's slot is free again.
-        survivor = "smollm2.2" if killed == "smollm2" else "smollm2"
-        before = jobs_received(topology, survivor)
-        answer = httpx.post(url, json={**LONG_STORY, "max_tokens": 4, "stream": False}, headers=headers, timeout=60)
-        assert answer.status_code == 200, answer.text
-        assert jobs_received(topology, survivor) == before + 1
+    def kill(name: str) -> None:
+        os.kill(topology.running[name].pid, signal.SIGKILL)
+
+    try:
+        stream_while_its_worker_fails(topology, "killed", LONG_STORY, kill, fault)
+
+        assert fault.last_error == "worker_lost"
+        assert fault.ended_after <= silence + 1.0
+        assert wait_until(lambda: usage_of(topology, fault.request_id) == [(200, "worker_lost")], 10)
+        assert_the_other_worker_serves_on(topology, fault)
     finally:
-        if killed:
-            topology.stop(killed)
-            topology.start("smollm2", copy=2 if killed == "smollm2.2" else 1)
+        if fault.worker:
+            topology.stop(fault.worker)
+            topology.start("smollm2", copy=2 if fault.worker == WORKERS[1] else 1)
 
 
 def test_a_worker_stopped_mid_stream_as_honcho_stops_it_ends_the_stream_cleanly_and_the_other_worker_serves_on(
     topology: Topology,
 ) -> None:
-    key = topology.organization("stopped", "--in-flight", "1")
-    headers = {"Authorization": f"Bearer {key}"}
     grace = float(topology.values["SHUTDOWN_GRACE_SECONDS"])
-    received = {name: jobs_received(topology, name) for name in ("smollm2", "smollm2.2")}
-    log = {name: topology.running[name].log for name in received}
-    events: list[str] = []
-    stopped = ""
+    log = {name: topology.running[name].log for name in WORKERS}
     stopping = threading.Thread()
-    stopped_at = 0.0
-    url = topology.api_url(1) + "/v1/infer/chat/completions"
+    fault = WorkerFault()
+
+    def stop(name: str) -> None:
+        nonlocal stopping
+        stopping = threading.Thread(target=topology.stop, args=(name,))  # honcho passes SIGTERM on
+        stopping.start()
+
     try:
-        with httpx.stream("POST", url, json=HELD_OPEN, headers=headers, timeout=60) as response:
-            request_id = response.headers["x-request-id"]
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if len(events) == 3 and not stopped:
-                    stopped = next(n for n, count in received.items() if jobs_received(topology, n) > count)
-                    stopping = threading.Thread(target=topology.stop, args=(stopped,))  # honcho passes SIGTERM on
-                    stopping.start()
-                    stopped_at = time.monotonic()
-        ended_after = time.monotonic() - stopped_at
+        stream_while_its_worker_fails(topology, "stopped", HELD_OPEN, stop, fault)
         stopping.join(timeout=30)
 
         # Streamed through the grace period, then ended with an error its client retries, before honcho's kill.
-        assert json.loads(events[-1])["error"]["code"] == "server_shutting_down"
-        assert grace <= ended_after < 5
-        output = log[stopped].read_text()
+        assert fault.last_error == "server_shutting_down"
+        assert grace <= fault.ended_after < 5
+        output = log[fault.worker].read_text()
         assert f"ended 1 jobs still running after the {grace:g}s grace period" in output
         assert "stopped (rc=0)" in output, output[-2000:]
-        assert wait_until(lambda: usage_of(topology, request_id) == [(200, "server_shutting_down")], 10)
-        assert wait_until(lambda: in_flight(topology) == 0, 5)
-        survivor = "smollm2.2" if stopped == "smollm2" else "smollm2"
-        before = jobs_received(topology, survivor)
-        answer = httpx.post(url, json={**LONG_STORY, "max_tokens": 4, "stream": False}, headers=headers, timeout=60)
-        assert answer.status_code == 200, answer.text
-        assert jobs_received(topology, survivor) == before + 1
+        assert wait_until(lambda: usage_of(topology, fault.request_id) == [(200, "server_shutting_down")], 10)
+        assert_the_other_worker_serves_on(topology, fault)
     finally:
-        if stopped:
+        if fault.worker:
             stopping.join(timeout=30)
-            topology.start("smollm2", copy=2 if stopped == "smollm2.2" else 1)
+            topology.start("smollm2", copy=2 if fault.worker == WORKERS[1] else 1)
 
 
 def test_redis_stopped_mid_traffic_is_a_503_with_retry_after_until_it_is_back(topology: Topology) -> None:
