@@ -1938,6 +1938,7 @@ class LlamaCppRunner:
                     if self._closed:
                         return
                     self._drop_gone_waiting()
+                    self._release_gone_active()
                     self._admit()
                 if self._active:
                     self._step()
@@ -1952,6 +1953,13 @@ class LlamaCppRunner:
                 self._waiting.remove(sequence)
                 sequence.finish("cancelled")
                 sequence.close()
+
+    def _release_gone_active(self) -> None:
+        """Frees the slots of the running jobs whose clients left (with the lock held), before the waiting jobs
+        are given slots: the next turn of a conversation that comes as its client ends the last one (an answer
+        ended at its one tool call) finds that slot's cache."""
+        for sequence in [s for s in self._active if s.gone]:
+            self._release(sequence, "cancelled")
 
     def _admit(self) -> None:
         """Free slots go to waiting jobs in arrival order. A job takes the free slot that has cached the most
@@ -1993,10 +2001,8 @@ class LlamaCppRunner:
         # all. The prompt with the least left to read goes first (in arrival order among equals): a short prompt that
         # comes while a long one is read gets its first token after a step or two, not after the whole long prompt.
         planned: dict[_Sequence, list[int]] = {}
-        for sequence in list(self._active):
-            if sequence.gone:
-                self._release(sequence, "cancelled")
-            elif sequence.next_token is not None:
+        for sequence in self._active:
+            if sequence.next_token is not None:
                 planned[sequence] = [sequence.next_token]
                 sequence.next_token = None
         room = min(self.settings.prefill_chunk, self._batch_size - len(planned))

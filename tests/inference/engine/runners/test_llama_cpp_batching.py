@@ -262,6 +262,23 @@ def test_a_repeated_prompt_reuses_its_cache_and_answers_the_same(
     assert turn.finished is not None and turn.finished.cached_tokens >= first.finished.prompt_tokens
 
 
+def test_a_prompt_sent_as_its_last_run_is_cancelled_takes_that_runs_slot_and_its_cache(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str]
+) -> None:
+    # As an answer ended at its one tool call: the client cancels it and at once sends the next request.
+    prompt = render("List five things to pack for a hike on Mount Hood.")
+    cancelled = threading.Event()
+    last = runner.stream(job(prompt, max_tokens=400, temperature=0.8, seed=3), cancelled.is_set)
+    assert isinstance(next(last), TextChunk)
+    cancelled.set()
+
+    again = run(runner, job(prompt, max_tokens=4))
+
+    assert again.finished is not None
+    assert again.finished.cached_tokens == again.finished.prompt_tokens - 1
+    assert [type(event) for event in last][-1] is Finished
+
+
 def test_a_greedy_answer_has_the_same_numbers_however_much_of_its_prompt_was_cached_and_by_what() -> None:
     """Read cold; again, all but its last token cached; from a prefix cached by a longer prompt (read in a long
     chunk) and by a shorter one."""
