@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -73,6 +74,10 @@ def presence_key(queue: str) -> str:
 
 class _Unserved(Exception):
     """No worker has said for ``PRESENCE_TTL_SECONDS`` that it consumes the job's queue."""
+
+
+class _Busy(TimeoutError):
+    """The job's start timed out while workers consumed its queue: they had no room for it in time."""
 
 
 T = TypeVar("T")
@@ -223,6 +228,9 @@ class ChannelJob:
                 logger.warning("job %s lost its reply channel: %s: %s", self._job.job_id, type(exc).__name__, exc)
                 yield [JobFailed("service_unavailable", "the model's events could not be read")]
                 return
+            except _Busy:
+                yield [JobFailed("overloaded", f"the workers on queue {self._queue} had no room for the job in time")]
+                return
             except TimeoutError:
                 if expected:
                     yield [JobFailed("worker_lost", "the model worker stopped responding mid-generation")]
@@ -248,21 +256,23 @@ class ChannelJob:
         """The next message on ``reply`` within ``timeout`` seconds, else ``TimeoutError``; None once the channel is
         closed. While waiting, Redis is asked every ``OUTAGE_CHECK_SECONDS`` whether it is still there, so a job does
         not hold its client for the whole timeout once Redis is gone (the pub/sub layer reconnects quietly); and, for
-        the ``first`` message, whether a worker consumes the queue (``_Unserved`` once none has for a while)."""
+        the ``first`` message, whether a worker consumes the queue (``_Unserved`` once none has for a while; ``_Busy``
+        when the time is up while one does)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        served = loop.time()
+        served = loop.time()  # when a worker was last known to consume the queue, or the wait began
+        present = -math.inf  # when one was last seen to
         self._receive = receive = asyncio.ensure_future(self._layer.receive(reply))
         while not receive.done():
             await asyncio.wait({receive}, timeout=max(0.0, min(OUTAGE_CHECK_SECONDS, deadline - loop.time())))
             if receive.done():
                 break
             if loop.time() >= deadline:
-                raise TimeoutError
+                raise _Busy if first and loop.time() - present < PRESENCE_TTL_SECONDS else TimeoutError
             if not first:
                 await async_client().ping()
             elif await async_client().exists(presence_key(self._queue)):
-                served = loop.time()
+                served = present = loop.time()
             elif loop.time() - served >= PRESENCE_TTL_SECONDS:
                 raise _Unserved
         self._receive = None

@@ -445,6 +445,30 @@ async def test_a_queue_whose_backlog_is_full_refuses_a_job_at_once_as_overloaded
     assert reply_channels(cluster) == []  # refused before any reply channel was opened
 
 
+@pytest.mark.parametrize(("served", "code"), [(True, "overloaded"), (False, "no_worker")])
+async def test_a_job_no_worker_starts_in_time_is_overloaded_when_its_queue_is_served_else_unserved(
+    cluster: Cluster, served: bool, code: str
+) -> None:
+    """A worker run with fewer threads than its model holds takes jobs it cannot start yet: its queue is served,
+    and it had no room."""
+    queue = "model.no-room-in-time"
+    url = cluster.env["REDIS_URL"]
+    layer = {"BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer", "CONFIG": {"hosts": [url]}}
+    client = redis.Redis.from_url(url)
+    if served:
+        client.set(presence_key(queue), 1, ex=60)
+    job = GenerationJob("no-room", MODEL_ID, "llama_cpp", {}, "Hello", 1, Sampling(max_tokens=4))
+    try:
+        # Shorter than the presence key's lapse: the start timeout ends the wait either way.
+        with override_settings(REDIS_URL=url, CHANNEL_LAYERS={"default": layer}, JOB_START_TIMEOUT_SECONDS=2.5):
+            batches = [batch async for batch in ChannelJob(job, queue=queue).events()]
+    finally:
+        client.delete(queue, presence_key(queue))
+
+    [[refused]] = batches
+    assert isinstance(refused, JobFailed) and refused.code == code
+
+
 @pytest.mark.parametrize("breaks", [1, 2])
 async def test_a_subscribe_broken_by_a_reconnect_race_is_tried_again_then_a_503_never_a_500(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch, breaks: int
