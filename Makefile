@@ -33,9 +33,13 @@ $(VENV)/.installed-test: pyproject.toml scripts/build-cpu-runner | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(VENV)/.installed $@
 
+# The runner's engine is looked at every time too: a checkout whose machine changed (a CPU without AVX2) gets the
+# wheel built for the CPU under it. The script returns at once when the installed wheel is already that one.
 install: $(VENV)/.installed
+	@scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION)
 
 install-test: $(VENV)/.installed-test
+	@scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION)
 
 # Compiles the CPU runner's engine again, whatever is cached (after a compiler or CPU change).
 rebuild-runner: | $(PY)

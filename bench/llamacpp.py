@@ -18,17 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "var" / "bench"
 
-# The CPU runner's flags (scripts/build-cpu-runner), and a build for the compiling CPU otherwise alike.
-PORTABLE = (
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_BMI2=ON",
-    "-DGGML_LLAMAFILE=OFF",
-)
-NATIVE = ("-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=OFF")  # only the instruction sets differ
+# A build for the compiling CPU, otherwise alike the runner's: only the instruction sets differ.
+NATIVE = ("-DGGML_NATIVE=ON", "-DGGML_LLAMAFILE=OFF")
+
+
+def runner_flags() -> tuple[str, ...]:
+    """The CPU runner's flags on this CPU, as scripts/build-cpu-runner chooses them."""
+    script = ROOT / "scripts" / "build-cpu-runner"
+    return tuple(subprocess.run([str(script), "--flags"], check=True, capture_output=True, text=True).stdout.split())
 
 
 def pinned_version() -> str:

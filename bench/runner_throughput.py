@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.gateway_overhead import free_port, manage, wait_http  # noqa: E402
-from bench.llamacpp import PORTABLE, build  # noqa: E402
+from bench.llamacpp import build, runner_flags  # noqa: E402
 from inference.engine.runners import llama_cpp  # noqa: E402
 from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk  # noqa: E402
 
@@ -430,7 +430,7 @@ def main() -> None:
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}; choose from {', '.join(SERVERS)}")
     threads = args.threads
     os.environ[llama_cpp.THREADS_VARIABLE] = str(threads)  # the runner here and the platform's processes
-    binaries = build(PORTABLE, ("llama-server", "llama-batched-bench"))
+    binaries = build(runner_flags(), ("llama-server", "llama-batched-bench"))
     vocabulary = llama_cpp.Vocabulary(llama_cpp._load_model(llama_cpp.model_path(SETTINGS), vocab_only=True))
     work = Path(tempfile.mkdtemp(prefix="runner-bench-"))
     servers: list[Server] = []
