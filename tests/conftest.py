@@ -185,6 +185,9 @@ def sse_data(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
+DATABASE_FIXTURES = frozenset({"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"})
+
+
 @pytest.fixture(autouse=True)
 def _fresh_limits_and_usage(request: pytest.FixtureRequest) -> Iterator[None]:
     catalog.clear_cache()
@@ -192,8 +195,10 @@ def _fresh_limits_and_usage(request: pytest.FixtureRequest) -> Iterator[None]:
     clear_limits_cache()
     memory_store.reset()
     yield
-    if request.node.get_closest_marker("django_db") is not None:  # without a database, nothing could be written
-        usage.flush()  # records of this test land before its database is flushed
+    # Without a database, nothing could be written. The records and keys' last uses of this test land before its
+    # database is flushed, and none is left for a writer thread to try once the session's database is gone.
+    if request.node.get_closest_marker("django_db") is not None or DATABASE_FIXTURES & set(request.fixturenames):
+        usage.flush()
         lastused.flush()
 
 
