@@ -189,6 +189,7 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
         started = time.perf_counter()
         context = request.api_context = RequestContext(request_id=request_id_of(request))  # type: ignore[attr-defined]
         token = _request_id.set(context.request_id)
+        streaming = False
         try:
             if disallowed is not None:
                 response: HttpResponseBase = render(_host_refused(disallowed))
@@ -202,9 +203,13 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
                 response = _ensure_error_shape(await self.get_response(request))
             if request.method == "HEAD":
                 response = _without_body(response)
+            # A streamed body is sent once this returns, by the same task (Django's ASGI handler): the id stays set
+            # for it, so that what is logged while it is sent is the request's too. The task ends with the request.
+            streaming = response.streaming
             return _finish(context, response, started)
         finally:
-            _request_id.reset(token)
+            if not streaming:
+                _request_id.reset(token)
 
     async def _answer_api(self, request: HttpRequest, context: RequestContext) -> HttpResponseBase:
         length = _body_length(request)

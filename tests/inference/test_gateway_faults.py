@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from inference.api.middleware import RequestIdLogFilter
 from inference.models import CatalogEntry, UsageRecord
 from inference.serving import gateway
 from inference.usage import records as usage
@@ -590,6 +591,19 @@ async def test_a_stream_that_stops_before_its_end_ends_with_an_error_and_its_slo
     record = await gw.record(response)
     assert (record.status, record.error_code) == (502, code)
     assert gw.window("short")[1] == 0
+
+
+async def test_a_line_logged_while_a_stream_is_sent_carries_its_requests_id(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.handler.addFilter(RequestIdLogFilter())  # as the server's console handler has it
+    failure = {"message": "at db-7", "type": "server_error", "param": None, "code": "overloaded"}
+    await gw.offer("failing", events(data(chat_chunk("Hel")), data({"error": failure})))
+
+    response, _ = await gw.stream("failing")
+
+    [failed] = [record for record in caplog.records if "mid-stream" in record.getMessage()]
+    assert failed.request_id == response["x-request-id"]  # type: ignore[attr-defined]
 
 
 @BOTH
