@@ -2,8 +2,8 @@
 
 The project builds llama.cpp for a portable x86-64 baseline (AVX2, FMA, F16C, BMI2 on a CPU that has them:
 scripts/build-cpu-runner); llama.cpp's default targets the compiling CPU (``-march=native``: AVX-512, and AMX
-kernels on CPUs that have it). Both are the same sources; the runner is driven in a child process per build, alternating
-builds round by round, on SmolLM2-135M, greedy, one stream then four.
+kernels on CPUs that have it). Both are the same sources; the runner is driven in a child process per build,
+alternating builds round by round, on SmolLM2-135M, greedy, one stream then four.
 
     .venv/bin/python bench/cpu_build.py [--tokens 128] [--rounds 3]
 """
