@@ -11,7 +11,7 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' p
 CODEX_VERSION := 0.171.0
 CODEX_DIR := var/codex
 # The openai Node SDK release the tests drive (tests/inference/test_node_sdk.py).
-OPENAI_NODE_VERSION := 7.59.0
+OPENAI_NODE_VERSION := 7.60.0
 NODE_CLIENTS_DIR := var/node-clients
 
 .PHONY: run test lint install install-test rebuild-runner system-test-deps codex-cli node-clients bench soak clean
