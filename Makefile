@@ -21,14 +21,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Reinstall only when the project's dependencies change. The CPU runner's engine is built by
-# scripts/build-cpu-runner for a portable x86-64 baseline, before pip could take another build.
 # pip does not byte-compile what it installs (PyTorch, transformers and sympy alone: half a minute of a fresh install
 # on two cores). Python compiles a module the first time a process imports it and keeps it: only the modules used,
 # once, the project's own included. A PYTHONDONTWRITEBYTECODE from the caller's environment would have every process
 # compile them again (every server and worker the tests start: about 0.4 s each for the project's alone).
 unexport PYTHONDONTWRITEBYTECODE
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
+# Reinstall only when the project's dependencies change. The CPU runner's engine is built by
+# scripts/build-cpu-runner for a portable x86-64 baseline, before pip could take another build.
 $(VENV)/.installed: pyproject.toml scripts/build-cpu-runner | $(PY)
 	scripts/build-cpu-runner $(PY) $(LLAMA_CPP_VERSION)
 	$(PIP_INSTALL) -e .
