@@ -567,9 +567,24 @@ _ESCAPED_SETS = {
 _JSON_ESCAPES = {"t": "t", "n": "n", "r": "r", "f": "f", '"': r"\x22", "\\": r"\x5C"}
 
 
+# A character JSON writes escaped, standing for itself in a pattern (a quote, a tab, a line feed): read as the
+# pattern's escape of it, which the grammar writes as JSON does (or refuses by name), never as the raw character.
+_UNSAFE_AS_ITSELF = re.compile(r'\\.|["\x00-\x1F\x7F]', re.DOTALL)
+_UNSAFE_ESCAPES = {'"': '\\"', "\t": "\\t", "\n": "\\n", "\r": "\\r", "\f": "\\f"}
+
+
+def _unsafe_as_escapes(pattern: str) -> str:
+    def escape(match: re.Match[str]) -> str:
+        text = match.group()
+        return text if text.startswith("\\") else _UNSAFE_ESCAPES.get(text, f"\\x{ord(text):02X}")
+
+    return _UNSAFE_AS_ITSELF.sub(escape, pattern)
+
+
 def _readable_pattern(pattern: str) -> str:
     """``pattern`` with every escape the converter would copy as it is written as a set, a code or JSON's escape;
     ``ValueError`` naming one that no grammar of this model can enforce (a word boundary, a back-reference)."""
+    pattern = _unsafe_as_escapes(pattern)
     written: list[str] = []
     in_set = negated = False
     index = 0
@@ -698,6 +713,14 @@ def _root_ref_as_all_of(schema: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "allOf": [{"$ref": ref}, *rest.get("allOf", [])]}
 
 
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if value is None:
+        return "null"
+    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), "a value")
+
+
 def _refs(schema: Any, *, in_map: bool = False) -> Iterator[str]:
     """Every ``$ref`` in the schema, outside its data."""
     if isinstance(schema, list):
@@ -737,6 +760,8 @@ def _converter_class() -> type[Any]:
                     raise ValueError(f"its $ref {ref!r} is not local to the schema, and remote schemas are not fetched")
                 if (target := schema_at(schema, ref)) is None:
                     raise ValueError(f"its $ref {ref!r} points at nothing in the schema")
+                if not isinstance(target, dict):
+                    raise ValueError(f"its $ref {ref!r} points at {_json_kind(target)}, not at a schema object")
                 self._refs[ref] = target
             return schema
 

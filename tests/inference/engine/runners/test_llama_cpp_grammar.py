@@ -97,6 +97,10 @@ def test_an_anchored_pattern_stays_anchored() -> None:
         (r"^\D\W\s$", ["a- ", "a!\u00a0"], ["1- ", "aa ", "a-x", "a-\n"]),
         (r"^[^\s,]+$", ["Eugene"], ["Eugene, Oregon", "Eu gene"]),
         (r"^a\tb$", ["a\tb"], ["a b", "atb"]),
+        # Characters JSON writes escaped, standing for themselves: written as JSON escapes them, never raw.
+        ('^"[a-z]+"$', ['"abc"'], ["abc", '"abc']),
+        ("^a\nb\tc$", ["a\nb\tc"], ["anbtc", "a b c"]),
+        ('^[^"]+$', ["abc"], ['a"c']),
     ],
 )
 def test_a_patterns_escapes_mean_what_json_schemas_regular_expressions_say(
@@ -222,6 +226,8 @@ def test_a_negated_set_in_a_pattern_holds_nothing_json_writes_escaped(vocab: Any
         (r"^[\t ]$", r"\t inside [...]"),
         (r"^[a\"]$", r"\" inside [...]"),
         (r"^\x0a$", "U+000A"),
+        ('^["a]$', r"\" inside [...]"),
+        ("^a\x01$", "U+0001"),
     ],
 )
 def test_a_pattern_escape_no_grammar_can_enforce_is_named(vocab: Any, pattern: str, named: str) -> None:
@@ -288,6 +294,18 @@ def test_a_ref_that_points_at_nothing_is_named() -> None:
     problem = schema_problem({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}) or ""
 
     assert "'#/$defs/Missing'" in problem and "points at nothing" in problem
+
+
+@pytest.mark.parametrize(
+    ("ref", "named"),
+    [("#/required/0", "a string"), ("#/required", "an array"), ("#/$defs/a", "the boolean true")],
+)
+def test_a_ref_that_points_at_something_other_than_a_schema_object_is_named(ref: str, named: str) -> None:
+    schema = {"type": "object", "properties": {"x": {"$ref": ref}}, "required": ["x"], "$defs": {"a": True}}
+
+    problem = schema_problem(schema) or ""
+
+    assert f"{ref!r} points at {named}, not at a schema object" in problem
 
 
 @pytest.mark.parametrize("name", ['a"b', "a\\b", 'say "hi"\\n'])
