@@ -263,10 +263,11 @@ STATIC_ROOT = VAR_DIR / "static"
 # Request bodies are bounded: a chat with long context and images fits, a runaway upload does not.
 MAX_REQUEST_BODY_BYTES = _int("MAX_REQUEST_BODY_BYTES", 8 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
-# ...and so are their nesting and their number of objects and arrays: past either, a body is refused before
-# anything walks it.
+# ...and so are their nesting, their number of objects and arrays, and their number of values: past any, a body is
+# refused before anything walks it.
 MAX_JSON_DEPTH = _int("MAX_JSON_DEPTH", 64, least=1)
 MAX_JSON_CONTAINERS = _int("MAX_JSON_CONTAINERS", 50_000, least=1)
+MAX_JSON_VALUES = _int("MAX_JSON_VALUES", 250_000, least=1)
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False

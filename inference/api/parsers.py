@@ -21,7 +21,10 @@ class JSONBodyParser(BaseParser):
     recursively, and no OpenAI request needs more than a few dozen levels. So are bodies of more than
     ``MAX_JSON_CONTAINERS`` objects and arrays: each becomes a validated model and a rendered message, some
     1.5 KB of memory and 25 µs of CPU, so that 8 MiB of ``{}`` would cost half a gigabyte and seconds before
-    anything could refuse it (a long agent session holds a few thousand)."""
+    anything could refuse it (a long agent session holds a few thousand). And so are bodies of more than
+    ``MAX_JSON_VALUES`` values (an array's items, an object's members): validation holds the GIL throughout, and
+    each value a model refuses (an unknown key, a number where a message goes) costs it 5 µs, so that a million of
+    them froze every request of the process for five seconds."""
 
     media_type = "application/json"
 
@@ -29,11 +32,16 @@ class JSONBodyParser(BaseParser):
         raw = stream.read() if stream is not None else b""
         if not raw.strip():
             return {}
-        depth, containers = settings.MAX_JSON_DEPTH, settings.MAX_JSON_CONTAINERS
+        depth, containers, values = settings.MAX_JSON_DEPTH, settings.MAX_JSON_CONTAINERS, settings.MAX_JSON_VALUES
         brackets = raw.count(b"{") + raw.count(b"[")
-        # Counted before parsing, which would build them all: brackets in strings are not objects or arrays.
-        if brackets > containers and _containers(raw) > containers:
-            raise body_too_complex(containers)
+        # Counted before parsing, which would build them all: brackets and commas in strings are neither.
+        if brackets > containers or brackets + raw.count(b",") >= values:
+            bare = _STRING.sub(b"", raw)
+            if bare.count(b"{") + bare.count(b"[") > containers:
+                raise body_too_complex(containers, "objects and arrays")
+            # Each value but the first of an object or array follows a comma: at most one more value than these.
+            if bare.count(b"{") + bare.count(b"[") + bare.count(b",") >= values:
+                raise body_too_complex(values, "values")
         exact = _LONG_INTEGER.search(raw) is not None
         try:
             try:
@@ -135,12 +143,6 @@ def _past_64_bits(data: dict[str, Any] | list[Any]) -> tuple[str, int] | None:
 # A JSON string; its closing quote optional, so that a body whose last string never ends is matched once, not
 # tried again from each quote in it (which would take time with the square of its length).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?')
-
-
-def _containers(raw: bytes) -> int:
-    """The objects and arrays of a JSON text: its brackets outside strings."""
-    bare = _STRING.sub(b"", raw)
-    return bare.count(b"{") + bare.count(b"[")
 
 
 def nested_deeper(value: Any, limit: int) -> bool:

@@ -124,10 +124,8 @@ def body_too_large() -> APIError:
     )
 
 
-def body_too_complex(limit: int) -> APIError:
-    return APIError(
-        f"The request body holds more than {limit} objects and arrays.", code="request_too_large", status=413
-    )
+def body_too_complex(limit: int, what: str) -> APIError:
+    return APIError(f"The request body holds more than {limit} {what}.", code="request_too_large", status=413)
 
 
 def not_json() -> APIError:

@@ -154,6 +154,31 @@ async def test_a_body_past_the_object_bound_whose_last_string_never_ends_is_refu
     assert_refused(response, None, "more than 50000 objects and arrays", status=413)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"messages": [1] * 250_000},  # a million of these held the process's GIL for five seconds
+        {f"k{index}": 1 for index in range(250_000)},
+        {"messages": [{"role": "user", "content": "Hi", **{f"k{index}": 1 for index in range(250_000)}}]},
+    ],
+    ids=["numbers-where-messages-go", "unknown-keys", "unknown-keys-in-a-message"],
+)
+async def test_a_body_of_more_values_than_the_bound_is_a_413_before_it_is_validated(
+    api: API, overrides: dict[str, Any], watched_renderer: dict[str, list[str]]
+) -> None:
+    response = await api.post(CHAT, chat(**overrides))
+
+    assert_refused(response, None, "more than 250000 values", status=413)
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert watched_renderer["render"] == []
+
+
+async def test_commas_inside_strings_are_no_values_of_the_body(api: API) -> None:
+    response = await api.post(CHAT, chat(messages=[{"role": "user", "content": "," * 300_000}]))
+
+    assert_refused(response, "messages", "maximum context length")
+
+
 async def test_a_body_of_as_many_objects_as_the_bound_is_read(api: API) -> None:
     # 49,998 messages, the list and the body itself: 50,000. Read, and refused only for what it holds.
     response = await api.post(CHAT, chat(messages=QUESTION * 49_998))
