@@ -80,13 +80,27 @@ def _part_text(part: wire.InputText | wire.OutputText | wire.Refusal) -> str:
     return part.refusal if isinstance(part, wire.Refusal) else part.text
 
 
+# The parts a message of each role may hold, as OpenAI takes them: what the model wrote is an assistant's alone.
+_INPUT_PARTS = ("input_text", "input_image", "input_file")
+_ASSISTANT_PARTS = ("output_text", "refusal")
+
+
 def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict[str, Any]]:
     """Text, or with images a user message's text and images in the chat template's form."""
     if isinstance(item.content, str):
         return item.content
     parts: list[dict[str, Any]] = []
+    allowed = _ASSISTANT_PARTS if item.role == "assistant" else (*_INPUT_PARTS, "input_audio")
     for index, part in enumerate(item.content):
         at = _at(where, f"content.{index}")
+        if part.type not in allowed:
+            listed = _ASSISTANT_PARTS if item.role == "assistant" else _INPUT_PARTS
+            supported = ", ".join(f"'{kind}'" for kind in listed[:-1]) + f"{',' * (len(listed) > 2)} and '{listed[-1]}'"
+            raise invalid_request(
+                f"Invalid value: '{part.type}'. Supported values are: {supported}.",
+                param=_at(where, f"content.{index}.type"),
+                code="invalid_value",
+            )
         if isinstance(part, wire.InputImage):
             if item.role != "user":
                 raise invalid_request(

@@ -519,6 +519,42 @@ async def test_it_names_a_malformed_item_precisely(api: API, item: dict, param: 
     assert_error(await api.post(RESPONSES, ask(input=[item])), 400, code, param)
 
 
+@pytest.mark.parametrize(
+    ("role", "part", "supported"),
+    [
+        (
+            "user",
+            {"type": "output_text", "text": "What is 2+2?", "annotations": []},
+            "'input_text', 'input_image', and 'input_file'",
+        ),
+        ("user", {"type": "refusal", "refusal": "No."}, "'input_text', 'input_image', and 'input_file'"),
+        ("system", {"type": "output_text", "text": "Be brief."}, "'input_text', 'input_image', and 'input_file'"),
+        ("developer", {"type": "refusal", "refusal": "No."}, "'input_text', 'input_image', and 'input_file'"),
+        ("assistant", {"type": "input_text", "text": "Four."}, "'output_text' and 'refusal'"),
+    ],
+)
+async def test_a_message_holds_only_the_parts_of_its_role_as_at_openai(
+    api: API, role: str, part: dict, supported: str
+) -> None:
+    # What the model wrote is an assistant's; what a user, system or developer sends is input. The user's output_text
+    # was read as the user's turn, where chat completions refuses a user's refusal part.
+    conversation = [{"type": "message", "role": role, "content": [part]}, {"role": "user", "content": "Go on."}]
+
+    response = await api.post(RESPONSES, ask(input=conversation))
+
+    assert_error(response, 400, "invalid_value", "input.0.content.0.type")
+    assert f"Invalid value: '{part['type']}'. Supported values are: {supported}." in response.json()["error"]["message"]
+
+
+async def test_an_assistant_message_of_output_text_and_refusal_parts_is_served(api: API) -> None:
+    parts = [{"type": "output_text", "text": "Four.", "annotations": []}, {"type": "refusal", "refusal": "No more."}]
+    conversation = [QUESTION, {"type": "message", "role": "assistant", "content": parts}, QUESTION]
+
+    response = await api.post(RESPONSES, ask(input=conversation))
+
+    assert response.status_code == 200, response.content
+
+
 CHAT_FUNCTION = {"type": "function", "function": {"name": "get_weather"}}
 CHAT_FORMAT = {"type": "json_schema", "json_schema": {"name": "river", "schema": {"type": "object"}}}
 CHAT_PART = {"type": "input_text", "input_text": "hi"}
