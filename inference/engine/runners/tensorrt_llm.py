@@ -581,8 +581,8 @@ def _tool_calls_tag(call_schema: dict[str, Any], text_schema: dict[str, Any] | N
 
 def _schema_format(schema: dict[str, Any], grammars: bool) -> dict[str, Any]:
     """A structural tag's format for one JSON value matching ``schema``: the schema, or with ``grammars`` its grammar
-    when it has numeric bounds (``_bounded_grammar``)."""
-    if grammars and (grammar := _bounded_grammar(json.dumps(schema))) is not None:
+    when it has numeric bounds or a pattern (``_exact_grammar``)."""
+    if grammars and (grammar := _exact_grammar(json.dumps(schema))) is not None:
         return {"type": "grammar", "grammar": grammar}
     return {"type": "json_schema", "json_schema": schema}
 
@@ -679,7 +679,20 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         or _xgrammar_problem(schema)
         or endless_problem(schema)
         or _compile_problem("json_schema", json.dumps(schema, sort_keys=True))
+        or _pattern_problem(schema)
     )
+
+
+def _pattern_problem(schema: dict[str, Any]) -> str | None:
+    """Why a schema with a pattern cannot go as the grammar that holds a string's value to it (see ``_exact_grammar``);
+    xgrammar's own conversion would let output through that is not JSON."""
+    if not any("pattern" in node for node in subschemas(schema)) or _exact_grammar(json.dumps(schema)) is not None:
+        return None
+    try:
+        grammar_for(Constraint(kind="json_schema", schema=schema))
+    except Exception as exc:  # noqa: BLE001  (the converter raises what it trips on)
+        return str(exc) if isinstance(exc, ValueError) else f"its pattern cannot be enforced ({type(exc).__name__})"
+    return "its pattern cannot be enforced by this model's guided decoding"
 
 
 def _constraint_problem(constraint: Constraint | None) -> str | None:
@@ -693,6 +706,7 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
                 keyword_problem(schema, formats=_XGRAMMAR_FORMATS)
                 or _xgrammar_problem(schema)
                 or endless_problem(schema)
+                or _pattern_problem(schema)
             ):
                 return problem
         return _compile_problem("structural_tag", _tool_calls_tag(constraint.schema, constraint.text_schema))
@@ -700,18 +714,22 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
 
 
 # xgrammar's JSON-schema conversion misjudges numeric bounds (0.1.34): a maximum of 150 admits 151 to 159, -180 to 180
-# admits 181, a minimum of 5 alone admits 3, a number from 0 to 1 admits 1.5, and a minimum of -12 refuses -1.
-_BOUNDS: Final = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# admits 181, a minimum of 5 alone admits 3, a number from 0 to 1 admits 1.5, and a minimum of -12 refuses -1. And it
+# holds a string's JSON text to its pattern, not the string: a "." or a negated set admits a raw quote or tab (output
+# that is not JSON), and a quote or line feed the pattern asks for comes raw, unescaped.
+_EXACT: Final = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
 
 
 @functools.lru_cache(maxsize=256)
-def _bounded_grammar(schema: str) -> str | None:
-    """For a JSON schema (as JSON) with numeric bounds, the grammar the CPU runner builds for it, which spells each
-    bounded number out digit by digit and holds it exactly, for xgrammar to compile as EBNF (its dialect is
-    llama.cpp's); None for a schema without bounds, or one that grammar cannot express (then xgrammar converts the
-    schema itself, as before). The same tools and formats come with every request of a conversation, hence the cache."""
+def _exact_grammar(schema: str) -> str | None:
+    """For a JSON schema (as JSON) with numeric bounds or a pattern, the grammar the CPU runner builds for it, which
+    spells each bounded number out digit by digit and holds it exactly, and holds a string's value to its pattern
+    with what JSON escapes escaped, for xgrammar to compile as EBNF (its dialect is llama.cpp's); None for a schema
+    without either, or one that grammar cannot express (then xgrammar converts the schema itself, as before: a
+    pattern's is refused first, ``_pattern_problem``). The same tools and formats come with every request of a
+    conversation, hence the cache."""
     parsed = json.loads(schema)
-    if not any(keyword in node for node in subschemas(parsed) for keyword in _BOUNDS):
+    if not any(keyword in node for node in subschemas(parsed) for keyword in _EXACT):
         return None
     try:
         grammar = grammar_for(Constraint(kind="json_schema", schema=parsed))
@@ -732,7 +750,7 @@ def _guide(constraint: Constraint | None, api: _API) -> Any:
         raise RunnerError(f"a {constraint.kind} constraint came without its schema", code="generation_failed")
     if constraint.kind == "tool_calls":
         return api.GuidedDecodingParams(structural_tag=_tool_calls_tag(constraint.schema, constraint.text_schema))
-    if (grammar := _bounded_grammar(json.dumps(constraint.schema))) is not None:
+    if (grammar := _exact_grammar(json.dumps(constraint.schema))) is not None:
         return api.GuidedDecodingParams(grammar=grammar)
     return api.GuidedDecodingParams(json=constraint.schema)
 

@@ -28,9 +28,9 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
   admits it (a model follows its prompt wherever the mask lets it), and otherwise becomes a minimal
   instance of the schema (``"{}"`` for ``json_object``). Under an EBNF grammar the echo is kept as far as the
   grammar admits it, then the first characters that keep it admissible (quotes, closing brackets and separators
-  first, then opening brackets, then digits) are written until the grammar is done with it. Under a
-  ``triggered_tags`` structural tag the output is its first tag wrapped around a minimal instance of the
-  tag's schema, or what its grammar admits, written as above (the toy model "calls the first tool").
+  first, then opening brackets, then digits, letters and last a backslash) are written until the grammar is done
+  with it. Under a ``triggered_tags`` structural tag the output is its first tag wrapped around a minimal instance
+  of the tag's schema, or what its grammar admits, written as above (the toy model "calls the first tool").
   Requests wait in a queue until one of ``max_batch_size`` places is free; each step produces one
   token for every active request and delivers a response to it.
 - When the plan is written out and ``max_tokens`` is not reached, the next step generates the end of
@@ -259,7 +259,7 @@ def compile_guide(guide: GuidedDecodingParams, backend: str = "xgrammar") -> xgr
 
 
 # The characters the toy model tries, in order, to finish what an EBNF guide cut short.
-_FINISHING: Final = '"}],:{[0123456789 .-abcdefghijklmnopqrstuvwxyz'
+_FINISHING: Final = '"}],:{[0123456789 .-abcdefghijklmnopqrstuvwxyz\\'
 
 
 def grammar_instance(grammar: xgrammar.Grammar, text: str = "") -> str:

@@ -899,6 +899,42 @@ def test_numeric_bounds_xgrammar_misjudges_are_held_exactly(
     assert runner_module.schema_problem(schema) is None
 
 
+@pytest.mark.parametrize(
+    ("schema", "breaking"),
+    [
+        ({"type": "string", "pattern": "^.+$"}, '"a"b"'),
+        ({"type": "string", "pattern": '^"[a-z]"$'}, '""a""'),
+        ({"type": "string", "pattern": "^a\nb$"}, '"a\nb"'),
+        (
+            {"type": "object", "properties": {"q": {"type": "string", "pattern": "^[^a]+$"}}, "required": ["q"]},
+            '{"q": "b\tc"}',
+        ),
+    ],
+    ids=["a-dot", "a-quote", "a-line-feed", "a-negated-set-in-an-object"],
+)
+def test_a_pattern_xgrammar_holds_the_json_text_to_is_held_to_the_strings_value(
+    engine: Seen, toy: types.ModuleType, trtllm: types.ModuleType, schema: dict[str, Any], breaking: str
+) -> None:
+    # xgrammar's own conversion lets through text that is not JSON (a raw quote, tab or line feed in a string).
+    assert toy.admits(trtllm.llmapi.GuidedDecodingParams(json=schema), breaking)
+    runner = runner_module.load(SETTINGS)
+
+    constraint = Constraint(kind="json_schema", schema=schema)
+    chunks, finished = collect(runner.stream(make_job(breaking, constraint=constraint), never))
+
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
+    guide = engine.calls[-1].sampling_params.guided_decoding
+    assert guide.grammar is not None and not toy.admits(guide, breaking)
+    assert runner_module.schema_problem(schema) is None
+
+
+def test_a_pattern_the_grammar_cannot_hold_is_refused_not_left_to_xgrammar() -> None:
+    # xgrammar compiles it, to let a raw control character into a JSON string.
+    problem = runner_module.schema_problem({"type": "string", "pattern": r"^a\x01$"}) or ""
+
+    assert "U+0001 is written escaped in JSON" in problem
+
+
 def test_a_schema_without_bounds_goes_to_xgrammar_as_a_schema(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
