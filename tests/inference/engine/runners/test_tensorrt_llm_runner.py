@@ -880,28 +880,7 @@ def test_a_keyword_xgrammar_leaves_out_is_refused_by_name(
             },
             '{"longitude": 181}',
         ),
-    ],
-    ids=["maximum", "minimum-alone", "range", "number-range", "in-an-object"],
-)
-def test_numeric_bounds_xgrammar_misjudges_are_held_exactly(
-    engine: Seen, toy: types.ModuleType, trtllm: types.ModuleType, schema: dict[str, Any], breaking: str
-) -> None:
-    # xgrammar's own conversion of the schema lets the value through; the toy model writes it wherever it may.
-    assert toy.admits(trtllm.llmapi.GuidedDecodingParams(json=schema), breaking)
-    runner = runner_module.load(SETTINGS)
-
-    constraint = Constraint(kind="json_schema", schema=schema)
-    chunks, finished = collect(runner.stream(make_job(breaking, constraint=constraint), never))
-
-    jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
-    guide = engine.calls[-1].sampling_params.guided_decoding
-    assert guide.grammar is not None and not toy.admits(guide, breaking)
-    assert runner_module.schema_problem(schema) is None
-
-
-@pytest.mark.parametrize(
-    ("schema", "breaking"),
-    [
+        # It holds a string's JSON text to a pattern, not the string: text that is not JSON passes.
         ({"type": "string", "pattern": "^.+$"}, '"a"b"'),
         ({"type": "string", "pattern": '^"[a-z]"$'}, '""a""'),
         ({"type": "string", "pattern": "^a\nb$"}, '"a\nb"'),
@@ -910,12 +889,15 @@ def test_numeric_bounds_xgrammar_misjudges_are_held_exactly(
             '{"q": "b\tc"}',
         ),
     ],
-    ids=["a-dot", "a-quote", "a-line-feed", "a-negated-set-in-an-object"],
+    ids=[
+        *("maximum", "minimum-alone", "range", "number-range", "in-an-object"),
+        *("a-pattern-dot", "a-pattern-quote", "a-pattern-line-feed", "a-pattern-negated-set-in-an-object"),
+    ],
 )
-def test_a_pattern_xgrammar_holds_the_json_text_to_is_held_to_the_strings_value(
+def test_bounds_and_patterns_xgrammar_misjudges_are_held_exactly(
     engine: Seen, toy: types.ModuleType, trtllm: types.ModuleType, schema: dict[str, Any], breaking: str
 ) -> None:
-    # xgrammar's own conversion lets through text that is not JSON (a raw quote, tab or line feed in a string).
+    # xgrammar's own conversion of the schema lets the value through; the toy model writes it wherever it may.
     assert toy.admits(trtllm.llmapi.GuidedDecodingParams(json=schema), breaking)
     runner = runner_module.load(SETTINGS)
 
