@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
-from django.db.models import Field, IntegerField
+from django.db.models import Field, IntegerField, JSONField, ManyToManyField
+from django.forms.fields import InvalidJSONInput
 from django.http import HttpRequest
 
 
@@ -25,7 +28,46 @@ class ReadableFilters:
             raise IncorrectLookupParameters(exc) from exc
 
 
-class ModelAdmin(ReadableFilters, admin.ModelAdmin):
+class ReadableJSONField(forms.JSONField):
+    """JSON whose integer Python will not read (past 4,300 digits) is invalid JSON, as any other: Django's field
+    lets that ``ValueError`` through, a server error when the form is checked and again when it is shown."""
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except ValueError:
+            raise ValidationError(self.error_messages["invalid"], code="invalid", params={"value": value}) from None
+
+    def bound_data(self, data: Any, initial: Any) -> Any:
+        try:
+            return super().bound_data(data, initial)
+        except ValueError:
+            return InvalidJSONInput(data)
+
+
+class ReadableMultipleChoiceField(forms.ModelMultipleChoiceField):
+    """An id past what the database holds is no valid choice, as any unknown id: Django's field looked it up and the
+    database's driver refused it (SQLite: "Python int too large to convert"), a server error."""
+
+    def _check_values(self, value: Any) -> Any:
+        try:
+            return super()._check_values(value)
+        except OverflowError:
+            raise ValidationError(self.error_messages["invalid_choice"], code="invalid_choice") from None
+
+
+class ReadableFields:
+    """Form fields that refuse what the database or Python cannot read with a field error, never a server error."""
+
+    def formfield_for_dbfield(self, db_field: Field[Any, Any], request: HttpRequest, **kwargs: Any) -> Any:
+        if isinstance(db_field, JSONField):
+            kwargs.setdefault("form_class", ReadableJSONField)
+        elif isinstance(db_field, ManyToManyField):
+            kwargs.setdefault("form_class", ReadableMultipleChoiceField)
+        return super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
+
+
+class ModelAdmin(ReadableFields, ReadableFilters, admin.ModelAdmin):
     def formfield_for_dbfield(self, db_field: Field[Any, Any], request: HttpRequest, **kwargs: Any) -> Any:
         """A number's form field with the model's least value (a count of at least 1), so that a number below it is
         told that least, not the 0 of a positive integer's form field."""
@@ -35,11 +77,11 @@ class ModelAdmin(ReadableFilters, admin.ModelAdmin):
         return super().formfield_for_dbfield(db_field, request, **kwargs)
 
 
-class UserAdmin(ReadableFilters, auth_admin.UserAdmin):
+class UserAdmin(ReadableFields, ReadableFilters, auth_admin.UserAdmin):
     pass
 
 
-class GroupAdmin(ReadableFilters, auth_admin.GroupAdmin):
+class GroupAdmin(ReadableFields, ReadableFilters, auth_admin.GroupAdmin):
     pass
 
 

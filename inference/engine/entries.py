@@ -93,7 +93,7 @@ def _llama_cpp_problem(entry: CatalogEntry) -> tuple[str, str] | None:
 def _model_file_problem(runner_settings: dict[str, Any]) -> str | None:
     try:
         located = llama_cpp.model_path(runner_settings)
-        if not Path(located).is_file():
+        if not llama_cpp.is_file(Path(located)):
             return f"There is no model file at {located!r} on this host."
         held = llama_cpp.capacity(runner_settings)
     except RunnerError as exc:

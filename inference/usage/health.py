@@ -34,6 +34,7 @@ from core.redis import async_client
 from inference.engine import execution
 from inference.engine.runners.base import RunnerError
 from inference.engine.runners.llama_cpp import RunnerSettings as LlamaCppSettings
+from inference.engine.runners.llama_cpp import is_file
 from inference.models import CatalogEntry
 
 Status = Literal["ok", "error", "absent"]
@@ -117,7 +118,7 @@ def _runner_available(entry: CatalogEntry) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise RunnerError("llama-cpp-python is not installed", code="runner_unavailable")
         path = Path(LlamaCppSettings.of(entry.runner_settings).path)
-        if not path.is_file():
+        if not is_file(path):
             raise RunnerError(f"no model file at {path}", code="runner_unavailable")
     elif entry.runner == "tensorrt_llm" and importlib.util.find_spec("tensorrt_llm") is None:
         raise RunnerError("TensorRT-LLM is not installed here", code="runner_unavailable")

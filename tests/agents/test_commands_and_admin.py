@@ -146,6 +146,19 @@ def test_an_admin_creates_an_instance_with_a_document_and_a_guardrail_for_a_tena
     assert instance.documents.get().title == "Belt" and instance.guardrails.get().patterns == "password"
 
 
+def test_an_organization_id_past_what_the_database_holds_is_no_valid_choice_not_a_server_error(
+    staff: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    form = {"instance_id": "support.agent.new", "model": str(catalog_model.pk), "first_step": "model"}
+    inline = {"TOTAL_FORMS": "0", "INITIAL_FORMS": "0", "MIN_NUM_FORMS": "0", "MAX_NUM_FORMS": "1000"}
+    inlines = {f"{name}-{key}": value for name in ("documents", "guardrails") for key, value in inline.items()}
+
+    page = staff.post("/admin/agents/agentinstance/add/", {**form, **inlines, "organizations": ["9" * 23]})
+
+    assert page.status_code == 200 and "Select a valid choice." in page.content.decode()
+    assert not AgentInstance.objects.filter(instance_id="support.agent.new").exists()
+
+
 def test_an_instance_is_refused_tools_that_do_not_exist_or_a_first_step_it_cannot_take(
     make_instance: Callable[..., AgentInstance],
 ) -> None:

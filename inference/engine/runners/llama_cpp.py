@@ -107,9 +107,17 @@ def model_path(settings: dict[str, Any]) -> str:
     if folders is None:
         raise RunnerError(f"the package {package!r} is not installed", code="runner_unavailable")
     for folder in folders:
-        if (located := folder / file).is_file():
+        if is_file(located := folder / file):
             return str(located)
     raise RunnerError(f"{file!r} is not in the package {package!r}", code="runner_unavailable")
+
+
+def is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False for a name no file could have (too long for the filesystem, say)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 _PACKAGE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
