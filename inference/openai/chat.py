@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import ParamNames, invalid_request, unsupported_parameter
+from .errors import ParamNames, invalid_request, stream_options_without_stream, unsupported_parameter
 from .shared import (
     MAX_TOOLS,
     UNSUPPORTED,
@@ -404,9 +404,7 @@ class ChatCompletionRequest(WireModel):
                 "tool_choice", f"tool_choice of type {self.tool_choice.type[:40]!r} is not supported"
             )
         if self.stream_options is not None and not self.stream:
-            raise invalid_request(
-                "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
-            )
+            raise stream_options_without_stream()
         if self.modalities and set(self.modalities) - {"text"}:
             raise unsupported_parameter("modalities", "only the text modality is supported")
         if self.service_tier not in (None, "auto", "default"):

@@ -86,6 +86,12 @@ def invalid_request(message: str, *, param: str | None = None, code: str = "inva
     return APIError(message, code=code, param=param)
 
 
+def stream_options_without_stream() -> APIError:
+    return invalid_request(
+        "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
+    )
+
+
 def unsupported_parameter(param: str, message: str | None = None) -> APIError:
     return APIError(message or f"{param} is not supported", code="unsupported_parameter", param=param)
 

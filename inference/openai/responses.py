@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypedDict
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
 from pydantic_core import PydanticCustomError
 
-from .errors import APIError, ParamNames, invalid_request, unsupported_parameter
+from .errors import APIError, ParamNames, invalid_request, stream_options_without_stream, unsupported_parameter
 from .shared import (
     MAX_TOOLS,
     FunctionName,
@@ -432,9 +432,7 @@ class ResponseCreateRequest(WireModel):
         if self.service_tier not in (None, "auto", "default"):
             raise unsupported_parameter("service_tier", f"service_tier {self.service_tier!r} is not offered")
         if self.stream_options is not None and not self.stream:
-            raise invalid_request(
-                "stream_options is only allowed when stream is true.", param="stream_options", code="invalid_value"
-            )
+            raise stream_options_without_stream()
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise unsupported_parameter("text.verbosity", "verbosity is not supported on this model")
         if isinstance(self.text_format, FormatJSONObject) and not mentions_json(self._texts()):

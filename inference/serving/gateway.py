@@ -49,6 +49,7 @@ from inference.openai.errors import (
     APIError,
     invalid_request,
     model_missing,
+    stream_options_without_stream,
     unsupported_parameter,
 )
 from inference.openai.responses import GatewayResponseRequest
@@ -501,14 +502,39 @@ async def forward_json(
                 status=502,
                 type="server_error",
             ) from None
-    if isinstance(data.get("error"), dict) and "choices" not in data and "output" not in data:
-        # Some upstreams report a failure with status 200: it is a failure all the same, and its words are theirs.
+    if data.get("error") is not None and "choices" not in data and "output" not in data:
+        # Some upstreams report a failure with status 200 (an error of any shape): it is a failure all the same, and
+        # its words are theirs.
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
+    if data.get("object") == "response":
+        _hide_response_failure(data, tally, request_id=request_id, secret=upstream.api_key)
     tally.answered = True
     tally.read_usage(data.get("usage"))
     if size := _answer_text_size([data.get("choices"), data.get("output")]):
         tally.output_seen = _text_tokens(size)
     return data
+
+
+def _hide_response_failure(response: dict[str, Any], tally: UpstreamUsage, *, request_id: str, secret: str) -> None:
+    """A Response's ``error`` and ``incomplete_details`` in the API's words, as a stream's ``response.failed`` has
+    them: the upstream's message may name its accounts or hosts, and is logged under the request id instead."""
+    if (error := response.get("error")) is not None:
+        code = (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
+        logger.warning("the gateway failed request %s: %.2000r", request_id, redacted(orjson.dumps(error), secret))
+        tally.status, tally.error_code = 502, code
+        message = f"The gateway failed ({code}). Quote the request id {request_id} when you report it."
+        response["error"] = {"code": code, "message": message}
+    if "incomplete_details" in response:
+        response["incomplete_details"] = incomplete_details(response["incomplete_details"])
+
+
+def incomplete_details(details: Any) -> dict[str, str] | None:
+    """Only why a Response stopped, and only a reason OpenAI's API names: the rest would be the upstream's words."""
+    reason = details.get("reason") if isinstance(details, dict) else None
+    return {"reason": reason} if reason in INCOMPLETE_REASONS else None
+
+
+INCOMPLETE_REASONS = ("max_output_tokens", "content_filter")
 
 
 async def open_stream(
@@ -825,9 +851,8 @@ class StreamRelay:
             if data["type"] == "response.failed":
                 self._hide_failure(event, data)
                 changed = True
-            if isinstance(response, dict) and isinstance(details := response.get("incomplete_details"), dict):
-                # Only why it stopped, by name: the rest would be the upstream's words.
-                response["incomplete_details"] = {"reason": _plain_name(details.get("reason"))}
+            if isinstance(response, dict) and response.get("incomplete_details") is not None:
+                response["incomplete_details"] = incomplete_details(response["incomplete_details"])
                 changed = True
         usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
         if usage:
@@ -944,6 +969,8 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
     read: GatewayChatRequest | GatewayResponseRequest = (
         parse(GatewayChatRequest, body) if path == "chat/completions" else parse(GatewayResponseRequest, body)
     )
+    if read.stream_options is not None and not read.stream:
+        raise stream_options_without_stream()
     refuse_unallowed(body, entry)
     upstream = upstream_for(entry)
     forwarded = {key: value for key, value in body.items() if key != "route"}

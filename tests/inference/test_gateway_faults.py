@@ -285,8 +285,12 @@ def first_event(path: str) -> bytes:
         (200, b"", {}),
         (301, b"", {"Location": "http://elsewhere.example/"}),
         (500, {"error": "a string, not an object"}, {}),
+        (200, {"error": "plain string error at internal-7.example"}, {}),
     ],
-    ids=["500-html", "502-html", "503-html", "not-json", "not-an-object", "empty", "redirect", "error-string"],
+    ids=[
+        *("500-html", "502-html", "503-html", "not-json", "not-an-object", "empty", "redirect", "error-string"),
+        "status-200-error-string",
+    ],
 )
 async def test_a_faulty_upstreams_answer_is_a_502_in_openais_shape_and_is_accounted_once(
     gw: Gateway, path: str, status: int, body: Any, headers: dict[str, str]
@@ -406,6 +410,49 @@ async def test_an_upstream_that_reports_a_failure_with_status_200_fails_and_its_
     assert "db-7" in caplog.text
     record = await gw.record(response)
     assert (record.status, record.error_code) == (502, "provider_down")
+
+
+async def test_a_whole_failed_response_keeps_the_upstreams_words_out_as_a_streamed_one_does(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    failed = {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "model": "m",
+        "status": "failed",
+        "output": [],
+        "error": {"code": "server_error", "message": "upstream shard gw-7.corp.internal failed (acct org-SECRET)"},
+        "incomplete_details": {"reason": "host internal-7.example down"},
+    }
+    await gw.offer("failing", answer(200, failed))
+
+    response = await gw.post("failing", path=RESPONSES)
+
+    body = response.json()
+    assert body["error"]["code"] == "server_error" and "gw-7" not in body["error"]["message"]
+    assert "Quote the request id" in body["error"]["message"]
+    assert body["incomplete_details"] is None  # a reason OpenAI's API does not name would be the upstream's words
+    assert "gw-7.corp.internal" in caplog.text
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "server_error")
+
+
+@BOTH
+async def test_stream_options_without_stream_is_refused_in_the_nodes_words_before_anything_is_sent(
+    gw: Gateway, path: str
+) -> None:
+    await gw.offer("options", answer(200, {"choices": []}))
+
+    response = await gw.post("options", path=path, stream_options={"include_usage": True})
+
+    assert response.status_code == 400
+    assert error_of(response) == {
+        "message": "stream_options is only allowed when stream is true.",
+        "type": "invalid_request_error",
+        "param": "stream_options",
+        "code": "invalid_value",
+    }
 
 
 @BOTH
@@ -793,7 +840,7 @@ async def test_a_response_failed_whose_error_is_no_object_is_a_failure_in_the_ap
     assert UPSTREAM_KEY not in text and "secret-host" not in text
     ended = last_event(text)["response"]
     assert ended["error"]["code"] == "upstream_error" and response["x-request-id"] in ended["error"]["message"]
-    assert ended["incomplete_details"] == {"reason": None}
+    assert ended["incomplete_details"] is None  # {"reason": null} is no incomplete_details OpenAI's spec allows
     record = await gw.record(response)
     assert (record.status, record.error_code) == (502, "upstream_error")
 
