@@ -145,12 +145,7 @@ class OrganizationAdmin(ModelAdmin):
         if formset.model is not Limit:
             return
         for row in Limit.objects.filter(organization=form.instance, model__isnull=False).select_related("model"):
-            if row.lifts_the_default:
-                messages.warning(
-                    request,
-                    f"The row for {row.model} has no limit: it leaves that model unlimited for {form.instance.slug}, "
-                    "whatever the default row says. Delete the row to have the default apply to it.",
-                )
+            _warn_if_it_lifts_the_default(request, row)
 
     @admin.display(description="keys")
     def key_count(self, obj: Organization) -> int:
@@ -295,8 +290,21 @@ class APIKeyAdmin(ModelAdmin):
         self.message_user(request, f"Revoked {len(keys)} key(s).", messages.SUCCESS)
 
 
+def _warn_if_it_lifts_the_default(request: HttpRequest, row: Limit) -> None:
+    if row.lifts_the_default:
+        messages.warning(
+            request,
+            f"The row for {row.model} has no limit: it leaves that model unlimited for {row.organization.slug}, "
+            "whatever the default row says. Delete the row to have the default apply to it.",
+        )
+
+
 @admin.register(Limit)
 class LimitAdmin(ReadableAutocompletes, ModelAdmin):
+    def save_model(self, request: HttpRequest, obj: Limit, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        _warn_if_it_lifts_the_default(request, obj)
+
     list_display = [
         "organization",
         "scope",

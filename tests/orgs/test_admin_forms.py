@@ -130,6 +130,20 @@ def test_a_models_limit_row_with_no_limit_is_saved_with_a_warning_that_it_leaves
     assert Limit.objects.filter(organization=organization).count() == 2
 
 
+def test_a_models_row_with_no_limit_added_on_the_limits_page_warns_as_the_organizations_page_does(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry
+) -> None:
+    Limit.objects.create(organization=organization, requests_per_minute=1)
+    row = {"organization": organization.pk, "model": catalog_model.pk}
+
+    page = staff_client.post("/admin/orgs/limit/add/", row, follow=True)
+
+    assert f"The row for {MODEL_ID} has no limit: it leaves that model unlimited for acme" in html.unescape(
+        page.content.decode()
+    )
+    assert Limit.objects.filter(organization=organization).count() == 2
+
+
 def test_a_second_default_limit_on_the_limits_page_is_refused_with_a_message_an_admin_understands(
     staff_client: Client, organization: Organization
 ) -> None:
