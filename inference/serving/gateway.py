@@ -372,8 +372,16 @@ def upstream_error(
         detail = None
     if not isinstance(detail, dict) or not isinstance(detail.get("message"), str):
         return _bodiless_error(status, quote, retry)
-    code, param, kind = (_plain_name(detail.get(field)) for field in ("code", "param", "type"))
+    # A name holding the upstream's own key (an upstream that echoes what it was sent) is no name to pass on.
+    code, param, kind = (
+        None if secret and secret in str(name) else name
+        for name in (_plain_name(detail.get(field)) for field in ("code", "param", "type"))
+    )
     refused = 400 <= status < 500
+    if status == 429:
+        kind = RATE_LIMIT
+    elif kind not in ERROR_TYPES or not refused:  # a failure passed on as a 502 is the gateway's, a server error
+        kind = INVALID_REQUEST if refused else SERVER
     return APIError(
         f"The gateway {'refused the request' if refused else 'failed'} with status {status}"
         + (f" ({code})" if code else "")
@@ -381,7 +389,7 @@ def upstream_error(
         code=code or ("rate_limited" if status == 429 else "upstream_error"),
         status=status if refused else 502,
         param=param,
-        type=kind if kind in ERROR_TYPES else (RATE_LIMIT if status == 429 else INVALID_REQUEST if refused else SERVER),
+        type=kind,
         headers=retry,
     )
 

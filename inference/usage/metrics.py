@@ -3,8 +3,9 @@
 Each API process exposes its own numbers at ``/metrics``; Prometheus scrapes every process and adds
 them up. Labels stay few and bounded: model, organization (slug), status and error code. Model ids come
 from the catalog (a client's unknown model is refused before it is counted); even so, past
-``MAX_MODEL_LABELS`` distinct ids the others share the label ``other``, so that nothing a client sends
-can grow the exposition without bound.
+``MAX_MODEL_LABELS`` distinct ids the others share the label ``other``, and past ``MAX_ERROR_CODE_LABELS``
+error codes (a gateway's upstream names its own) likewise, so that nothing a client or an upstream sends can grow
+the exposition without bound.
 
 The request path calls:
 
@@ -100,20 +101,32 @@ for _reason in ("database_unavailable", "refused", "organization_deleted", "shut
 
 
 MAX_MODEL_LABELS = 1000
+MAX_ERROR_CODE_LABELS = 200
 OTHER_MODEL = "other"
 _model_labels: set[str] = set()
-_model_labels_lock = threading.Lock()
+_error_code_labels: set[str] = set()
+_labels_lock = threading.Lock()
 
 
 def model_label(model: str) -> str:
     """``model`` as a label value: itself, or ``other`` once ``MAX_MODEL_LABELS`` others have been seen."""
-    if model in _model_labels:
-        return model
-    with _model_labels_lock:
-        if len(_model_labels) >= MAX_MODEL_LABELS:
+    return _bounded(model, _model_labels, MAX_MODEL_LABELS)
+
+
+def error_code_label(code: str) -> str:
+    """An error code as a label value: itself, or ``other`` once ``MAX_ERROR_CODE_LABELS`` others have been seen (a
+    gateway's upstream names codes of its own)."""
+    return _bounded(code, _error_code_labels, MAX_ERROR_CODE_LABELS)
+
+
+def _bounded(value: str, seen: set[str], most: int) -> str:
+    if value in seen:
+        return value
+    with _labels_lock:
+        if len(seen) >= most:
             return OTHER_MODEL
-        _model_labels.add(model)
-    return model
+        seen.add(value)
+    return value
 
 
 def observe_request(
@@ -132,7 +145,7 @@ def observe_request(
 ) -> None:
     """Count one finished request (any outcome) and its tokens and timings."""
     model = model_label(model)
-    REQUESTS.labels(model, organization, endpoint, str(status), error_code).inc()
+    REQUESTS.labels(model, organization, endpoint, str(status), error_code_label(error_code)).inc()
     for kind, count in (
         ("input", input_tokens),
         ("output", output_tokens),

@@ -382,6 +382,36 @@ async def test_an_upstream_503_passes_on_when_to_come_back(gw: Gateway, path: st
 
 
 @BOTH
+async def test_an_upstream_key_echoed_as_its_errors_code_or_param_is_neither_relayed_nor_recorded(
+    gw: Gateway, path: str
+) -> None:
+    refusal = {"message": "no", "type": "invalid_request_error", "param": UPSTREAM_KEY, "code": UPSTREAM_KEY}
+    await gw.offer("echoing", answer(400, {"error": refusal}))
+
+    response = await gw.post("echoing", path=path)
+
+    assert response.status_code == 400 and UPSTREAM_KEY not in response.content.decode()
+    assert error_of(response) | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    assert (await gw.record(response)).error_code == "upstream_error"
+
+
+@BOTH
+async def test_an_upstream_429_is_a_rate_limit_error_whatever_type_it_gives(gw: Gateway, path: str) -> None:
+    refusal = {"message": "slow down", "type": "invalid_request_error", "param": None, "code": "rate_limit_exceeded"}
+    await gw.offer("limited", answer(429, {"error": refusal}))
+
+    response = await gw.post("limited", path=path)
+
+    assert response.status_code == 429
+    assert (error_of(response)["type"], error_of(response)["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+
+
+@BOTH
 async def test_an_openai_error_with_fields_of_its_own_reaches_the_client_in_four_fields(gw: Gateway, path: str) -> None:
     refusal = {"message": "no", "type": "invalid_request_error", "param": "messages", "code": "bad", "host": "db-7"}
     await gw.offer("chatty", answer(400, {"error": refusal}))

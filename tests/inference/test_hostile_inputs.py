@@ -307,6 +307,19 @@ def test_past_the_bound_model_labels_share_one_value(monkeypatch: pytest.MonkeyP
     assert [metrics.model_label(name) for name in ("a", "c", "d", "e", "b")] == ["a", "c", "other", "other", "b"]
 
 
+def test_past_the_bound_error_code_labels_share_one_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gateway's upstream names codes of its own: each would be a new series.
+    monkeypatch.setattr(metrics, "MAX_ERROR_CODE_LABELS", 2)
+    monkeypatch.setattr(metrics, "_error_code_labels", {""})
+
+    assert [metrics.error_code_label(code) for code in ("", "rate_limited", "x1", "x2")] == [
+        "",
+        "rate_limited",
+        "other",
+        "other",
+    ]
+
+
 async def test_a_request_the_runner_refuses_before_its_first_token_is_recorded_with_no_tokens(
     api: API, catalog_model: CatalogEntry
 ) -> None:
