@@ -20,6 +20,7 @@ GATEWAY_PARAMETERS = [
     ("store", "store: true (the upstream keeps the response)"),
     ("background", "background mode"),
     ("hosted_tools", "tools that run on the upstream's side (web search, file search, …)"),
+    ("stored_objects", "what the upstream's account keeps, by id (files, stored items, prompts)"),
 ]
 CAPABILITIES = ("json_schema", "image_input", "tools", "reasoning")
 # A model id (``b3os/smollm2-135m-instruct``, ``ft:gpt-4o:acme::x1``): catalog entries are named this way, and a

@@ -174,6 +174,12 @@ def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
         raise unsupported_parameter("store", f"store: true is not offered for {entry.public_id!r} on this node")
     if "background" not in allowed and body.get("background"):
         raise unsupported_parameter("background", f"background mode is not offered for {entry.public_id!r}")
+    if "stored_objects" not in allowed and (where := _stored_object(body)) is not None:
+        raise unsupported_parameter(
+            where,
+            f"what the upstream's account keeps (files, stored items, prompts) is not named by id for "
+            f"{entry.public_id!r}: every organization shares that account; send the content itself",
+        )
     if "hosted_tools" in allowed:
         return
     if body.get("web_search_options") is not None:
@@ -185,6 +191,37 @@ def refuse_unallowed(body: dict[str, Any], entry: CatalogEntry) -> None:
             raise unsupported_parameter(
                 f"tools.{index}.type", f"{kind} tools are not offered for {entry.public_id!r} on this node"
             )
+
+
+def _stored_object(body: dict[str, Any]) -> str | None:
+    """Where the body names something the upstream's account keeps: a stored prompt, a stored item
+    (``item_reference``), or a file by ``file_id`` anywhere in the conversation; None when it names nothing."""
+    if body.get("prompt") is not None:
+        return "prompt"
+    for field in ("messages", "input"):
+        items = body.get(field)
+        for index, item in enumerate(items if isinstance(items, list) else ()):
+            if isinstance(item, dict) and (
+                item.get("type") == "item_reference" or ("id" in item and "type" not in item and "role" not in item)
+            ):
+                return f"{field}.{index}"
+            if (where := _file_id_in(item, f"{field}.{index}")) is not None:
+                return where
+    return None
+
+
+def _file_id_in(value: Any, where: str) -> str | None:
+    """The path of the first ``file_id`` in ``value`` (walked without recursion), or None."""
+    stack = [(where, value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("file_id") is not None:
+                return f"{path}.file_id"
+            stack.extend((f"{path}.{key}", child) for key, child in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((f"{path}.{index}", child) for index, child in reversed(list(enumerate(node))))
+    return None
 
 
 MOST_CHOICES = 128

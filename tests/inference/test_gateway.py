@@ -84,7 +84,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         org="gw",
     )
     # The upstream's models this node offers through the gateway; the fake upstream's names pick its behaviour.
-    server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n")
+    server.manage("add_gateway_model", "upstream/gpt-x", "--allow", "n,stored_objects")
     server.manage(
         "add_gateway_model",
         "slow",
@@ -326,6 +326,10 @@ def test_a_gateway_model_is_not_served_by_the_node(setup: Setup) -> None:
     assert '"route": "gateway"' in response.json()["error"]["message"]
 
 
+# Every organization shares the upstream's account: an id would reach whatever it names there.
+STORED_FILE = {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-abc"}}]}]}
+
+
 @pytest.mark.parametrize(
     ("extra", "path", "param"),
     [
@@ -336,8 +340,20 @@ def test_a_gateway_model_is_not_served_by_the_node(setup: Setup) -> None:
         ({"tools": [{"type": "web_search"}]}, "/v1/infer/responses", "tools.0.type"),
         ({"previous_response_id": "resp_of_another_tenant"}, "/v1/infer/responses", "previous_response_id"),
         ({"conversation": "conv_1"}, "/v1/infer/responses", "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "/v1/infer/responses", "prompt"),
+        ({"input": [{"type": "item_reference", "id": "msg_abc"}]}, "/v1/infer/responses", "input.0"),
+        ({"input": [{"id": "msg_abc"}]}, "/v1/infer/responses", "input.0"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-abc"}]}]},
+            "/v1/infer/responses",
+            "input.0.content.0.file_id",
+        ),
+        (STORED_FILE, "/v1/infer/chat/completions", "messages.0.content.0.file.file_id"),
     ],
-    ids=["n", "store", "web-search", "background", "hosted-tool", "a-stored-response", "a-stored-conversation"],
+    ids=[
+        *("n", "store", "web-search", "background", "hosted-tool", "a-stored-response", "a-stored-conversation"),
+        *("a-stored-prompt", "a-stored-item", "a-stored-item-by-id-alone", "a-stored-file", "a-stored-file-in-chat"),
+    ],
 )
 def test_what_the_node_refuses_is_refused_on_the_gateway_unless_the_entry_allows_it(
     setup: Setup, extra: dict, path: str, param: str
@@ -388,6 +404,13 @@ def test_what_the_gateway_reads_of_a_body_is_checked_before_anything_reaches_the
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert code is None or error["code"] == code
     assert setup.last() == before
+
+
+def test_an_entry_that_allows_stored_objects_forwards_a_file_by_its_id(setup: Setup) -> None:
+    response = setup.post({**chat(model="upstream/gpt-x"), **STORED_FILE})
+
+    assert response.status_code == 200, response.text
+    assert setup.last()["body"]["messages"] == STORED_FILE["messages"]
 
 
 def test_responses_sent_upstream_are_not_stored_there_unless_the_entry_allows_it(setup: Setup) -> None:
