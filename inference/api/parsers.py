@@ -37,10 +37,10 @@ class JSONBodyParser(BaseParser):
         # Counted before parsing, which would build them all: brackets and commas in strings are neither.
         if brackets > containers or brackets + raw.count(b",") >= values:
             bare = _STRING.sub(b"", raw)
-            if bare.count(b"{") + bare.count(b"[") > containers:
+            if (bare_brackets := bare.count(b"{") + bare.count(b"[")) > containers:
                 raise body_too_complex(containers, "objects and arrays")
             # Each value but the first of an object or array follows a comma: at most one more value than these.
-            if bare.count(b"{") + bare.count(b"[") + bare.count(b",") >= values:
+            if bare_brackets + bare.count(b",") >= values:
                 raise body_too_complex(values, "values")
         exact = _LONG_INTEGER.search(raw) is not None
         try:

@@ -564,13 +564,18 @@ def _hide_response_failure(response: dict[str, Any], tally: UpstreamUsage, *, re
     """A Response's ``error`` and ``incomplete_details`` in the API's words, as a stream's ``response.failed`` has
     them: the upstream's message may name its accounts or hosts, and is logged under the request id instead."""
     if (error := response.get("error")) is not None:
-        code = (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
+        code = _failure_code(error)
         logger.warning("the gateway failed request %s: %.2000r", request_id, redacted(orjson.dumps(error), secret))
         tally.status, tally.error_code = 502, code
         message = f"The gateway failed ({code}). Quote the request id {request_id} when you report it."
         response["error"] = {"code": code, "message": message}
     if "incomplete_details" in response:
         response["incomplete_details"] = incomplete_details(response["incomplete_details"])
+
+
+def _failure_code(error: Any) -> str:
+    """A failed Response's error code when it is a plain name, else ``upstream_error``."""
+    return (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
 
 
 def incomplete_details(details: Any) -> dict[str, str] | None:
@@ -848,8 +853,7 @@ class StreamRelay:
     def _hide_failure(self, event: bytes, data: dict[str, Any]) -> None:
         """A ``response.failed`` event recorded as the failure it is, its error put in the API's words."""
         response = data.get("response")
-        error = response.get("error") if isinstance(response, dict) else None
-        code = (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
+        code = _failure_code(response.get("error") if isinstance(response, dict) else None)
         message = self._failed(event, code)
         if isinstance(response, dict):
             response["error"] = {"code": code, "message": message}

@@ -80,9 +80,13 @@ def _part_text(part: wire.InputText | wire.OutputText | wire.Refusal) -> str:
     return part.refusal if isinstance(part, wire.Refusal) else part.text
 
 
-# The parts a message of each role may hold, as OpenAI takes them: what the model wrote is an assistant's alone.
-_INPUT_PARTS = ("input_text", "input_image", "input_file")
-_ASSISTANT_PARTS = ("output_text", "refusal")
+# The parts a message of each role may hold, as OpenAI takes them (and names them when refusing one): what the model
+# wrote is an assistant's alone. input_audio is refused on its own, as content this node does not take.
+_ASSISTANT_PARTS = (frozenset({"output_text", "refusal"}), "'output_text' and 'refusal'")
+_INPUT_PARTS = (
+    frozenset({"input_text", "input_image", "input_file", "input_audio"}),
+    "'input_text', 'input_image', and 'input_file'",
+)
 
 
 def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict[str, Any]]:
@@ -90,12 +94,10 @@ def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict
     if isinstance(item.content, str):
         return item.content
     parts: list[dict[str, Any]] = []
-    allowed = _ASSISTANT_PARTS if item.role == "assistant" else (*_INPUT_PARTS, "input_audio")
+    allowed, supported = _ASSISTANT_PARTS if item.role == "assistant" else _INPUT_PARTS
     for index, part in enumerate(item.content):
         at = _at(where, f"content.{index}")
         if part.type not in allowed:
-            listed = _ASSISTANT_PARTS if item.role == "assistant" else _INPUT_PARTS
-            supported = ", ".join(f"'{kind}'" for kind in listed[:-1]) + f"{',' * (len(listed) > 2)} and '{listed[-1]}'"
             raise invalid_request(
                 f"Invalid value: '{part.type}'. Supported values are: {supported}.",
                 param=_at(where, f"content.{index}.type"),

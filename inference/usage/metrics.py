@@ -102,7 +102,7 @@ for _reason in ("database_unavailable", "refused", "organization_deleted", "shut
 
 MAX_MODEL_LABELS = 1000
 MAX_ERROR_CODE_LABELS = 200
-OTHER_MODEL = "other"
+OTHER_LABEL = "other"
 _model_labels: set[str] = set()
 _error_code_labels: set[str] = set()
 _labels_lock = threading.Lock()
@@ -124,7 +124,7 @@ def _bounded(value: str, seen: set[str], most: int) -> str:
         return value
     with _labels_lock:
         if len(seen) >= most:
-            return OTHER_MODEL
+            return OTHER_LABEL
         seen.add(value)
     return value
 
