@@ -302,8 +302,14 @@ class _Engine:
                 request.events.put(self._snapshot(step, top_logprobs, job.sampling.stop, params.end_id))
         except self.api.RequestError as exc:
             request.events.put(_Failed(exc, _refusal_code(exc)))
-        except Exception as exc:  # noqa: BLE001  (a background error: the library shut the executor down)
-            request.events.put(_Failed(exc, "generation_failed", fatal=True))
+        except Exception as exc:  # noqa: BLE001
+            # An error the executor's own threads failed with reaches a result once the library has shut the executor
+            # down (executor.py, _handle_background_error); one raised as this result read its own response
+            # (result.py, _handle_sequence: "Unknown finish reason", its logprobs' length) leaves it serving the others.
+            fatal = _engine_down(self.llm)
+            if not fatal:
+                request._abort_in_loop()  # the engine may still be writing what nobody reads
+            request.events.put(_Failed(exc, "generation_failed", fatal=fatal))
         else:
             request.events.put(_END)
 
@@ -379,10 +385,22 @@ def _ended_by_end_token(step: Any, completion: Any, token_ids: list[int], end_id
     )
 
 
+def _engine_down(llm: Any) -> bool:
+    """Whether the library has shut the engine down: its own test before it takes a request (llm.py, generate_async:
+    "LLM is shutting down")."""
+    executor = getattr(llm, "_executor", None)
+    return executor is None or bool(executor.is_shutdown())
+
+
+# How the library refuses a prompt with no room for its answer: longer than max_num_tokens (llm.py _check_arguments),
+# or leaving nothing under max_seq_len (base_worker.py _deduce_max_tokens in later 1.2 releases; in earlier ones the
+# runtime's check of the request it builds with what is left, Request::validate).
+_NO_ROOM: Final = ("max_num_tokens", "max_seq_len", "mMaxNewTokens > 0")
+
+
 def _refusal_code(exc: BaseException) -> str:
-    # The library refuses a prompt longer than max_num_tokens (llm.py _check_arguments).
     message = str(exc)
-    return "context_length_exceeded" if "max_num_tokens" in message or "max_seq_len" in message else "generation_failed"
+    return "context_length_exceeded" if any(words in message for words in _NO_ROOM) else "generation_failed"
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -54,6 +54,7 @@ around it follows TensorRT-LLM's PyTorch executor, each rule from the file named
 from __future__ import annotations
 
 import json
+import queue
 import random
 import re
 import threading
@@ -67,6 +68,7 @@ import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
 from .executor.result import CANCELLED, END_ID, LENGTH, STOP_WORDS, Logprob
+from .executor.utils import RequestError
 from .sampling_params import GuidedDecodingParams, SamplingParams
 
 STEP_SECONDS = 0.001
@@ -409,6 +411,8 @@ class ToyExecutor:
         self._active: dict[int, _Slot] = {}
         self._last_id = 0
         self._shutdown = False
+        # What the executor's background threads fail with (the engine's loop, CUDA): executor.py's ``_error_queue``.
+        self._error_queue: queue.Queue[Exception] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="toy-tensorrt-llm-engine", daemon=True)
         self._thread.start()
 
@@ -466,6 +470,17 @@ class ToyExecutor:
 
     def is_shutdown(self) -> bool:
         return self._shutdown
+
+    def _handle_background_error(self, error: str | None = None) -> None:
+        """``executor.py``'s, which every result calls as it handles a response: a request's own error string is
+        raised as ``RequestError``; an error a background thread queued shuts the executor down first, and is then
+        raised to whichever result handles a response next."""
+        if error is not None:
+            raise RequestError(error)
+        if not self._error_queue.empty():
+            exc = self._error_queue.get()
+            self.shutdown()
+            raise exc
 
     def shutdown(self) -> None:
         with self._cond:

@@ -16,7 +16,8 @@ Stop strings end a request in two ways, both kept here:
   ``finish_reason`` "stop" and ``stop_reason``, aborts the request and ends the iteration.
 
 A response carrying an error is raised as ``RequestError`` (the executor's background error handler
-does so for a per-request error string).
+does so for a per-request error string). An error one of the executor's own threads failed with is raised,
+once the handler has shut the executor down, by whichever result handles a response next.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..sampling_params import SamplingParams
-from .utils import RequestError, has_event_loop
+from .utils import has_event_loop
 
 if TYPE_CHECKING:
     from .._toy import EngineResponse, ToyExecutor
@@ -174,9 +175,10 @@ class GenerationResult:
 
     # -- response handling, after GenerationResultBase._handle_response and _handle_sequence --------
     def _handle_response(self, response: EngineResponse) -> None:
+        assert self._executor is not None
         if response.error is not None:
-            # The real executor's background error handler turns a per-request error string into this.
-            raise RequestError(response.error)
+            # The executor's background error handler raises a per-request error string as RequestError.
+            self._executor._handle_background_error(response.error)
         self._done = response.is_final
         self.cached_tokens = response.cached_tokens
         self.decoding_iter += 1
@@ -208,6 +210,9 @@ class GenerationResult:
                 output.finish_reason = "timeout"
             elif response.finish_reason != CANCELLED:
                 raise ValueError(f"Unknown finish reason: {response.finish_reason}")
+
+        # Background errors are raised here, as soon as any result handles a response.
+        self._executor._handle_background_error()
 
         # DetokenizedGenerationResultBase._handle_response
         if params.detokenize and self.tokenizer is not None:

@@ -19,6 +19,10 @@ from ..sampling_params import SamplingParams
 from .llm_args import TorchLlmArgs
 from .tokenizer import TransformersTokenizer
 
+# Later 1.2 sources refuse a prompt that leaves no room under ``max_seq_len`` in ``_deduce_max_tokens`` itself, naming
+# ``max_seq_len``; earlier ones leave it to the runtime, whose message names neither. Tests set this to False for those.
+DEDUCE_MAX_TOKENS_REFUSES = True
+
 
 class RequestOutput(GenerationResult):
     """The output data of a completion request to the LLM."""
@@ -143,6 +147,13 @@ class LLM:
         the room left under ``max_seq_len`` with only a logged warning, refused when no room is left."""
         max_seq_len = self.args.max_seq_len or MAX_POSITION_EMBEDDINGS
         default_max_tokens = max_seq_len - prompt_len
+        if default_max_tokens <= 0 and not DEDUCE_MAX_TOKENS_REFUSES:
+            # Earlier 1.2 sources only log a warning here and build the request with the count left, which the
+            # runtime's own check of the request refuses (``Request::validate``: ``TLLM_CHECK(mMaxNewTokens > 0)``).
+            raise ValueError(
+                "[TensorRT-LLM][ERROR] Assertion failed: mMaxNewTokens > 0 "
+                "(/src/tensorrt_llm/cpp/tensorrt_llm/executor/requestImpl.h:96)"
+            )
         if default_max_tokens <= 0:
             raise ValueError(
                 f"`default_max_tokens` ({default_max_tokens}) must be greater than 0, "

@@ -1110,12 +1110,15 @@ def test_a_prompt_and_max_tokens_beyond_max_seq_len_are_refused_before_anything_
 
 
 @pytest.mark.parametrize("single_process", [False, True], ids=["executor process", "single process"])
+@pytest.mark.parametrize("deduce_refuses", [True, False], ids=["later 1.2", "earlier 1.2"])
 def test_a_prompt_that_leaves_no_room_under_the_models_own_max_seq_len_is_refused_as_too_long(
-    engine: Seen, monkeypatch: pytest.MonkeyPatch, single_process: bool
+    engine: Seen, monkeypatch: pytest.MonkeyPatch, single_process: bool, deduce_refuses: bool
 ) -> None:
     # No max_seq_len in the settings: the runner cannot check, and the executor refuses the prompt as it enqueues it
-    # (in generate_async itself when it runs in this process, in the result's iteration otherwise).
+    # (in generate_async itself when it runs in this process, in the result's iteration otherwise), in later
+    # releases' words or, in earlier ones, the runtime's.
     monkeypatch.setenv("TLLM_WORKER_USE_SINGLE_PROCESS", "1" if single_process else "0")
+    monkeypatch.setattr(sys.modules["tensorrt_llm.llmapi.llm"], "DEDUCE_MAX_TOKENS_REFUSES", deduce_refuses)
     monkeypatch.setattr(sys.modules["tensorrt_llm._toy"], "MAX_POSITION_EMBEDDINGS", 8)
     monkeypatch.setattr(sys.modules["tensorrt_llm.llmapi.llm"], "MAX_POSITION_EMBEDDINGS", 8)
     runner = runner_module.load(SETTINGS)
@@ -1156,6 +1159,50 @@ def test_a_failure_during_generation_surfaces_as_a_runner_error(
     chunks, _ = collect(runner.stream(make_job("still here"), never))
     assert "".join(c.text for c in chunks) == "still here"
     assert len(engine.llms) == 1
+
+
+def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
+    trtllm: types.ModuleType, engine: Seen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = runner_module.load(SETTINGS)
+    result_class = sys.modules["tensorrt_llm.executor.result"].GenerationResult
+    handle_response = result_class._handle_response
+
+    def odd(self: Any, response: Any) -> None:
+        # As result.py's _handle_sequence raises for what it cannot read (a finish reason it does not know, logprobs
+        # of another length than the output): this request's failure, with the executor still running.
+        if "odd" in self.tokenizer.decode(self.prompt_token_ids):
+            raise ValueError("Unknown finish reason: 9")
+        handle_response(self, response)
+
+    monkeypatch.setattr(result_class, "_handle_response", odd)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("odd one"), never))
+
+    assert raised.value.code == "generation_failed"
+    assert engine.calls[0].output.aborted()  # not left writing an answer nobody reads
+    chunks, _ = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    assert len(engine.llms) == 1
+
+
+def test_an_error_the_executor_fails_with_takes_the_engine_down_and_the_next_request_loads_it_again(
+    engine: Seen,
+) -> None:
+    runner = runner_module.load(SETTINGS)
+    collect(runner.stream(make_job("first"), never))
+    # What the executor's own threads fail with reaches the next result that handles a response, once the executor
+    # has shut down (executor.py, _handle_background_error).
+    engine.llms[0]._executor._error_queue.put(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("second"), never))
+
+    assert raised.value.code == "generation_failed"
+    chunks, _ = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    assert len(engine.llms) == 2
 
 
 def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen) -> None:
