@@ -53,7 +53,7 @@ from inference.engine.generation import Done, Failed, Generation, GenerationRequ
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import APIError, from_exception, invalid_request
+from inference.openai.errors import UNAVAILABLE_CODES, APIError, from_exception, invalid_request
 from inference.openai.shared import response_usage
 from inference.serving import responses, revocation
 from inference.serving.caller import generation_error
@@ -330,6 +330,7 @@ class AgentTurn:
     _refusal: Rule | None = None
     _searched: tuple[dict[str, str], dict[str, Any]] | None = None
     _running: Generation | None = None  # the step running now, not yet in ``steps``
+    _model_took_a_step: bool = False  # whether a model took any step's job (a full queue takes none)
     # The first step's prompt tokens, which admission charged before that step ran.
     _precharged: int = 0
     _server_calls: int = 0
@@ -619,6 +620,7 @@ class AgentTurn:
         return self.encoder.feed(piece)
 
     def _count(self, generation: Generation, done: Done | None) -> None:
+        self._model_took_a_step |= generation.accepted
         if self.first_token_at is None and generation.first_token_at is not None:
             self.first_token_at = generation.first_token_at
         if done is None:
@@ -750,7 +752,14 @@ class AgentTurn:
             reasoning_tokens=usage.reasoning_tokens,
             cached_tokens=usage.cached_tokens,
             time_to_first_token_ms=self.time_to_first_token_ms(started),
+            no_room=self._had_no_room(),
         )
+
+    def _had_no_room(self) -> bool:
+        """Whether the deployment had no room for the turn: it failed as unavailable (a full queue, no worker) before
+        any model took a step's job, as a node request refused with a 503 does."""
+        failure = self.failure
+        return failure is not None and failure.code in UNAVAILABLE_CODES and not self._model_took_a_step
 
 
 # Stores of cancelled turns still running: the event loop keeps only weak references to tasks.

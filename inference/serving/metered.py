@@ -40,6 +40,9 @@ class StreamOutcome:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     time_to_first_token_ms: int | None = None
+    # The deployment had no room for it (a full queue, no worker) before any model took its job: it consumed nothing,
+    # and leaves the caller's per-minute windows as they were.
+    no_room: bool = False
 
     def record(self, meter: Meter) -> None:
         meter.record(
@@ -140,8 +143,11 @@ async def _metered(
         logger.exception("request %s: its stream failed while it was served", meter.request_id)
         raise
     finally:
-        grant.release()
         ended = outcome(ran_to_end)
         if failed:
             ended = replace(ended, status=500, error_code="internal_error")
+        if ended.no_room:
+            await grant.withdraw()
+        else:
+            grant.release()
         ended.record(meter)

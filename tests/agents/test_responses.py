@@ -39,6 +39,7 @@ from orgs.models import Organization
 from orgs.services import set_limit
 from tests.agents.conftest import AGENT_CALL, SeedClient, Tenant, agent_calls, message_text
 from tests.conftest import MODEL_ID, read_stream
+from tests.inference.test_queueing import busy, narrow_model  # noqa: F401 (a fixture)
 from tests.inference.test_responses import THOUGHTFUL, WEATHER, parse_events, toy_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -1345,6 +1346,39 @@ async def test_admission_limits_apply_to_agent_requests(
     assert "can never fit" in response.json()["error"]["message"] and "Retry-After" not in response
     (record,) = await records(endpoint="agents.responses")
     assert (record.status, record.error_code) == (429, "rate_limited")
+
+
+async def test_turns_a_model_with_no_room_failed_leave_the_callers_limits_as_they_were(
+    tenant: Tenant,
+    make_instance: Callable[..., AgentInstance],
+    narrow_model: CatalogEntry,  # noqa: F811
+    organization: Organization,
+) -> None:
+    instance = await sync_to_async(make_instance)("support.agent.narrow", model=narrow_model)
+    await sync_to_async(set_limit)(
+        organization=organization,
+        model_id=None,
+        tokens_per_minute=100_000,
+        requests_per_minute=2,
+        requests_in_flight=None,
+    )
+    with busy(narrow_model):
+        for _ in range(2):
+            events, response = await tenant.stream(model=instance.instance_id, input="Hi", max_output_tokens=16)
+            # The response had begun when its first step found no room: it fails in the stream, not with a 503.
+            assert response["status"] == "failed" and events[-2]["code"] == "overloaded"
+
+    served = await tenant.post(
+        "/v1/responses", {"model": instance.instance_id, "input": "Hi", "max_output_tokens": 16, "stream": True}
+    )
+
+    # Two turns no model took and one served: one request counts, the limit of two is not reached.
+    assert served.status_code == 200, served.content
+    await read_stream(served)
+    assert served["x-ratelimit-remaining-requests"] == "1"
+    flush()
+    failed = [record async for record in UsageRecord.objects.filter(error_code="overloaded")]
+    assert [(record.input_tokens, record.output_tokens) for record in failed] == [(0, 0), (0, 0)]
 
 
 async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_instead_of_overrunning_it(
