@@ -35,7 +35,7 @@ class _Reader:
         if self.queued >= MOST_QUEUED:
             raise APIError(
                 f"Too many usage queries are being read on this server; try again in {RETRY_AFTER_SECONDS} seconds.",
-                code="rate_limit_exceeded",
+                code="rate_limited",
                 status=429,
                 type=RATE_LIMIT,
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
