@@ -238,6 +238,23 @@ def test_a_client_that_hangs_up_cancels_the_job_on_the_worker(cluster: Cluster) 
     assert time.monotonic() - started < 15
 
 
+def test_a_worker_takes_no_job_it_has_no_thread_for_so_none_is_lost_with_it(cluster: Cluster) -> None:
+    # A job a worker has taken but not started is acknowledged, and gone from Redis: were the worker to die, its
+    # client would wait for the start timeout with another worker serving the queue.
+    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "A story."}]}
+    queued = redis.Redis.from_url(cluster.redis.url)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        lines = stream_lines(cluster, body)
+        next(line for line in lines if line.startswith("data: "))  # the worker's one thread runs this one
+        waiting = pool.submit(post, cluster, {**QUESTION, "max_tokens": 4})
+
+        assert wait_until(lambda: queued.llen(QUEUE) == 1), "the next job should wait in Redis, not in the worker"
+        time.sleep(1)  # and stay there while the worker has no thread for it
+        assert queued.llen(QUEUE) == 1
+        lines.close()  # the first job ends; its thread takes the next
+        assert waiting.result(timeout=30).status_code == 200
+
+
 def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cluster) -> None:
     body = {
         **QUESTION,
