@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.topology import DEPLOY, ROOT
+from tests.deploy.topology import ROOT, procfile_command
 from tests.services import free_port
 
 pytestmark = pytest.mark.distributed
@@ -42,7 +43,7 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
         }
         processes.append(
             subprocess.Popen(
-                ["haproxy", "-db", "-f", str(DEPLOY / "haproxy.cfg")],
+                procfile_command("lb"),
                 cwd=ROOT,
                 env=environment,
                 stdout=open(tmp_path / "haproxy.log", "ab"),
@@ -58,6 +59,7 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
                 time.sleep(0.05)
         raise RuntimeError("haproxy did not start")
 
+    start.processes = processes  # type: ignore[attr-defined]  (the balancers started, for a test that stops one)
     yield start
     for process in processes:
         process.terminate()
@@ -82,6 +84,37 @@ def fake_api(answer: bytes = b"") -> int:
 
     threading.Thread(target=serve, daemon=True).start()
     return int(listener.getsockname()[1])
+
+
+def slow_stream_api(pause: float) -> int:
+    """A port whose process answers each request with a stream: one event now, the last after ``pause`` seconds."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            try:
+                if not connection.recv(65536):
+                    return  # the balancer's health check
+                connection.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + chunk(b"data: first\n\n")
+                )
+                time.sleep(pause)
+                connection.sendall(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            except OSError:
+                pass
+
+    def serve() -> None:
+        while True:
+            connection, _ = listener.accept()
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def assert_api_error(response: httpx.Response, code: str) -> None:
@@ -155,3 +188,22 @@ def test_an_api_process_that_dies_before_answering_is_a_502_in_the_apis_error_sh
 
     assert response.status_code == 502
     assert_api_error(response, "service_unavailable")
+
+
+def test_a_balancer_told_to_stop_lets_the_streams_under_way_end_and_takes_no_new_request(balancer: Balancer) -> None:
+    api = slow_stream_api(pause=1.5)
+    url = balancer(api, api)
+    (process,) = balancer.processes  # type: ignore[attr-defined]
+
+    with httpx.stream("POST", url + "/v1/infer/chat/completions", json={}, timeout=30) as response:
+        events = response.iter_lines()
+        assert next(events) == "data: first"
+        # As honcho or systemd stops it, beside the API processes that end their streams.
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/v1/infer/models", timeout=5)
+        rest = [line for line in events if line]
+
+    assert rest == ["data: [DONE]"]
+    assert process.wait(timeout=10) == 0

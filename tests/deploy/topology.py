@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -63,6 +64,15 @@ def procfile_names() -> list[str]:
         if match := re.match(r"^([A-Za-z0-9_-]+):", line):
             names.append(match.group(1))
     return names
+
+
+def procfile_command(name: str) -> list[str]:
+    """The program and arguments deploy/Procfile runs for ``name`` (its line's words after ``exec``)."""
+    for line in PROCFILE.read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            words = shlex.split(line.split(":", 1)[1])
+            return words[1:] if words[0] == "exec" else words
+    raise LookupError(f"deploy/Procfile has no {name!r} line")
 
 
 def env_example_names() -> list[str]:
