@@ -10,7 +10,7 @@ from collections.abc import Collection
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
+from celery.signals import beat_init, worker_init, worker_process_init, worker_ready, worker_shutting_down
 from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError
@@ -98,23 +98,33 @@ def jobs_held(queues: Collection[str]) -> int:
 
 
 def worker_configuration_problems() -> list[str]:
-    """What keeps this process from serving as a worker: the settings' errors, as ``manage.py check`` reports them
-    (an API process refuses to start on them too), and no broker an API process reaches."""
+    """What keeps this process from serving as a worker or as Celery beat: the settings' errors, as ``manage.py
+    check`` reports them (an API process refuses to start on them too), and no broker an API process reaches."""
     serious = [message for message in checks.run_checks() if message.is_serious()]
     problems = [f"{message.id}: {message.msg} {message.hint or ''}".strip() for message in serious]
     if not settings.DISTRIBUTED:
         problems.append(
-            "REDIS_URL is not set: the worker would wait on a broker in its own memory, which no API process reaches. "
-            "Set REDIS_URL (and DATABASE_URL, SECRET_KEY) as the API processes have them."
+            "REDIS_URL is not set: the process would use a broker in its own memory, which no API process or worker "
+            "reaches. Set REDIS_URL (and DATABASE_URL, SECRET_KEY) as the API processes have them."
         )
     return problems
 
 
-@worker_init.connect
-def _refuse_to_start_misconfigured(**_: Any) -> None:
-    """A worker whose settings are wrong exits at once, saying why, rather than taking jobs it can only fail."""
+def _refuse_to_start_misconfigured(program: str) -> None:
     if problems := worker_configuration_problems():
-        raise SystemExit("The worker cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
+        raise SystemExit(f"{program} cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
+
+
+@worker_init.connect
+def _refuse_to_work_misconfigured(**_: Any) -> None:
+    """A worker whose settings are wrong exits at once, saying why, rather than taking jobs it can only fail."""
+    _refuse_to_start_misconfigured("The worker")
+
+
+@beat_init.connect
+def _refuse_to_schedule_misconfigured(**_: Any) -> None:
+    """So does Celery beat, rather than schedule the usage rollup and the pruning where no worker ever runs them."""
+    _refuse_to_start_misconfigured("Celery beat")
 
 
 @worker_init.connect

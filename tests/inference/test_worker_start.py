@@ -1,4 +1,5 @@
-"""A model worker whose settings are wrong exits at once and says why, instead of taking jobs it can only fail."""
+"""A model worker whose settings are wrong exits at once and says why, instead of taking jobs it can only fail; so does
+Celery beat, instead of scheduling the housekeeping where no worker runs it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from tests.conftest import ROOT
     ],
     ids=["without-redis", "threads-not-a-number", "the-example-secret"],
 )
-def test_a_worker_with_wrong_settings_exits_saying_why(tmp_path: Path, env: dict[str, str], said: str) -> None:
+@pytest.mark.parametrize(
+    ("program", "arguments"),
+    [
+        ("The worker", ["worker", "-Q", "model.any", "--pool", "threads"]),
+        ("Celery beat", ["beat"]),
+    ],
+    ids=["worker", "beat"],
+)
+def test_a_worker_or_beat_with_wrong_settings_exits_saying_why(
+    tmp_path: Path, env: dict[str, str], said: str, program: str, arguments: list[str]
+) -> None:
     # It kept running: on a broker in its own memory, or failing every job with a 500 while /health said ok.
     base = {
         **os.environ,
@@ -31,8 +42,10 @@ def test_a_worker_with_wrong_settings_exits_saying_why(tmp_path: Path, env: dict
         "SECRET_KEY": "worker-start-tests",
     }
 
+    schedule = ["--schedule", str(tmp_path / "celerybeat-schedule")] if program == "Celery beat" else []
+
     started = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "model.any", "--pool", "threads"],
+        [sys.executable, "-m", "celery", "-A", "config", *arguments, *schedule],
         cwd=ROOT,
         env={**base, **env},
         capture_output=True,
@@ -41,5 +54,5 @@ def test_a_worker_with_wrong_settings_exits_saying_why(tmp_path: Path, env: dict
     )
 
     assert started.returncode == 1
-    assert "The worker cannot start:" in started.stderr
+    assert f"{program} cannot start:" in started.stderr
     assert said in started.stderr
