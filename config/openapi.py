@@ -72,10 +72,16 @@ EXTENSIONS: dict[str, dict[str, Any]] = {
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
             "b3os": {
-                "description": "This platform's: what the model can do; requests that need more get a 400.",
+                "description": (
+                    "This platform's: what the model can do (requests that need more get a 400), and the route that "
+                    'serves it: a gateway model is asked for with "route": "gateway".'
+                ),
                 "type": "object",
-                "required": list(CAPABILITIES),
-                "properties": {name: {"type": "boolean"} for name in CAPABILITIES},
+                "required": [*CAPABILITIES, "route"],
+                "properties": {
+                    **{name: {"type": "boolean"} for name in CAPABILITIES},
+                    "route": {"enum": ["node", "gateway"]},
+                },
             },
         },
     },

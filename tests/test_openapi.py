@@ -56,7 +56,13 @@ async def test_every_schema_in_it_is_valid_json_schema_and_names_the_b3os_extens
 
     for schema in schemas.values():
         Draft202012Validator.check_schema(schema)
-    assert schemas["Model"]["properties"]["b3os"]["required"] == ["json_schema", "image_input", "tools", "reasoning"]
+    assert schemas["Model"]["properties"]["b3os"]["required"] == [
+        "json_schema",
+        "image_input",
+        "tools",
+        "reasoning",
+        "route",
+    ]
     assert schemas["ChatCompletionRequest"]["properties"]["model"]["maxLength"] == 200
     assert "route" in schemas["ResponseCreateRequest"]["properties"]
 

@@ -386,8 +386,11 @@ class StreamOptions(WireModel):
 # --- models -------------------------------------------------------------------------------------
 
 
-def model_object(*, model_id: str, created: int, owned_by: str, capabilities: dict[str, bool]) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "b3os": capabilities}
+def model_object(
+    *, model_id: str, created: int, owned_by: str, capabilities: dict[str, bool], route: Literal["node", "gateway"]
+) -> dict[str, Any]:
+    b3os = {**capabilities, "route": route}
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "b3os": b3os}
 
 
 def model_list(models: list[dict[str, Any]]) -> dict[str, Any]:

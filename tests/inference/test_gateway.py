@@ -125,6 +125,12 @@ def test_a_model_the_node_does_not_serve_points_to_the_gateway(setup: Setup) -> 
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_available"
     assert '"route": "gateway"' in response.json()["error"]["message"]
+    # The models list says so too.
+    listed = httpx.get(
+        setup.server.url + "/v1/infer/models", headers={"Authorization": f"Bearer {setup.server.key}"}, timeout=30
+    ).json()
+    routes = {model["id"]: model["b3os"]["route"] for model in listed["data"]}
+    assert (routes["upstream/gpt-x"], routes[MODEL_ID]) == ("gateway", "node")
 
 
 def test_it_forwards_a_request_and_says_which_way_it_went(setup: Setup) -> None:

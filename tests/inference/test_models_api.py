@@ -15,7 +15,13 @@ async def test_it_lists_the_enabled_models_as_openai_does(api: API, openai_spec:
     body = response.json()
     openai_spec.validate("ListModelsResponse", body)
     assert [m["id"] for m in body["data"]] == [MODEL_ID]
-    assert body["data"][0]["b3os"] == {"json_schema": True, "image_input": False, "tools": True, "reasoning": False}
+    assert body["data"][0]["b3os"] == {
+        "json_schema": True,
+        "image_input": False,
+        "tools": True,
+        "reasoning": False,
+        "route": "node",
+    }
 
 
 async def test_it_retrieves_one_model_by_its_id_with_a_slash(api: API, openai_spec: OpenAISpec) -> None:
