@@ -66,6 +66,15 @@ PRESENCE_TTL_SECONDS = 5
 # refused, and how often it is looked at meanwhile.
 BACKLOG_WAIT_SECONDS = 0.5
 BACKLOG_POLL_SECONDS = 0.05
+# How long a job taken off its queue may take to send its first message (a worker waits up to LISTENER_WAIT_SECONDS
+# for the listener first) before the job is counted as lost.
+LOST_AFTER_SECONDS = 5.0
+
+
+def queued_key(job_id: str) -> str:
+    """Set while the job waits on its queue's list, and deleted by the worker that takes it: a job gone from both the
+    list and this key without starting was lost with Redis's memory (a restart without persistence) or its worker."""
+    return f"b3os:job-queued:{job_id}"
 
 
 def presence_key(queue: str) -> str:
@@ -78,6 +87,10 @@ class _Unserved(Exception):
 
 class _Busy(TimeoutError):
     """The job's start timed out while workers consumed its queue: they had no room for it in time."""
+
+
+class _Lost(Exception):
+    """The job's ``queued_key`` went without the job starting: nothing holds the job any more."""
 
 
 T = TypeVar("T")
@@ -149,6 +162,11 @@ class ChannelJob:
                     yield [JobFailed("no_worker", f"no worker consumes the queue {self._queue}")]
                 return
             reply = await self._open_reply()
+            await _on_a_live_connection(
+                lambda: async_client().set(
+                    queued_key(self._job.job_id), 1, px=math.ceil(settings.JOB_START_TIMEOUT_SECONDS * 1000)
+                )
+            )
             await asyncio.to_thread(
                 current_app.send_task,
                 GENERATE_TASK,
@@ -240,6 +258,10 @@ class ChannelJob:
             except _Unserved:
                 yield [JobFailed("no_worker", f"no worker consumes the queue {self._queue}")]
                 return
+            except _Lost:
+                why = "the job was lost before it started: Redis restarted, or the worker that took it died"
+                yield [JobFailed("service_unavailable", why)]
+                return
             if message is None:  # this side closed the channel: the job was cancelled
                 return
             if isinstance(seq := message.get("seq"), int) and seq < expected:
@@ -257,11 +279,14 @@ class ChannelJob:
         closed. While waiting, Redis is asked every ``OUTAGE_CHECK_SECONDS`` whether it is still there, so a job does
         not hold its client for the whole timeout once Redis is gone (the pub/sub layer reconnects quietly); and, for
         the ``first`` message, whether a worker consumes the queue (``_Unserved`` once none has for a while; ``_Busy``
-        when the time is up while one does)."""
+        when the time is up while one does), and whether the job is still queued or taken (``_Lost`` once it has been
+        neither for a while)."""
         loop = asyncio.get_running_loop()
+        job_id = self._job.job_id
         deadline = loop.time() + timeout
         served = loop.time()  # when a worker was last known to consume the queue, or the wait began
         present = -math.inf  # when one was last seen to
+        held = loop.time()  # when the job was last known to be queued, or the wait began
         self._receive = receive = asyncio.ensure_future(self._layer.receive(reply))
         while not receive.done():
             await asyncio.wait({receive}, timeout=max(0.0, min(OUTAGE_CHECK_SECONDS, deadline - loop.time())))
@@ -271,7 +296,14 @@ class ChannelJob:
                 raise _Busy if first and loop.time() - present < PRESENCE_TTL_SECONDS else TimeoutError
             if not first:
                 await async_client().ping()
-            elif await async_client().exists(presence_key(self._queue)):
+                continue
+            async with async_client().pipeline(transaction=False) as pipe:
+                consumed, queued = await pipe.exists(presence_key(self._queue)).exists(queued_key(job_id)).execute()
+            if queued:
+                held = loop.time()
+            elif loop.time() - held >= LOST_AFTER_SECONDS:
+                raise _Lost
+            if consumed:
                 served = present = loop.time()
             elif loop.time() - served >= PRESENCE_TTL_SECONDS:
                 raise _Unserved
@@ -451,6 +483,10 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
             elif time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
                 await send([])
 
+    try:
+        await client.delete(queued_key(job.job_id))  # taken: the API side now waits for this job's first message
+    except REDIS_ERRORS:
+        pass  # as in listened: the API side has ended the wait already, or will within LOST_AFTER_SECONDS
     deadline = time.monotonic() + LISTENER_WAIT_SECONDS
     while not await listened():
         if time.monotonic() >= deadline:

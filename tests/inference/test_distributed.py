@@ -241,10 +241,9 @@ def test_a_client_that_hangs_up_cancels_the_job_on_the_worker(cluster: Cluster) 
 def test_a_worker_takes_no_job_it_has_no_thread_for_so_none_is_lost_with_it(cluster: Cluster) -> None:
     # A job a worker has taken but not started is acknowledged, and gone from Redis: were the worker to die, its
     # client would wait for the start timeout with another worker serving the queue.
-    body = {**QUESTION, "max_tokens": 2000, "temperature": 0.9, "messages": [{"role": "user", "content": "A story."}]}
     queued = redis.Redis.from_url(cluster.redis.url)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        lines = stream_lines(cluster, body)
+        lines = stream_lines(cluster, ENDLESS)
         next(line for line in lines if line.startswith("data: "))  # the worker's one thread runs this one
         waiting = pool.submit(post, cluster, {**QUESTION, "max_tokens": 4})
 
@@ -253,6 +252,26 @@ def test_a_worker_takes_no_job_it_has_no_thread_for_so_none_is_lost_with_it(clus
         assert queued.llen(QUEUE) == 1
         lines.close()  # the first job ends; its thread takes the next
         assert waiting.result(timeout=30).status_code == 200
+
+
+def test_a_queued_job_redis_lost_fails_soon_with_a_503_not_at_the_start_timeout(cluster: Cluster) -> None:
+    # As a Redis restart without persistence loses it, between two of the API process's looks at Redis.
+    store = redis.Redis.from_url(cluster.redis.url)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        lines = stream_lines(cluster, ENDLESS)
+        next(line for line in lines if line.startswith("data: "))  # the worker's one thread runs this one
+        waiting = pool.submit(post, cluster, {**QUESTION, "max_tokens": 4})
+        assert wait_until(lambda: store.llen(QUEUE) == 1)
+        store.delete(QUEUE, *store.keys(dispatch.queued_key("*")))
+        lost_at = time.monotonic()
+
+        refused = waiting.result(timeout=30)
+
+        # Before JOB_START_TIMEOUT_SECONDS (8 here), after which it would have been a 503 overloaded.
+        assert time.monotonic() - lost_at < 7.5
+        lines.close()
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.json()["error"]["code"] == "service_unavailable"
 
 
 def test_a_worker_that_dies_mid_stream_ends_the_stream_with_an_error(cluster: Cluster) -> None:
