@@ -327,9 +327,10 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # So a worker takes a job only when a thread of its pool is free to start it. Celery otherwise reserves up to its
-# prefetch count more beside those running: acknowledged, so gone from Redis, they would be lost with the worker (their
-# clients waiting for the start timeout while another worker serves the queue), and the backlog admission reads in
-# Redis would not count them.
+# prefetch count more beside those running: off the queue's list, and acknowledged only when a thread starts them,
+# they would come back only after the broker's visibility timeout (an hour), past their expiry, if the worker died
+# (their clients waiting for the start timeout while another worker serves the queue), and the backlog admission reads
+# in Redis would not count them.
 CELERY_WORKER_DISABLE_PREFETCH = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A worker that lost Redis keeps trying to reconnect however long it stays away (Celery's default gives up after 100

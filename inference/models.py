@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
@@ -145,6 +145,11 @@ class CatalogEntry(models.Model):
     def served_here(self) -> bool:
         """Whether a runner on this node serves the model (else it is reached only through the gateway)."""
         return self.runner != GATEWAY
+
+    @property
+    def route(self) -> Literal["node", "gateway"]:
+        """The route that serves the model: the node's runners, or the gateway's upstream."""
+        return "node" if self.served_here else "gateway"
 
     def capabilities(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in CAPABILITIES}

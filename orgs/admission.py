@@ -113,18 +113,20 @@ class Grant:
         """Releases the slot and takes the request out of the windows, its count and its charge, as though it had
         been refused: for a request no model took (a full queue, no worker), which consumed nothing. With Redis away
         the windows keep it, as they keep a slot they cannot release."""
-        if self._withdraw is not None and not self.released:
-            try:
-                await self._withdraw(self.charged)
-            except REDIS_ERRORS as exc:
-                logger.warning("a request no model took was left in the windows: %s: %s", type(exc).__name__, exc)
-            else:  # the headers tell what is left once it is out
-                for kind, back in (("requests", 1), ("tokens", self.charged)):
-                    remaining, limit = f"x-ratelimit-remaining-{kind}", f"x-ratelimit-limit-{kind}"
-                    if remaining in self.headers:
-                        left = int(self.headers[remaining]) + back
-                        self.headers[remaining] = str(min(int(self.headers[limit]), left))
-        self.release()
+        try:
+            if self._withdraw is not None and not self.released:
+                try:
+                    await self._withdraw(self.charged)
+                except REDIS_ERRORS as exc:
+                    logger.warning("a request no model took was left in the windows: %s: %s", type(exc).__name__, exc)
+                else:  # the headers tell what is left once it is out
+                    for kind, back in (("requests", 1), ("tokens", self.charged)):
+                        remaining, limit = f"x-ratelimit-remaining-{kind}", f"x-ratelimit-limit-{kind}"
+                        if remaining in self.headers:
+                            left = int(self.headers[remaining]) + back
+                            self.headers[remaining] = str(min(int(self.headers[limit]), left))
+        finally:  # cancelled meanwhile (a second hang-up, a shutdown), the slot is released all the same
+            self.release()
 
     def on_release(self, callback: Any) -> None:
         self._callbacks.append(callback)

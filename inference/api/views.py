@@ -28,7 +28,7 @@ def _model_object(entry: CatalogEntry) -> dict[str, Any]:
         created=int(entry.created.timestamp()),
         owned_by=entry.owned_by,
         capabilities=entry.capabilities(),
-        route="node" if entry.served_here else "gateway",
+        route=entry.route,
     )
 
 

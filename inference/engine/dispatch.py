@@ -81,6 +81,13 @@ def presence_key(queue: str) -> str:
     return f"b3os:queue-served:{queue}"
 
 
+# What redis-py raises, instead of its ConnectionError, when channels_redis's receive loop and a command of this module
+# both reconnect its one pub/sub connection after a Redis restart ("read() called while another coroutine is already
+# waiting", a writer already gone): the connection was lost all the same.
+_RECONNECT_RACE = (RuntimeError, AttributeError)
+_UNSUBSCRIBE_FAILURES: tuple[type[BaseException], ...] = (*REDIS_ERRORS, *_RECONNECT_RACE)
+
+
 class _Unserved(Exception):
     """No worker has said for ``PRESENCE_TTL_SECONDS`` that it consumes the job's queue."""
 
@@ -208,11 +215,9 @@ class ChannelJob:
     async def _subscribed_channel(self) -> str:
         try:
             channel: str = await self._layer.new_channel(prefix="job.")
-        except (RuntimeError, AttributeError) as exc:
+        except _RECONNECT_RACE as exc:
             # channels_redis reads its pub/sub connection from a task of its own, without the lock its subscribe
-            # holds: when both reconnect it at once after a Redis restart, redis-py fails with these ("read() called
-            # while another coroutine is already waiting", a writer already gone). The connection was lost all the
-            # same, and is told as such: tried again, else a 503.
+            # holds: told as the lost connection it is, tried again, else a 503.
             raise redis.exceptions.ConnectionError(f"the reply channel's connection broke: {exc}") from exc
         return channel
 
@@ -360,7 +365,7 @@ class ChannelJob:
                 async with shard._lock:  # as the layer sends its own commands on the connection
                     await pubsub.execute_command("UNSUBSCRIBE", reply)
                 return
-            except REDIS_ERRORS:
+            except _UNSUBSCRIBE_FAILURES:
                 if asyncio.get_running_loop().time() >= deadline:
                     logger.warning("reply channel %s may stay subscribed: Redis was away for too long", reply)
                     return
@@ -484,9 +489,11 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
                 await send([])
 
     try:
-        await client.delete(queued_key(job.job_id))  # taken: the API side now waits for this job's first message
+        # Taken: the API side waits for the job's first message now. Tried again at once on a connection a Redis
+        # restart closed, as the job's first command on this thread's pooled connection.
+        await _on_a_live_connection(lambda: client.delete(queued_key(job.job_id)))
     except REDIS_ERRORS:
-        pass  # as in listened: the API side has ended the wait already, or will within LOST_AFTER_SECONDS
+        pass  # Redis is away: the API side has ended its wait (service_unavailable) or ends it at its next look
     deadline = time.monotonic() + LISTENER_WAIT_SECONDS
     while not await listened():
         if time.monotonic() >= deadline:

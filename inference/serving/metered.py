@@ -72,17 +72,15 @@ def generation_outcome(generation: Generation, end: Done | Failed | None) -> Str
         return StreamOutcome(
             200, "", end.prompt_tokens, end.completion_tokens, end.reasoning_tokens, end.cached_tokens, ttft
         )
-    produced = {
-        "input_tokens": generation.prompt_tokens,
-        "output_tokens": generation.completion_tokens,
-        "cached_tokens": generation.cached_tokens,
-    }
-    if generation.first_token_at is None:
-        produced = {"input_tokens": 0, "output_tokens": 0}
-    if isinstance(end, Failed):
-        return StreamOutcome(status=200, error_code=end.code, time_to_first_token_ms=ttft, **produced)
+    started = generation.first_token_at is not None
+    status, code = (200, end.code) if isinstance(end, Failed) else (CLIENT_DISCONNECTED, "client_disconnected")
     return StreamOutcome(
-        status=CLIENT_DISCONNECTED, error_code="client_disconnected", time_to_first_token_ms=ttft, **produced
+        status=status,
+        error_code=code,
+        input_tokens=generation.prompt_tokens if started else 0,
+        output_tokens=generation.completion_tokens if started else 0,
+        cached_tokens=generation.cached_tokens if started else 0,
+        time_to_first_token_ms=ttft,
     )
 
 
@@ -145,9 +143,10 @@ async def _metered(
     finally:
         ended = outcome(ran_to_end)
         if failed:
-            ended = replace(ended, status=500, error_code="internal_error")
-        if ended.no_room:
-            await grant.withdraw()
-        else:
+            ended = replace(ended, status=500, error_code="internal_error", no_room=False)
+        try:
+            if ended.no_room:
+                await grant.withdraw()
+        finally:  # recorded and released even if cancelled while the windows are told
             grant.release()
-        ended.record(meter)
+            ended.record(meter)

@@ -9,28 +9,28 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.conftest import wait_until
 from tests.deploy.topology import ROOT, procfile_command
 from tests.services import free_port
 
 pytestmark = pytest.mark.distributed
 
-Balancer = Callable[..., str]
 
+class Balancer:
+    """Starts deploy/'s load balancer, as its Procfile line runs it, in front of two API ports."""
 
-@pytest.fixture
-def balancer(tmp_path: Path) -> Iterator[Balancer]:
-    """Starts deploy/'s load balancer in front of two API ports; its URL."""
-    if shutil.which("haproxy") is None:
-        pytest.fail("haproxy is not installed: `make test` installs it")
-    processes: list[subprocess.Popen[bytes]] = []
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(api_1_port: int, api_2_port: int, metrics_token: str = "the-metrics-token") -> str:
+    def __call__(self, api_1_port: int, api_2_port: int, metrics_token: str = "the-metrics-token") -> str:
+        """Its URL, once it listens."""
         bind = ("127.0.0.1", free_port())
         environment = {
             "PATH": os.environ["PATH"],
@@ -41,13 +41,14 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
             "LB_BIND": f"{bind[0]}:{bind[1]}",
             "LB_STATS_BIND": f"127.0.0.1:{free_port()}",
         }
-        processes.append(
+        self.processes.append(
             subprocess.Popen(
                 procfile_command("lb"),
                 cwd=ROOT,
                 env=environment,
-                stdout=open(tmp_path / "haproxy.log", "ab"),
+                stdout=open(self.log, "ab"),
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # a process group of its own, as honcho gives it
             )
         )
         deadline = time.monotonic() + 10
@@ -59,9 +60,14 @@ def balancer(tmp_path: Path) -> Iterator[Balancer]:
                 time.sleep(0.05)
         raise RuntimeError("haproxy did not start")
 
-    start.processes = processes  # type: ignore[attr-defined]  (the balancers started, for a test that stops one)
-    yield start
-    for process in processes:
+
+@pytest.fixture
+def balancer(tmp_path: Path) -> Iterator[Balancer]:
+    if shutil.which("haproxy") is None:
+        pytest.fail("haproxy is not installed: `make test` installs it")
+    started = Balancer(tmp_path / "haproxy.log")
+    yield started
+    for process in started.processes:
         process.terminate()
         process.wait(timeout=10)
 
@@ -111,6 +117,14 @@ def slow_stream_api(pause: float) -> int:
 
     threading.Thread(target=serve, daemon=True).start()
     return int(listener.getsockname()[1])
+
+
+def listening(url: str) -> bool:
+    try:
+        httpx.get(url + "/v1/infer/models", timeout=5)
+    except httpx.ConnectError:
+        return False
+    return True
 
 
 def chunk(data: bytes) -> bytes:
@@ -193,16 +207,14 @@ def test_an_api_process_that_dies_before_answering_is_a_502_in_the_apis_error_sh
 def test_a_balancer_told_to_stop_lets_the_streams_under_way_end_and_takes_no_new_request(balancer: Balancer) -> None:
     api = slow_stream_api(pause=1.5)
     url = balancer(api, api)
-    (process,) = balancer.processes  # type: ignore[attr-defined]
+    (process,) = balancer.processes
 
     with httpx.stream("POST", url + "/v1/infer/chat/completions", json={}, timeout=30) as response:
         events = response.iter_lines()
         assert next(events) == "data: first"
-        # As honcho or systemd stops it, beside the API processes that end their streams.
-        process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(url + "/v1/infer/models", timeout=5)
+        # As honcho stops it (its whole process group), beside the API processes that end their streams.
+        os.killpg(process.pid, signal.SIGTERM)
+        assert wait_until(lambda: not listening(url), timeout=5)
         rest = [line for line in events if line]
 
     assert rest == ["data: [DONE]"]

@@ -191,3 +191,22 @@ async def test_a_redis_command_under_way_when_its_request_is_cancelled_raises_th
         await redis_clients.async_client().aclose()
         redis_clients._async_clients.clear()
         server.terminate()
+
+
+async def test_a_withdrawal_cancelled_while_redis_answers_still_releases_the_slot() -> None:
+    # A second hang-up, or a server shutting down, while the windows are told: the slot is not held to its expiry.
+    released: list[bool] = []
+    told = asyncio.Event()
+
+    async def slow_withdraw(tokens: int) -> None:
+        told.set()
+        await asyncio.sleep(60)
+
+    grant = admission.Grant(headers={}, _release=lambda: released.append(True), _withdraw=slow_withdraw)
+    withdrawing = asyncio.ensure_future(grant.withdraw())
+    await told.wait()
+    withdrawing.cancel()
+
+    with pytest.raises(asyncio.CancelledError):
+        await withdrawing
+    assert grant.released and released == [True]

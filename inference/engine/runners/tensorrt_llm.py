@@ -387,9 +387,12 @@ def _ended_by_end_token(step: Any, completion: Any, token_ids: list[int], end_id
 
 def _engine_down(llm: Any) -> bool:
     """Whether the library has shut the engine down: its own test before it takes a request (llm.py, generate_async:
-    "LLM is shutting down")."""
-    executor = getattr(llm, "_executor", None)
-    return executor is None or bool(executor.is_shutdown())
+    "LLM is shutting down"). An engine that cannot say is taken for down."""
+    try:
+        executor = llm._executor
+        return executor is None or bool(executor.is_shutdown())
+    except Exception:  # noqa: BLE001  (a release without them)
+        return True
 
 
 # How the library refuses a prompt with no room for its answer: longer than max_num_tokens (llm.py _check_arguments),
