@@ -284,6 +284,12 @@ def test_a_chunk_declared_past_the_bound_is_refused_with_a_413_before_its_bytes_
         assert closed(sock)
 
 
+def chunked(body: bytes, size: int) -> bytes:
+    """``body`` framed in chunks of ``size`` bytes, and the last chunk."""
+    pieces = (body[n : n + size] for n in range(0, len(body), size))
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
 def test_a_body_of_one_byte_chunks_is_refused_after_a_few_of_them_not_read_to_its_end(served: Served) -> None:
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
     with served.connect() as sock:
@@ -295,9 +301,8 @@ def test_a_body_of_one_byte_chunks_is_refused_after_a_few_of_them_not_read_to_it
 def test_a_large_body_in_chunks_of_a_few_hundred_bytes_is_answered(served: Served) -> None:
     body = json.dumps(QUESTION).encode()[:-1] + b" " * 200_000 + b"}"
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[n : n + 300]), body[n : n + 300]) for n in range(0, len(body), 300))
     with served.connect() as sock:
-        sock.sendall(head + chunks + b"0\r\n\r\n")
+        sock.sendall(head + chunked(body, 300))
         response = answer(sock)
         assert response.status == 200, response.read()
 
@@ -305,9 +310,8 @@ def test_a_large_body_in_chunks_of_a_few_hundred_bytes_is_answered(served: Serve
 def test_a_chunked_body_within_the_bound_is_answered(served: Served) -> None:
     body = json.dumps(QUESTION).encode()
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[n : n + 7]), body[n : n + 7]) for n in range(0, len(body), 7))
     with served.connect() as sock:
-        sock.sendall(head + chunks + b"0\r\n\r\n")
+        sock.sendall(head + chunked(body, 7))
         response = answer(sock)
         assert response.status == 200, response.read()
         assert json.loads(response.read())["choices"][0]["message"]["content"]
