@@ -204,6 +204,14 @@ def keep_response(
     with transaction.atomic():
         if previous is not None:
             _check_room_to_store(thread=previous.thread, organization_id=organization_id, adding=size)
+            # Locked, so that it is not deleted (a prune, an operator) between this look and the row that links to it.
+            if not StoredResponse.objects.select_for_update().filter(pk=previous.pk).exists():
+                raise invalid_request(
+                    f"The response {previous.response_id!r} this one continues was deleted while it ran; this "
+                    "response was not stored.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
         return StoredResponse.objects.create(
             response_id=response["id"],
             organization_id=organization_id,

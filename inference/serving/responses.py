@@ -382,6 +382,7 @@ class _OpenCall:
 _RESPONSE_ERROR_CODES = {
     "rate_limited": "rate_limit_exceeded",
     "conversation_too_large": "invalid_prompt",
+    "previous_response_not_found": "invalid_prompt",
     **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),
 }
 

@@ -25,6 +25,7 @@ from asgiref.sync import sync_to_async
 from django.db.models.signals import post_init
 from django.test import override_settings
 
+from agents import services
 from agents.guardrails import Guardrails
 from agents.models import AgentInstance, FirstStep, Guardrail, MatchKind, Stage, StoredResponse
 from agents.services import stored_size
@@ -273,6 +274,29 @@ async def test_a_turn_that_no_longer_fits_its_conversation_as_it_is_stored_fails
     assert (events[-2]["type"], events[-2]["code"]) == ("error", "conversation_too_large")
     assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "invalid_prompt")
     assert SeedClient().read(events).failed and await StoredResponse.objects.acount() == 1
+
+
+@pytest.mark.database
+async def test_a_turn_whose_previous_response_is_deleted_while_it_runs_fails_saying_so(
+    tenant: Tenant, spare_parts: AgentInstance, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, first = await tenant.stream(model=spare_parts.instance_id, input=REFUSED_TURN)
+    keep = services._keep_response
+
+    async def deleted_meanwhile(**kwargs: Any) -> Any:  # by the pruner, or an operator
+        await StoredResponse.objects.filter(response_id=first["id"]).adelete()
+        return await keep(**kwargs)
+
+    monkeypatch.setattr(services, "_keep_response", deleted_meanwhile)
+
+    events, response = await tenant.stream(
+        model=spare_parts.instance_id, input=REFUSED_TURN, previous_response_id=first["id"]
+    )
+
+    assert (events[-2]["type"], events[-2]["code"]) == ("error", "previous_response_not_found")
+    assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "invalid_prompt")
+    assert await StoredResponse.objects.acount() == 0
+    assert [record.getMessage() for record in caplog.records if record.levelname == "ERROR"] == []
 
 
 @pytest.mark.database
