@@ -1852,7 +1852,9 @@ class LlamaCppRunner:
         self._memory = lib.llama_get_memory(self._ctx)
         self.context_per_sequence = int(lib.llama_n_ctx_seq(self._ctx))
         self.kv_cache_bytes = _kv_cache_bytes(self._model.metadata(), int(lib.llama_n_ctx(self._ctx)))
-        self._batch_size = int(params.n_batch)
+        # What llama.cpp made of it: it holds a batch to the context it was asked for (before rounding that up), and a
+        # step of more tokens than it holds aborts the process.
+        self._batch_size = min(int(lib.llama_n_batch(self._ctx)), int(lib.llama_n_ubatch(self._ctx)))
         self._batch = lib.llama_batch_init(self._batch_size, 0, 1)
         self._slots = [_Slot(seq_id) for seq_id in range(config.parallel)]
         self._waiting: collections.deque[_Sequence] = collections.deque()

@@ -4,10 +4,14 @@ each keeps its own parameters, jobs join and leave between steps, and prompts re
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -17,7 +21,7 @@ from inference import tasks
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint, Finished, GenerationJob, RunnerError, Sampling, TextChunk
 from inference.models import CatalogEntry
-from tests.conftest import DEFAULT_MODEL
+from tests.conftest import DEFAULT_MODEL, ROOT
 
 SETTINGS = {**DEFAULT_MODEL["runner_settings"], "parallel": 4, "queue": 2, "n_ctx": 1024}
 QUESTIONS = [
@@ -559,3 +563,24 @@ def test_a_job_its_runner_closes_under_it_is_told_why(
         for _ in events:
             pass
     assert cut.value.code == code
+
+
+def test_a_context_smaller_than_the_prefill_chunk_is_prefilled_in_steps_llama_cpp_takes(tmp_path: Path) -> None:
+    # llama.cpp holds a batch to the context asked for (64 here, rounded up to 256 for the cache), and a step of more
+    # tokens than that aborts the whole process: so in a child.
+    small = {**DEFAULT_MODEL["runner_settings"], "parallel": 1, "n_ctx": 64}
+    code = (
+        "import django; django.setup()\n"
+        "from inference.engine.runners import llama_cpp\n"
+        "from inference.engine.runners.base import Finished, GenerationJob, Sampling\n"
+        f"settings = {small!r}\n"
+        "job = GenerationJob('small', 'm', 'llama_cpp', settings, 'word ' * 100, 0, Sampling(max_tokens=4))\n"
+        "events = list(llama_cpp.LlamaCppRunner(settings).stream(job, lambda: False))\n"
+        "print(type(events[-1]).__name__, events[-1].prompt_tokens)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "B3OS_VAR_DIR": str(tmp_path)}
+
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["Finished", "101"]
