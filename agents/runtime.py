@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import regex
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import IntegrityError
 
@@ -48,8 +47,7 @@ from inference.engine.decoding import (
     parse_json,
 )
 from inference.engine.exceptions import ContextLengthExceeded
-from inference.engine.execution import get_renderer
-from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare, renderer_for
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
@@ -466,7 +464,7 @@ class AgentTurn:
         carry) are refused before the guardrails read them: reading megabytes holds the process's one interpreter
         for seconds, past every other answer's guardrail time."""
         entry = self.agent.entry
-        renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
+        renderer = await renderer_for(entry)
         if (least := renderer.least_tokens("".join(texts))) > entry.context_length:
             raise ContextLengthExceeded(
                 prompt_tokens=least, context_length=entry.context_length, requested_output=None, at_least=True

@@ -374,12 +374,18 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
 
     Rendering, tokenizing and building grammars are CPU work that grows with the request: done on a thread, never
     on the event loop that serves every other request."""
+    renderer = await renderer_for(entry)
+    return await sync_to_async(_prepare, thread_sensitive=False)(entry=entry, request=request, renderer=renderer)
+
+
+async def renderer_for(entry: CatalogEntry) -> PromptRenderer:
+    """The model's prompt renderer, made on a thread; ``ModelUnavailable`` when its runner cannot serve here (settings
+    saved around the admin's checks, a model file gone)."""
     try:
-        renderer = await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
+        return await sync_to_async(get_renderer, thread_sensitive=False)(entry.runner, entry.runner_settings)
     except RunnerError as exc:
         logger.warning("the model %s cannot be served here: %s", entry.public_id, exc)
         raise ModelUnavailable(entry.public_id, str(exc)) from None
-    return await sync_to_async(_prepare, thread_sensitive=False)(entry=entry, request=request, renderer=renderer)
 
 
 def truncated(

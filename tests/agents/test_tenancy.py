@@ -178,6 +178,24 @@ async def test_the_tenants_instance_on_a_disabled_model_is_unavailable_for_now_n
     assert "the model it runs on is disabled" in error["message"] and response.headers["Retry-After"]
 
 
+@pytest.fixture
+def on_a_model_that_cannot_load(make_instance: Callable[..., AgentInstance]) -> AgentInstance:
+    instance = make_instance("acme.stranded")
+    # Saved around the admin's checks (a shell, SQL), or its file removed since.
+    type(instance.model).objects.filter(pk=instance.model.pk).update(
+        runner_settings={"model_path": "/nonexistent/model.gguf"}
+    )
+    return instance
+
+
+async def test_the_tenants_instance_on_a_model_that_cannot_load_is_unavailable_not_a_server_error(
+    tenant: Tenant, on_a_model_that_cannot_load: AgentInstance
+) -> None:
+    response = await tenant.post("/v1/responses", {"model": "acme.stranded", "input": "Hi", "stream": True})
+
+    assert_error(response, 503, "model_not_available", "server_error")
+
+
 # --- stored responses --------------------------------------------------------------------------------------
 
 
