@@ -529,3 +529,22 @@ async def test_a_model_whose_settings_were_saved_around_the_admins_checks_is_a_5
     )
 
     assert_error(response, 503, "model_not_available")
+
+
+@pytest.mark.parametrize(
+    "defaults", [{"temperature": "hot"}, [1, 2], {"temperature": 9}], ids=["not-a-number", "not-an-object", "past-2"]
+)
+async def test_a_model_whose_sampling_defaults_were_saved_around_the_admins_checks_is_a_503_not_a_500(
+    api: API, catalog_model: CatalogEntry, defaults: object
+) -> None:
+    await CatalogEntry.objects.acreate(
+        public_id="b3os/odd-defaults", runner_settings=catalog_model.runner_settings, sampling_defaults=defaults
+    )
+
+    # A request that sets its own temperature too: the model is not served on such defaults at all.
+    response = await api.post(
+        CHAT,
+        {"model": "b3os/odd-defaults", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.5},
+    )
+
+    assert_error(response, 503, "model_not_available")

@@ -173,6 +173,22 @@ async def test_a_model_whose_settings_were_saved_around_the_admins_checks_degrad
     assert models[MODEL_ID]["status"] == "ok"
 
 
+async def test_a_model_whose_sampling_defaults_were_saved_around_the_admins_checks_degrades_health(
+    catalog_model: CatalogEntry,
+) -> None:
+    await CatalogEntry.objects.acreate(
+        public_id="b3os/odd-defaults",
+        runner_settings=catalog_model.runner_settings,
+        sampling_defaults={"temperature": "hot"},
+    )
+
+    status, body = await get_health()
+
+    assert status == 200 and body["status"] == "degraded"
+    odd = {m["id"]: m for m in body["models"]}["b3os/odd-defaults"]
+    assert (odd["status"], odd["workers"]) == ("error", "unavailable") and "sampling defaults" in odd["detail"]
+
+
 async def test_a_node_none_of_whose_models_can_be_served_is_down(catalog_model: CatalogEntry) -> None:
     catalog_model.runner_settings = {"model_path": "/nowhere/model.gguf"}
     await catalog_model.asave()
