@@ -151,6 +151,11 @@ class CatalogEntry(models.Model):
         """The route that serves the model: the node's runners, or the gateway's upstream."""
         return "node" if self.served_here else "gateway"
 
+    def defaults_problem(self) -> str | None:
+        """Why the entry is not served on its sampling defaults (saved around the admin's checks: a shell, SQL)."""
+        problem = sampling_defaults_problem(self.sampling_defaults)
+        return f"its sampling defaults: {problem}" if problem else None
+
     def capabilities(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in CAPABILITIES}
 

@@ -20,7 +20,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from jinja2 import TemplateError
 
-from inference.models import CatalogEntry, sampling_defaults_problem
+from inference.models import CatalogEntry
 
 from .decoding import (
     DecodePlan,
@@ -374,10 +374,9 @@ async def prepare(*, entry: CatalogEntry, request: GenerationRequest) -> Generat
 
     Rendering, tokenizing and building grammars are CPU work that grows with the request: done on a thread, never
     on the event loop that serves every other request."""
-    if problem := sampling_defaults_problem(entry.sampling_defaults):
-        # Saved around the admin's checks: the model is not served on them, as on runner settings it cannot load.
-        logger.warning("the model %s cannot be served with its sampling defaults: %s", entry.public_id, problem)
-        raise ModelUnavailable(entry.public_id, f"its sampling defaults: {problem}")
+    if problem := entry.defaults_problem():  # not served on them, as on runner settings it cannot load
+        logger.warning("the model %s cannot be served here: %s", entry.public_id, problem)
+        raise ModelUnavailable(entry.public_id, problem)
     renderer = await renderer_for(entry)
     return await sync_to_async(_prepare, thread_sensitive=False)(entry=entry, request=request, renderer=renderer)
 

@@ -35,7 +35,7 @@ from inference.engine import execution
 from inference.engine.runners.base import RunnerError
 from inference.engine.runners.llama_cpp import RunnerSettings as LlamaCppSettings
 from inference.engine.runners.llama_cpp import is_file
-from inference.models import CatalogEntry, sampling_defaults_problem
+from inference.models import CatalogEntry
 
 Status = Literal["ok", "error", "absent"]
 T = TypeVar("T")
@@ -133,8 +133,8 @@ def embedded_model(entry: CatalogEntry) -> ModelHealth:
     def health(status: Literal["ok", "error"], workers: str, detail: str, **more: Any) -> ModelHealth:
         return ModelHealth(id=entry.public_id, status=status, workers=workers, queue=entry.queue, detail=detail, **more)
 
-    if problem := sampling_defaults_problem(entry.sampling_defaults):  # saved around the admin: not served on them
-        return health("error", "unavailable", f"its sampling defaults: {problem}")
+    if problem := entry.defaults_problem():
+        return health("error", "unavailable", problem)
     # The runner cache is the process's own record of what it has loaded.
     if (runner := execution.loaded_runner(entry.runner, entry.runner_settings)) is not None:
         stats = runner.stats() if hasattr(runner, "stats") else None
@@ -159,9 +159,8 @@ def distributed_models(
     for entry in entries:
         hosts = sorted(consumers.get(entry.queue, []))
         capacity = _capacity(entry)
-        if problem := sampling_defaults_problem(entry.sampling_defaults):
-            detail = f"its sampling defaults: {problem}"
-            models.append(ModelHealth(entry.public_id, "error", "unavailable", entry.queue, detail, capacity=capacity))
+        if problem := entry.defaults_problem():
+            models.append(ModelHealth(entry.public_id, "error", "unavailable", entry.queue, problem, capacity=capacity))
         elif hosts:
             workers = f"{len(hosts)} worker(s)"
             models.append(ModelHealth(entry.public_id, "ok", workers, entry.queue, "", hosts, capacity=capacity))
