@@ -196,6 +196,9 @@ class ToolMessage(WireModel):
     role: Literal["tool"]
     content: TextContent
     tool_call_id: str
+    # Not in OpenAI's schema, but OpenAI accepts it and many clients send it (its own cookbook among them): the
+    # function's name, already known from the call the message answers.
+    name: str | None = None
 
 
 class FunctionMessage(WireModel):

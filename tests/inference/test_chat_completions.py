@@ -305,6 +305,14 @@ async def test_a_call_whose_arguments_do_not_parse_is_taken_back_as_written(
     await complete(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], max_tokens=4)
 
 
+async def test_a_tool_message_naming_its_function_as_many_clients_write_it_is_accepted(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    messages = [*QUESTION, calling("call_1"), {**answer("call_1"), "name": "get_weather"}]
+
+    await complete(api, openai_spec, messages=messages, tools=[WEATHER_TOOL], max_tokens=4)
+
+
 async def test_a_tool_message_must_answer_an_earlier_call(api: API) -> None:
     messages = [*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}]
     response = await api.post(CHAT, body(messages=messages))
