@@ -153,10 +153,10 @@ def _get(summary: str, response: str, *, parameters: list[dict[str, Any]] | None
     return {"get": operation}
 
 
-def _not_offered(summary: str, *, tenant: bool = False) -> dict[str, Any]:
-    """OpenAI's endpoints on one stored response (retrieve, delete; cancel and input_items below the id): answered
-    with a 404 that says why they are not offered."""
-    parameters = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+def _not_offered(summary: str, *, tenant: bool = False, id_name: str = "response_id") -> dict[str, Any]:
+    """OpenAI's endpoints on one stored object (retrieve, delete; cancel and input_items below a response's id):
+    answered with a 404 that says why they are not offered."""
+    parameters = [{"name": id_name, "in": "path", "required": True, "schema": {"type": "string"}}]
     if tenant:
         parameters.append(_tenant())
     operation = {"summary": summary, "parameters": parameters, "responses": {"404": ERRORS["4XX"]}}
@@ -210,6 +210,9 @@ def document() -> dict[str, Any]:
                 'Chat completions; "route": "gateway" sends it to the upstream.',
                 "ChatCompletionRequest",
                 "ChatCompletion",
+            ),
+            "/v1/infer/chat/completions/{completion_id}": _not_offered(
+                "Not offered: this node keeps no chat completion (store keeps nothing).", id_name="completion_id"
             ),
             "/v1/infer/responses": _post(
                 'Responses, stateless; "route": "gateway" sends it to the upstream.',

@@ -106,10 +106,25 @@ class ResponseInputTokensView(AsyncAPIView):
         return Response(await responses.count_input_tokens(params=params))
 
 
-class StoredResponseView(AsyncAPIView):
-    """``/responses/{id}`` and below (retrieve, delete, cancel, input items): this node keeps no response."""
+class _NothingStoredView(AsyncAPIView):
+    """OpenAI's endpoints on one stored object (retrieve, update, delete, list its parts): this node keeps none."""
 
     http_method_names = ["get", "post", "delete"]
+    WHY = ""
+
+    def why(self, object_id: str) -> str:
+        return self.WHY
+
+    async def get(self, request: Request, **path: str) -> Response:
+        (object_id,) = path.values()  # the one id in the path, named for its kind (``response_id``)
+        raise stored_responses_not_offered(self.why(object_id))
+
+    post = delete = get
+
+
+class StoredResponseView(_NothingStoredView):
+    """``/responses/{id}`` and below (retrieve, delete, cancel, input items): this node keeps no response."""
+
     WHY = (
         "This node stores no responses, so none can be retrieved, deleted, cancelled or listed: each response is "
         "sent once, as it is made. To go on with a conversation, send it whole as input."
@@ -119,10 +134,17 @@ class StoredResponseView(AsyncAPIView):
         'with truncation: "auto" to let its oldest turns go when it outgrows the model\'s context.'
     )
 
-    async def get(self, request: Request, response_id: str) -> Response:
-        raise stored_responses_not_offered(self.COMPACT if response_id.strip("/") == "compact" else self.WHY)
+    def why(self, object_id: str) -> str:
+        return self.COMPACT if object_id.strip("/") == "compact" else self.WHY
 
-    post = delete = get
+
+class StoredChatCompletionView(_NothingStoredView):
+    """``/chat/completions/{id}`` and below (retrieve, update, delete, messages): ``store`` keeps nothing here."""
+
+    WHY = (
+        "This node stores no chat completions (store: true is accepted and keeps nothing), so none can be "
+        "retrieved, updated, deleted or listed: each completion is sent once, as it is made."
+    )
 
 
 class UsageView(AsyncAPIView):

@@ -738,6 +738,22 @@ async def test_hints_that_change_no_answer_are_accepted(api: API, openai_spec: O
     assert hinted["choices"][0]["message"] == plain["choices"][0]["message"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("get", "chatcmpl-1"), ("post", "chatcmpl-1"), ("delete", "chatcmpl-1"), ("get", "chatcmpl-1/messages")],
+    ids=["retrieve", "update", "delete", "messages"],
+)
+async def test_a_stored_completion_is_not_found_and_the_answer_says_this_node_keeps_none(
+    api: API, method: str, path: str
+) -> None:
+    response = await getattr(api.client, method)(f"{CHAT}/{path}", headers=api._headers(None))
+
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["code"], error["type"]) == ("not_found", "invalid_request_error")
+    assert "stores no chat completions" in error["message"]
+
+
 async def test_an_assistant_messages_audio_is_refused_by_its_place(api: API) -> None:
     history = [*QUESTION, {"role": "assistant", "audio": {"id": "audio_1"}}, *QUESTION]
 
