@@ -29,19 +29,20 @@ class ReadableFilters:
 
 
 class ReadableJSONField(forms.JSONField):
-    """JSON whose integer Python will not read (past 4,300 digits) is invalid JSON, as any other: Django's field
-    lets that ``ValueError`` through, a server error when the form is checked and again when it is shown."""
+    """JSON Python will not read is invalid JSON, as any other: an integer past 4,300 digits (a ``ValueError``) or
+    nesting past Python's recursion limit (a ``RecursionError``, from about a thousand levels). Django's field lets
+    both through, a server error when the form is checked and again when it is shown."""
 
     def to_python(self, value: Any) -> Any:
         try:
             return super().to_python(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValidationError(self.error_messages["invalid"], code="invalid", params={"value": value}) from None
 
     def bound_data(self, data: Any, initial: Any) -> Any:
         try:
             return super().bound_data(data, initial)
-        except ValueError:
+        except (ValueError, RecursionError):
             return InvalidJSONInput(data)
 
 

@@ -93,6 +93,20 @@ class CatalogEntryAdmin(ModelAdmin):
         ("Capabilities", {"fields": ["json_schema", "image_input", "tools", "reasoning"]}),
     ]
 
+    UPSTREAM_KEY_FIELDS = ["upstream_api_key", "clear_upstream_api_key"]
+
+    def get_fieldsets(self, request: Any, obj: CatalogEntry | None = None) -> Any:
+        """For a user who may only view the entry, whether an upstream key is stored, not the key: Django shows a
+        read-only field's value as it is."""
+        fieldsets = super().get_fieldsets(request, obj)
+        if self.has_change_permission(request, obj):
+            return fieldsets
+        return [(name, {**options, "fields": _without_the_key(options["fields"])}) for name, options in fieldsets]
+
+    @admin.display(description="Upstream api key")
+    def upstream_api_key_stored(self, entry: CatalogEntry) -> str:
+        return "stored (never shown)" if entry.upstream_api_key else "none"
+
     @admin.display(description="Capacity of one loaded copy")
     def capacity(self, entry: CatalogEntry) -> str:
         """For the CPU runner: its sequence slots (``parallel`` in the settings), their context, its queue
@@ -106,6 +120,11 @@ class CatalogEntryAdmin(ModelAdmin):
             f"{held.sequences} sequences of {held.context_per_sequence} tokens, {held.queue} more waiting; "
             f"KV cache {held.kv_cache_bytes / 2**20:.0f} MiB"
         )
+
+
+def _without_the_key(fields: list[str]) -> list[str]:
+    shown = [field for field in fields if field not in CatalogEntryAdmin.UPSTREAM_KEY_FIELDS]
+    return shown if shown == fields else [*shown[:1], "upstream_api_key_stored", *shown[1:]]
 
 
 @admin.register(UsageRecord)

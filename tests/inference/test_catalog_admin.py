@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.test import Client, override_settings
 
 from agents.models import AgentInstance
@@ -65,6 +66,19 @@ def test_the_upstream_key_is_kept_but_never_shown(staff_client: Client) -> None:
     assert entry.upstream_api_key == ""
 
 
+def test_a_user_who_may_only_view_the_catalog_is_told_a_key_is_stored_never_the_key() -> None:
+    entry = CatalogEntry.objects.create(public_id="proxied/model", upstream_api_key="sk-upstream-secret")
+    viewer = get_user_model().objects.create_user("viewer", password="a-long-password", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_catalogentry"))
+    client = Client()
+    client.force_login(viewer)
+
+    page = client.get(f"/admin/inference/catalogentry/{entry.pk}/change/")
+
+    assert page.status_code == 200
+    assert b"sk-upstream-secret" not in page.content and b"stored (never shown)" in page.content
+
+
 def test_a_cpu_model_shows_its_sequences_queue_and_the_memory_of_its_kv_cache(
     staff_client: Client, catalog_model: CatalogEntry
 ) -> None:
@@ -104,11 +118,16 @@ def test_a_cpu_model_whose_settings_hold_a_wrong_number_is_not_saved_and_the_for
 
 
 @pytest.mark.parametrize("field", ["runner_settings", "sampling_defaults"])
-def test_json_with_an_integer_python_will_not_read_is_invalid_json_not_a_server_error(
-    staff_client: Client, catalog_model: CatalogEntry, field: str
+@pytest.mark.parametrize(
+    "unreadable",
+    ["9" * 5000, "[" * 3000 + "]" * 3000],
+    ids=["an-integer-of-5000-digits", "arrays-3000-deep"],
+)
+def test_json_python_will_not_read_is_invalid_json_not_a_server_error(
+    staff_client: Client, catalog_model: CatalogEntry, field: str, unreadable: str
 ) -> None:
     url = f"/admin/inference/catalogentry/{catalog_model.pk}/change/"
-    value = json.dumps({**SMOLLM2, "parallel": 0}).replace('"parallel": 0', '"parallel": ' + "9" * 5000)
+    value = json.dumps({**SMOLLM2, "parallel": 0}).replace('"parallel": 0', '"parallel": ' + unreadable)
 
     page = staff_client.post(url, form_data(catalog_model, **{field: value}))
 
