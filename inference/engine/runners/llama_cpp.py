@@ -793,6 +793,8 @@ def _converter_class() -> type[Any]:
             if isinstance(schema, dict):
                 if problem := _unenforceable(schema):
                     raise ValueError(problem)
+                if _types(schema) and (reader := next((k for k in _READ_ALONE if k in schema), None)):
+                    schema = _typed(schema, reader, self._refs.get)
                 kind = schema.get("type")
                 if isinstance(kind, list) and kind and schema.keys() - _ANNOTATIONS - {"type"}:
                     # The converter reads a list of types (of one too) as those types alone, its other keywords (an
@@ -937,6 +939,81 @@ def _left_out(schema: dict[str, Any]) -> str | None:
     if not beside:
         return None
     return f"its {beside[0]!r} beside {reader!r} cannot be enforced by this model's grammar: {_WRITE_INSTEAD[reader]}"
+
+
+def _typed(schema: dict[str, Any], reader: str, target: Callable[[str], Any]) -> dict[str, Any]:
+    """``schema`` without its ``type``, which the converter leaves out beside the keyword it reads it by (``reader``):
+    an ``enum`` keeps only the values of that type, a ``const`` must be one, and every branch of an ``anyOf`` or
+    ``oneOf`` (the target of a ``$ref``) must be of it. Raises ``ValueError`` (the 400's reason) where the schema
+    then allows no value, or where its branches' types are not known to be of it."""
+    types = _types(schema)
+    rest = {key: value for key, value in schema.items() if key != "type"}
+    named = f"its 'type' {schema['type']!r}"
+    if reader == "const":
+        if not _of_types({_kind_of(rest["const"])}, types):
+            raise ValueError(f"its 'const' is {_json_kind(rest['const'])}, not of {named}: it allows no value")
+        return rest
+    if reader == "enum" and isinstance(rest["enum"], list):
+        kept = [value for value in rest["enum"] if _of_types({_kind_of(value)}, types)]
+        if not kept:
+            raise ValueError(f"its 'enum' holds no value of {named}: it allows no value")
+        return {**rest, "enum": kept}
+    kinds = _kinds(rest, target, frozenset())
+    if kinds is None or not _of_types(kinds, types):
+        raise ValueError(
+            f"{named} beside {reader!r} cannot be enforced by this model's grammar: {_WRITE_INSTEAD[reader]}"
+        )
+    return rest
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    """The types ``schema`` names (none where its ``type`` is not a name or a list of names)."""
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    return set(kind) if isinstance(kind, list) and all(isinstance(one, str) for one in kind) else set()
+
+
+def _kinds(schema: Any, target: Callable[[str], Any], seen: frozenset[str]) -> frozenset[str] | None:
+    """The JSON types the converter may write for ``schema`` (``target`` finds a ``$ref``'s schema), or None where
+    any value may come, or it is not known."""
+    if not isinstance(schema, dict):
+        return None
+    if types := _types(schema):
+        return frozenset(types)
+    if "const" in schema:
+        return frozenset({_kind_of(schema["const"])})
+    if isinstance(values := schema.get("enum"), list):
+        return frozenset(_kind_of(value) for value in values)
+    for keyword in ("anyOf", "oneOf"):
+        if isinstance(branches := schema.get(keyword), list):
+            kinds: frozenset[str] = frozenset()
+            for branch in branches:
+                if (found := _kinds(branch, target, seen)) is None:
+                    return None
+                kinds |= found
+            return kinds
+    if isinstance(ref := schema.get("$ref"), str):
+        return None if ref in seen else _kinds(target(ref), target, seen | {ref})
+    if "properties" in schema or "allOf" in schema or schema.get("additionalProperties", True) is not True:
+        return frozenset({"object"})
+    if "items" in schema or "prefixItems" in schema:
+        return frozenset({"array"})
+    return frozenset({"string"}) if "pattern" in schema else None
+
+
+def _kind_of(value: Any) -> str:
+    """A JSON value's type, as JSON Schema names it (a number with no fraction is an integer)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    kinds = {type(None): "null", float: "number", str: "string", list: "array", dict: "object"}
+    return kinds.get(type(value), "value")
+
+
+def _of_types(kinds: frozenset[str] | set[str], types: set[str]) -> bool:
+    return all(kind in types or (kind == "integer" and "number" in types) for kind in kinds)
 
 
 _WRITE_INSTEAD = {

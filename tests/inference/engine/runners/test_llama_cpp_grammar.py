@@ -488,6 +488,52 @@ def test_a_list_of_types_keeps_its_other_keywords(vocab: Any, schema: dict[str, 
         assert accepts(vocab, wrapped, json.dumps({"v": value})) == valid({"v": value}), value
 
 
+STRING_DEFINED = {"$defs": {"s": {"type": "string", "maxLength": 3}, "o": CITY}}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "enum": ["1", 1]},
+        {"type": ["integer", "null"], "enum": ["x", None, 2]},
+        {"type": "object", "enum": [[1], {"a": 1}]},
+        {"type": ["integer", "string"], "const": 3},
+        {"type": "number", "anyOf": [{"type": "integer"}, {"const": 1.5}]},
+        {"type": ["string", "integer"], "oneOf": [{"type": "string", "maxLength": 3}, {"type": "integer"}]},
+        {"type": "object", "$ref": "#/$defs/o"},
+    ],
+    ids=["enum", "enum-of-two-types", "enum-of-objects", "const", "anyOf", "oneOf", "ref"],
+)
+def test_a_type_beside_the_keyword_the_converter_reads_still_holds(vocab: Any, schema: dict[str, Any]) -> None:
+    # The converter read an enum, a const or the branches alone, and the type beside them was left out.
+    wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"], **STRING_DEFINED}
+    valid = jsonschema.Draft202012Validator(wrapped).is_valid
+
+    for value in ["1", 1, "x", None, 2, 3, 1.5, [1], {"a": 1}, {"city": "Oslo"}, {"x": 4}]:
+        assert accepts(vocab, wrapped, json.dumps({"v": value})) == valid({"v": value}), value
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "string", "enum": [5, 6]}, "its 'enum' holds no value of its 'type' 'string': it allows no value"),
+        ({"type": "integer", "const": "x"}, "its 'const' is a string, not of its 'type' 'integer'"),
+        (
+            {"type": "integer", "anyOf": [{"type": "string"}, {"type": "boolean"}]},
+            "its 'type' 'integer' beside 'anyOf' cannot be enforced by this model's grammar: write it in each branch",
+        ),
+        ({"type": "integer", "oneOf": [{"type": "string"}, {"type": "boolean"}]}, "'integer' beside 'oneOf'"),
+        ({"type": "object", "anyOf": [{"required": ["a"]}]}, "its 'type' 'object' beside 'anyOf'"),
+        ({"type": "integer", "$ref": "#/$defs/s"}, "its 'type' 'integer' beside '$ref' cannot be enforced"),
+    ],
+    ids=["enum", "const", "anyOf", "oneOf", "a-branch-of-any-type", "ref"],
+)
+def test_a_type_beside_the_keyword_the_converter_reads_that_it_cannot_hold_is_named(
+    schema: dict[str, Any], says: str
+) -> None:
+    assert says in (schema_problem({"type": "object", "properties": {"v": schema}, **STRING_DEFINED}) or "")
+
+
 # --- not, format and oneOf: enforced where the grammar can, refused by name where it cannot ---------------------
 
 
