@@ -250,7 +250,7 @@ def conversation(
         else:
             raise _refuse_item(item, where)
     state.unanswered()
-    if needs_a_message and not any(m["role"] != "system" for m in state.messages):
+    if needs_a_message and all(m["role"] in ("system", "developer") for m in state.messages):
         raise invalid_request(
             "input holds no message for the model to respond to.", param="input", code="invalid_value"
         )

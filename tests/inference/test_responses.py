@@ -641,9 +641,14 @@ async def test_instructions_and_tools_are_counted_without_input(api: API, openai
     assert 0 < alone.json()["input_tokens"] < with_tools.json()["input_tokens"]
 
 
-async def test_a_response_still_needs_a_message_to_respond_to(api: API) -> None:
+@pytest.mark.parametrize(
+    "input_",
+    [[], [{"role": "system", "content": "Be brief."}], [{"role": "developer", "content": "Be brief."}]],
+    ids=["none", "a-system-message", "a-developer-message"],
+)
+async def test_a_response_still_needs_a_message_to_respond_to(api: API, input_: list[dict[str, str]]) -> None:
     error = assert_error(
-        await api.post(RESPONSES, {"model": MODEL_ID, "input": [], "instructions": "Be brief."}),
+        await api.post(RESPONSES, {"model": MODEL_ID, "input": input_, "instructions": "Be brief."}),
         400,
         "invalid_value",
         "input",
