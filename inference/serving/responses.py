@@ -28,7 +28,7 @@ from inference.engine.decoding import (
     ToolCallStart,
     ToolChoice,
 )
-from inference.engine.exceptions import ModelNotServed
+from inference.engine.exceptions import ContextLengthExceeded, ModelNotServed
 from inference.engine.generation import (
     Done,
     Failed,
@@ -729,7 +729,14 @@ async def count_input_tokens(*, params: wire.ResponseCreateRequest) -> dict[str,
     entry = await get_enabled_model(params.model)
     if not entry.served_here:
         raise ModelNotServed(params.model)
-    generation = await prepare(entry=entry, request=to_generation_request(params, entry))
+    try:
+        generation = await prepare(entry=entry, request=to_generation_request(params, entry))
+    except ContextLengthExceeded as exc:
+        # Counted, though no response could take it: whether an input fits is what a client counts it to learn. An
+        # input too long to fit whatever its count, refused before it was counted (``at_least``), stays refused.
+        if exc.at_least:
+            raise
+        return wire.input_tokens_object(exc.prompt_tokens)
     return wire.input_tokens_object(generation.prompt_tokens)
 
 

@@ -629,6 +629,22 @@ async def test_the_input_tokens_of_a_request_are_counted_without_running_it(api:
     assert not await UsageRecord.objects.aexists()  # nothing ran, nothing to meter
 
 
+async def test_an_input_longer_than_the_context_is_counted_though_no_response_could_take_it(
+    api: API, openai_spec: OpenAISpec
+) -> None:
+    context = (await CatalogEntry.objects.aget(public_id=MODEL_ID)).context_length
+    body = {"model": MODEL_ID, "input": "word " * (context + 100)}
+
+    counted = await api.post(f"{RESPONSES}/input_tokens", body)
+    refused = await api.post(RESPONSES, body)
+
+    assert counted.status_code == 200, counted.content
+    openai_spec.validate("TokenCountsResource", counted.json())
+    assert counted.json()["input_tokens"] > context
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert str(counted.json()["input_tokens"]) in refused.json()["error"]["message"]
+
+
 async def test_instructions_and_tools_are_counted_without_input(api: API, openai_spec: OpenAISpec) -> None:
     # TokenCountsBody requires nothing: what the instructions, and the tools beside them, take alone.
     alone = await api.post(f"{RESPONSES}/input_tokens", {"model": MODEL_ID, "instructions": "Be brief."})
