@@ -414,6 +414,7 @@ class AgentTurn:
             parallel_tool_calls=self.params.parallel_tool_calls is not False,
             reasoning=self.reasoning,
             max_output_tokens=self.budget,
+            fit_output=self.params.max_output_tokens is None,  # the instance's limit, or the model's
             temperature=temperature(self.params, self.agent),
             top_p=self.params.top_p,
             logprobs=self.params.wants_logprobs,

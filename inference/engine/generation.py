@@ -356,6 +356,9 @@ class GenerationRequest:
     response_format: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: dict[str, Any] | None = None
     max_output_tokens: int | None = None
+    # ``max_output_tokens`` is a ceiling the client did not ask for (an agent instance's own): fitted to the room the
+    # prompt leaves, as an unset one is, never refused for not fitting.
+    fit_output: bool = False
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -435,9 +438,8 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
             )
         except TemplateError as exc:
             raise ChatTemplateRefused(str(exc)) from None
-        room = check_context(
-            prompt_tokens=prompt.tokens, max_output=request.max_output_tokens, context_length=entry.context_length
-        )
+        asked = None if request.fit_output else request.max_output_tokens
+        room = check_context(prompt_tokens=prompt.tokens, max_output=asked, context_length=entry.context_length)
         return prompt, room
 
     prompt, room = truncated(request.messages, fitting) if request.truncate else fitting(request.messages)

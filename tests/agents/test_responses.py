@@ -1226,6 +1226,35 @@ async def test_a_first_step_that_the_search_run_first_pushes_past_the_context_is
     assert not await StoredResponse.objects.aexists()
 
 
+@pytest.fixture
+def roomy_agent(make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry) -> AgentInstance:
+    """On a model whose own output limit is more than any input leaves of its context."""
+    roomy = CatalogEntry.objects.create(
+        public_id="b3os/smollm2-roomy",
+        runner=catalog_model.runner,
+        runner_settings=catalog_model.runner_settings,
+        context_length=160,
+        max_output_tokens=150,
+    )
+    return make_instance("support.agent.roomy", model=roomy)
+
+
+@pytest.mark.database
+async def test_an_output_limit_the_client_did_not_set_is_fitted_to_the_room_the_input_leaves(
+    tenant: Tenant, roomy_agent: AgentInstance
+) -> None:
+    _, response = await tenant.stream(model=roomy_agent.instance_id, input="Name one river in Oregon.")
+    asked = await tenant.post(
+        "/v1/responses",
+        {"model": roomy_agent.instance_id, "input": "Name one river.", "stream": True, "max_output_tokens": 150},
+    )
+
+    assert response["status"] in ("completed", "incomplete") and response["max_output_tokens"] == 150
+    assert response["usage"]["input_tokens"] + response["usage"]["output_tokens"] <= 160
+    error = asked.json()["error"]
+    assert (asked.status_code, error["code"], error["param"]) == (400, "context_length_exceeded", "max_output_tokens")
+
+
 # --- reasoning, refusals before the stream, limits ---------------------------------------------------------------
 
 
