@@ -9,11 +9,13 @@ from django.contrib import admin
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.auth import admin as auth_admin
 from django.contrib.auth.models import Group, User
-from django.core.exceptions import ValidationError
+from django.core.exceptions import FieldDoesNotExist, ValidationError
 from django.core.validators import MinValueValidator
-from django.db.models import Field, IntegerField, JSONField, ManyToManyField
+from django.db.models import DateTimeField, Field, IntegerField, JSONField, ManyToManyField
 from django.forms.fields import InvalidJSONInput
 from django.http import HttpRequest
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 
 class ReadableFilters:
@@ -68,7 +70,31 @@ class ReadableFields:
         return super().formfield_for_dbfield(db_field, request, **kwargs)  # type: ignore[misc]
 
 
-class ModelAdmin(ReadableFields, ReadableFilters, admin.ModelAdmin):
+class ReadableInitialData:
+    """An add page opened with a time in its query string (``?expires_at=…``) shows that time when it reads as one,
+    and an empty field when not: Django's split date and time widget takes the text as given for a time, a server
+    error."""
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        initial: dict[str, Any] = super().get_changeform_initial_data(request)  # type: ignore[misc]
+        for name, value in list(initial.items()):
+            try:
+                field = self.model._meta.get_field(name)  # type: ignore[attr-defined]
+            except FieldDoesNotExist:
+                continue
+            if isinstance(field, DateTimeField) and isinstance(value, str):
+                try:
+                    moment = parse_datetime(value)
+                except ValueError:  # the shape of a time, with a 13th month
+                    moment = None
+                if moment is None:
+                    del initial[name]
+                else:
+                    initial[name] = moment if timezone.is_aware(moment) else timezone.make_aware(moment)
+        return initial
+
+
+class ModelAdmin(ReadableInitialData, ReadableFields, ReadableFilters, admin.ModelAdmin):
     def formfield_for_dbfield(self, db_field: Field[Any, Any], request: HttpRequest, **kwargs: Any) -> Any:
         """A number's form field with the model's least value (a count of at least 1), so that a number below it is
         told that least, not the 0 of a positive integer's form field."""

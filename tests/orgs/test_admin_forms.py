@@ -249,6 +249,24 @@ def test_the_limit_page_opened_with_a_choice_that_names_no_row_opens_with_nothin
     assert page.status_code == 200 and "selected>acme</option>" not in page.content.decode()
 
 
+@pytest.mark.parametrize(
+    ("query", "shown"),
+    [
+        ("expires_at=garbage", None),
+        ("expires_at=2027-13-01+00:00", None),
+        ("expires_at=2027-01-02+03:04", "2027-01-02"),
+    ],
+    ids=["not-a-time", "a-13th-month", "a-time"],
+)
+def test_the_key_page_opened_with_an_expiry_shows_it_when_it_is_a_time_and_nothing_when_not(
+    staff_client: Client, query: str, shown: str | None
+) -> None:
+    page = staff_client.get(f"/admin/orgs/apikey/add/?{query}")
+
+    assert page.status_code == 200
+    assert (shown or 'name="expires_at_0"') in page.content.decode()
+
+
 def test_the_limit_page_opened_for_an_organization_and_a_model_opens_with_them_chosen(
     staff_client: Client, organization: Organization, catalog_model: CatalogEntry
 ) -> None:

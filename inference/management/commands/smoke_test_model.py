@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -15,6 +16,13 @@ from inference.engine.runners.base import Finished, RunnerError, TextChunk
 from inference.models import GATEWAY, CatalogEntry
 
 
+def _token_count(value: str) -> int:
+    count = int(value) if value.strip().isdigit() else 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"a token count is a whole number of 1 or more, not {value!r}")
+    return count
+
+
 class Command(OperatorCommand):
     help = (
         "Load a catalog model in this process, as its worker does, and stream one completion from it: "
@@ -24,7 +32,9 @@ class Command(OperatorCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("model", help="The catalog model's public id, e.g. b3os/qwen2.5-7b-instruct.")
         parser.add_argument("--prompt", default="Say hello in one short sentence.", help="The user message.")
-        parser.add_argument("--max-tokens", type=int, default=32, help="At most this many tokens (default 32).")
+        parser.add_argument(
+            "--max-tokens", type=_token_count, default=32, help="At most this many tokens, 1 or more (default 32)."
+        )
 
     def handle(self, *args: Any, model: str, prompt: str, max_tokens: int, **options: Any) -> None:
         entry = CatalogEntry.objects.filter(public_id=model).first()

@@ -1588,6 +1588,12 @@ def test_the_smoke_test_command_fails_loudly_when_the_model_cannot_load(fresh_ca
         call_command("smoke_test_model", "b3os/toy-chat", stdout=io.StringIO())
 
 
+@pytest.mark.parametrize("count", ["0", "-1", "many"])
+def test_the_smoke_test_command_takes_only_a_token_count_of_one_or_more(count: str) -> None:
+    with pytest.raises(CommandError, match=f"a token count is a whole number of 1 or more, not '{count}'"):
+        call_command("smoke_test_model", "b3os/toy-chat", "--max-tokens", count, stdout=io.StringIO())
+
+
 @pytest.mark.django_db
 def test_the_smoke_test_command_says_a_gateway_entry_has_no_runner_to_test() -> None:
     CatalogEntry.objects.create(public_id="openai/gpt-x", runner="gateway", runner_settings={})
