@@ -3,8 +3,8 @@ next requests: revocation takes effect at once, for what streams too.
 
 Each event loop running answers for keys (generations, gateway streams) has one watch: every ``CHECK_SECONDS`` it
 reads the keys' version (``orgs.keycache``: one Redis read, or one ``stat`` when embedded) and, when it changed, an
-answer started, or ``API_KEY_CACHE_SECONDS`` passed (an expiry, a lost bump), asks the database which of those keys
-are still usable.
+answer started, one of their keys' expiry came, or ``API_KEY_CACHE_SECONDS`` passed (a lost bump), asks the database
+which of those keys are still usable.
 An answer whose key is not ends as a failure, ``invalid_api_key``, its usage recorded with what it produced. The
 watch ends once its loop has run no such answer for ``IDLE_SECONDS``.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import time
 from typing import Protocol
 
@@ -82,7 +83,7 @@ def _under_way(loop: asyncio.AbstractEventLoop) -> list[Interruptible]:
 
 
 async def _watch(loop: asyncio.AbstractEventLoop) -> None:
-    seen, checked = None, time.monotonic()
+    seen, checked, expiry = None, time.monotonic(), math.inf  # ``expiry``: the first of the keys checked, in unix time
     known: set[int] = set()  # the answers whose keys were checked at version ``seen``
     failing = False  # since the last check that worked: said once, not every round
     while True:
@@ -96,9 +97,14 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
             # An answer new since the last check is checked too: its key may have gone between its request's
             # authentication and its start (an agent's next step starts after its tools ran), at a version seen.
             fresh = any(id(answer) not in known for answer in keyed)
-            if version == seen and not fresh and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS:
+            if (
+                version == seen
+                and not fresh
+                and time.time() < expiry
+                and time.monotonic() - checked < settings.API_KEY_CACHE_SECONDS
+            ):
                 continue
-            usable = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
+            usable, expiry = await _usable({g.api_key_id for g in keyed if g.api_key_id is not None})
         except Exception as exc:  # Redis or the database away: the next round tries again
             if not failing:
                 # An outage is told in one line; anything else is a fault, with its traceback.
@@ -120,5 +126,8 @@ async def _watch(loop: asyncio.AbstractEventLoop) -> None:
 
 
 @db_task
-def _usable(keys: set[int]) -> set[int]:
-    return set(APIKey.objects.usable().filter(pk__in=keys).values_list("pk", flat=True))
+def _usable(keys: set[int]) -> tuple[set[int], float]:
+    """Which of ``keys`` are usable, and when the first of those expires (unix time; infinity for none)."""
+    rows = APIKey.objects.usable().filter(pk__in=keys).values_list("pk", "expires_at")
+    expiries = [expires.timestamp() for _, expires in rows if expires is not None]
+    return {pk for pk, _ in rows}, min(expiries, default=math.inf)

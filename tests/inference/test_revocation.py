@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
 import redis.exceptions
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
 from inference.api import middleware
 from inference.engine import generation
@@ -65,6 +67,27 @@ async def test_an_answer_that_starts_after_its_key_was_revoked_is_ended_though_t
     finally:
         revocation.unwatch_stream(others)
         revocation.unwatch_stream(late)
+
+
+async def test_an_answer_whose_key_expires_during_it_is_ended_within_the_round_of_its_expiry(
+    two_keys: tuple[APIKey, APIKey],
+) -> None:
+    expiring, kept = two_keys
+    expiring.expires_at = timezone.now() + timedelta(seconds=2)
+    await expiring.asave()
+    answer, others = Answer(), Answer()
+    revocation.watch_stream(answer, expiring.pk)
+    revocation.watch_stream(others, kept.pk)
+
+    try:
+        # Nothing tells the watch of an expiry (no version bump), and it asks the database again only every
+        # API_KEY_CACHE_SECONDS (30).
+        await asyncio.sleep(2 + revocation.CHECK_SECONDS * 2)
+        assert answer.ended_by == [revocation.KEY_REVOKED]
+        assert others.ended_by == []
+    finally:
+        revocation.unwatch_stream(answer)
+        revocation.unwatch_stream(others)
 
 
 async def test_a_watch_that_cannot_check_the_keys_says_so_once_and_again_once_it_can(
