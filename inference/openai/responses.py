@@ -193,25 +193,34 @@ class FunctionTool(WireModel):
 
 
 # Tools that OpenAI runs on its own servers: this node has nothing to run them with.
-SERVER_TOOLS = frozenset(
+HOSTED_TOOLS = frozenset(
     {
         "web_search",
         "web_search_2025_08_26",
         "web_search_preview",
         "web_search_preview_2025_03_11",
         "file_search",
-        "computer",
-        "computer_use",
-        "computer_use_preview",
         "code_interpreter",
         "mcp",
         "image_generation",
-        "local_shell",
-        "shell",
-        "apply_patch",
         "tool_search",
     }
 )
+# Tools the client runs, whose calls OpenAI's models write as items of their own (``computer_call``,
+# ``local_shell_call``, ``apply_patch_call``, …): this node's models write function calls only.
+CLIENT_BUILT_IN_TOOLS = frozenset(
+    {"computer", "computer_use", "computer_use_preview", "local_shell", "shell", "apply_patch"}
+)
+SERVER_TOOLS = HOSTED_TOOLS | CLIENT_BUILT_IN_TOOLS
+
+
+def why_not_offered(tool_type: str) -> str:
+    """Why a built-in tool of OpenAI's (or its calls' items) is not served here."""
+    if tool_type in HOSTED_TOOLS or tool_type.startswith("mcp"):
+        return "runs on OpenAI's side"
+    return "is called by OpenAI's models through items of its own, which this node's models do not write"
+
+
 # Every type of tool and tool choice OpenAI's API knows. One of them this node does not serve is refused as
 # unsupported; any other names no tool at all (a misspelt "functions"), an invalid value.
 OPENAI_TOOL_TYPES = SERVER_TOOLS | {"function", "custom", "namespace", "programmatic_tool_calling", "allowed_tools"}
@@ -245,7 +254,7 @@ def _refusal(tool: OtherTool) -> str:
             f"namespace tools are not supported: offer the functions of the namespace{named} as top-level "
             "function tools; a request here offers function tools only"
         )
-    why = "runs on OpenAI's side" if tool.type in SERVER_TOOLS else "is not supported"
+    why = why_not_offered(tool.type) if tool.type in SERVER_TOOLS else "is not supported"
     return f"the {tool.type} tool {why}; a request here offers function tools only"
 
 
@@ -443,7 +452,7 @@ class ResponseCreateRequest(WireModel):
             )
         for index, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
-                raise unsupported_parameter(f"include.{index}", f"include {value!r} is not available on this node")
+                raise unsupported_parameter(f"include.{index}", f"include {value!r} is not offered here")
         if (repeated := _first_repeated(id for _, id in self.echoed_ids())) is not None:
             raise duplicate_item(repeated)
         self._check_reasoning()

@@ -216,7 +216,8 @@ def _refuse_item(item: wire.ItemReference | wire.OtherItem, where: str) -> APIEr
     if tool in wire.SERVER_TOOLS or item.type.startswith("mcp_"):
         return unsupported_parameter(
             param,
-            f"{item.type} items come from tools that run on OpenAI's side; a request here offers function tools only",
+            f"{item.type} items come from the {tool} tool, which {wire.why_not_offered(tool)}; a request here "
+            "offers function tools only",
         )
     return unsupported_parameter(param, f"input items of type {item.type!r} are not supported here")
 

@@ -700,12 +700,9 @@ async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_to
         {"type": "web_search"},
         {"type": "web_search_preview"},
         {"type": "file_search", "vector_store_ids": ["vs_1"]},
-        {"type": "computer_use_preview", "display_width": 1024, "display_height": 768, "environment": "linux"},
         {"type": "code_interpreter", "container": {"type": "auto"}},
         {"type": "mcp", "server_label": "deepwiki", "server_url": "https://mcp.deepwiki.com/mcp"},
         {"type": "image_generation"},
-        {"type": "local_shell"},
-        {"type": "shell"},
     ],
     ids=lambda tool: tool["type"],
 )
@@ -714,6 +711,28 @@ async def test_it_refuses_tools_that_openai_runs_on_its_side(api: API, tool: dic
         await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type"
     )
     assert tool["type"] in error["message"] and "OpenAI's side" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "computer_use_preview", "display_width": 1024, "display_height": 768, "environment": "linux"},
+        {"type": "local_shell"},
+        {"type": "shell"},
+        {"type": "apply_patch"},
+    ],
+    ids=lambda tool: tool["type"],
+)
+async def test_it_refuses_built_in_tools_the_client_runs_saying_their_calls_are_not_written_here(
+    api: API, tool: dict
+) -> None:
+    error = assert_error(
+        await api.post(RESPONSES, ask(input="hi", tools=[WEATHER, tool])), 400, "unsupported_parameter", "tools.1.type"
+    )
+    assert (
+        tool["type"] in error["message"]
+        and "items of its own, which this node's models do not write" in (error["message"])
+    )
 
 
 @pytest.mark.parametrize(
