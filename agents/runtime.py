@@ -774,7 +774,8 @@ _LAST_WORD = regex.compile(r"\w{1,64}\Z")
 @dataclass
 class WholeWords:
     """Holds back the last word of the answer or the reasoning while it may go on, and the logprobs of what it holds
-    back, so that each piece sent comes after its own logprobs."""
+    back, so that each piece sent comes after its own logprobs. With logprobs, what is held back starts where a token
+    does (the one the word begins in, with the space before it): each piece is then its tokens' text exactly."""
 
     held: TextPiece | ReasoningPiece | None = None
     held_logprobs: list[Logprobs] = field(default_factory=list)  # of the held text
@@ -800,6 +801,8 @@ class WholeWords:
         self.arrived = []
         last = _LAST_WORD.search(piece.text)
         cut = last.start() if last is not None else len(piece.text)
+        if last is not None and logprobs:
+            cut = _token_end(piece.text, cut, logprobs)
         sent, self.held_logprobs = (logprobs, []) if last is None else _split(logprobs, len(piece.text[:cut].encode()))
         if cut:
             out += [*sent, type(piece)(piece.text[:cut])]
@@ -813,6 +816,24 @@ class WholeWords:
         out: list[Piece] = [*self.held_logprobs, *([held] if held is not None else []), *self.arrived]
         self.held_logprobs, self.arrived = [], []
         return out
+
+
+def _token_end(text: str, cut: int, logprobs: list[Logprobs]) -> int:
+    """The last place at or before ``cut`` (a character of ``text``, which ``logprobs``' tokens spell) where a token
+    ends between two characters: held back from there, each piece sent is spelled by the logprobs sent before it."""
+    data, limit, at = text.encode(), len(text[:cut].encode()), 0
+    ends = [0]
+    for item in (item for group in logprobs for item in group.items):
+        at += len(item.token)
+        if at > limit:
+            break
+        ends.append(at)
+    for end in reversed(ends):
+        try:
+            return len(data[:end].decode())
+        except UnicodeDecodeError:  # a token that ends inside a character
+            continue
+    return 0
 
 
 def _split(logprobs: list[Logprobs], size: int) -> tuple[list[Logprobs], list[Logprobs]]:

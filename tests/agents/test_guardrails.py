@@ -244,7 +244,7 @@ def test_each_piece_comes_after_its_own_logprobs_when_text_is_held_back() -> Non
     out = sent(pieces)
 
     assert out == [
-        lp("Think"), ReasoningPiece("Think"), lp("Hi"), TextPiece("Hi "), lp(" there"), TextPiece("there"), lp("{}"),
+        lp("Think"), ReasoningPiece("Think"), lp("Hi"), TextPiece("Hi"), lp(" there"), TextPiece(" there"), lp("{}"),
         call,
     ]  # fmt: skip
 
@@ -255,9 +255,29 @@ def test_a_word_held_back_keeps_the_logprobs_of_its_tokens_however_they_arrived(
     out = sent([together, TextPiece("The spare part"), lp("s"), TextPiece("s fit")])
 
     assert out == [
-        Logprobs(together.items[:2]), TextPiece("The spare "), Logprobs(together.items[2:]), lp("s"),
-        TextPiece("parts "), TextPiece("fit"),
+        Logprobs(together.items[:2]), TextPiece("The spare"), Logprobs(together.items[2:]), lp("s"),
+        TextPiece(" parts"), TextPiece(" fit"),
     ]  # fmt: skip
+
+
+def test_with_logprobs_each_piece_sent_is_spelled_by_the_tokens_sent_before_it() -> None:
+    # As a runner sends them: a token's logprobs before its text, a character split across two tokens sent whole
+    # with the second.
+    tokens = [b"The", b" spare", b" part", b"s", b" fit", b" caf\xc3", b"\xa9", b"!"]
+    pieces: list[Any] = []
+    for token, text in zip(tokens, ["The", " spare", " part", "s", " fit", " caf", "é", "!"], strict=True):
+        pieces += [Logprobs((TokenLogprob(token, -0.1),)), TextPiece(text)]
+
+    out = sent(pieces)
+
+    spelled, text = b"", ""
+    for piece in out:
+        if isinstance(piece, Logprobs):
+            spelled += b"".join(item.token for item in piece.items)
+        else:
+            text += piece.text
+            assert spelled == text.encode(), (spelled, text)
+    assert text == "The spare parts fit café!"
 
 
 # --- exchanges a guardrail refused: not read again ---------------------------------------------------------------
