@@ -24,6 +24,7 @@ import asyncio
 import logging
 import math
 import re
+import reprlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -331,6 +332,7 @@ class UpstreamUsage:
     status: int = 200
     error_code: str = ""
     first_byte_at: float | None = None
+    secret: str = ""  # the upstream's key, kept out of the log
 
     @property
     def reported(self) -> bool:
@@ -351,19 +353,23 @@ class UpstreamUsage:
             _count(prompt_details.get("cached_tokens") if isinstance(prompt_details, dict) else None),
         ]
         if any(count is None for count in counts):
-            logger.warning("the upstream reported usage that is not token counts: %.200r", usage)
+            logger.warning("the upstream reported usage that is not token counts: %s", self._for_log(usage))
             return
         read, written, reasoning, cached = (count or 0 for count in counts)
         if read > self.input_bound or written > self.output_bound or reasoning > written or cached > read:
             logger.warning(
-                "the upstream reported usage the request could not have used (at most %d tokens in, %d out): %.200r",
+                "the upstream reported usage the request could not have used (at most %d tokens in, %d out): %s",
                 self.input_bound,
                 self.output_bound,
-                usage,
+                self._for_log(usage),
             )
             return
         self.input_tokens, self.output_tokens = read, written
         self.reasoning_tokens, self.cached_tokens = reasoning, cached
+
+    def _for_log(self, value: Any) -> str:
+        """``value`` as the log may hold it: shortened, nested no deeper than a few levels, without the key."""
+        return redacted(reprlib.repr(value).encode(), self.secret).decode(errors="replace")[:200]
 
     def counted(self) -> int:
         """The tokens-per-minute charge once the upstream has reported: its counts, an estimate for one it left out."""
@@ -393,7 +399,7 @@ def upstream_error(
     names. Its message may name the upstream's accounts, hosts or models: it is logged under the request id,
     and the client is told what failed and the id to quote. The upstream's own auth failures are the node's
     problem, not the client's."""
-    logger.warning("the gateway answered %d to request %s: %r", status, request_id, redacted(body[:2000], secret))
+    logger.warning("the gateway answered %d to request %s: %r", status, request_id, redacted(body, secret)[:2000])
     quote = f"Quote the request id {request_id} when you report it."
     # The upstream's word on when to come back, whatever its body; a 429 always says when.
     retry = (
@@ -409,11 +415,7 @@ def upstream_error(
         detail = None
     if not isinstance(detail, dict) or not isinstance(detail.get("message"), str):
         return _bodiless_error(status, quote, retry)
-    # A name holding the upstream's own key (an upstream that echoes what it was sent) is no name to pass on.
-    code, param, kind = (
-        None if secret and secret in str(name) else name
-        for name in (_plain_name(detail.get(field)) for field in ("code", "param", "type"))
-    )
+    code, param, kind = (_plain_name(detail.get(field), secret) for field in ("code", "param", "type"))
     refused = 400 <= status < 500
     if status == 429:
         kind = RATE_LIMIT
@@ -464,9 +466,12 @@ def _bodiless_error(status: int, quote: str, retry: dict[str, str] | None) -> AP
     return APIError(message, code="upstream_error", status=502, type=SERVER, headers=retry)
 
 
-def _plain_name(value: Any) -> str | None:
-    """``value`` if it is a short identifier (``upstream_refused``, ``messages.0.content``), else None."""
-    return value if isinstance(value, str) and PLAIN_NAME.fullmatch(value) else None
+def _plain_name(value: Any, secret: str) -> str | None:
+    """``value`` if it is a short identifier (``upstream_refused``, ``messages.0.content``) that does not hold the
+    upstream's key (an upstream that echoes what it was sent), else None."""
+    if isinstance(value, str) and PLAIN_NAME.fullmatch(value) and not (secret and secret in value):
+        return value
+    return None
 
 
 def unreachable(exc: BaseException, *, upstream: Upstream | None = None, request_id: str = "") -> APIError:
@@ -474,7 +479,9 @@ def unreachable(exc: BaseException, *, upstream: Upstream | None = None, request
     client is not told), and the client gets the id to quote."""
     if upstream is not None:
         host = urlsplit(upstream.base_url).hostname
-        logger.warning("the gateway could not reach %s for request %s: %r", host, request_id, exc)
+        # The exception's type and words, never its repr: aiohttp's names the request's headers, the key among them.
+        cause = redacted(f"{type(exc).__name__}: {exc}".encode(), upstream.api_key).decode(errors="replace")
+        logger.warning("the gateway could not reach %s for request %s: %s", host, request_id, cause)
     quote = f" Quote the request id {request_id} when you report it." if request_id else ""
     if isinstance(exc, asyncio.TimeoutError):
         return APIError(
@@ -490,7 +497,15 @@ async def read_bounded(response: aiohttp.ClientResponse) -> bytes:
     most = settings.GATEWAY_MAX_RESPONSE_BYTES
     parts: list[bytes] = []
     size = 0
-    async for chunk in response.content.iter_any():
+    chunks = response.content.iter_any()
+    while True:
+        # The read timeout of its own, besides the session's: a body whose framing breaks after its headers (a bad
+        # chunk size) leaves aiohttp's read waiting with no error and no read timeout.
+        try:
+            async with asyncio.timeout(settings.GATEWAY_TIMEOUT_SECONDS):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
         size += len(chunk)
         if size > most:
             raise APIError(
@@ -547,11 +562,25 @@ async def forward_json(
                 status=502,
                 type="server_error",
             ) from None
-    if data.get("error") is not None and "choices" not in data and "output" not in data:
-        # Some upstreams report a failure with status 200 (an error of any shape): it is a failure all the same, and
-        # its words are theirs.
+    a_response = data.get("object") == "response"
+    if data.get("error") is not None and not data.get("choices") and not data.get("output") and not a_response:
+        # Some upstreams report a failure with status 200 (an error of any shape, beside no answer): it is a failure
+        # all the same, and its words are theirs. A failed Response is an answer, its error put in the API's words.
         raise upstream_error(status, headers, content, request_id=request_id, secret=upstream.api_key)
-    if data.get("object") == "response":
+    if not isinstance(data.get(answer := "choices" if path == "chat/completions" else "output"), list):
+        logger.warning(
+            "the gateway answered request %s without %s: %r",
+            request_id,
+            answer,
+            redacted(content, upstream.api_key)[:2000],
+        )
+        raise APIError(
+            f"The gateway answered without {answer}. Quote the request id {request_id} when you report it.",
+            code="upstream_error",
+            status=502,
+            type="server_error",
+        )
+    if a_response:
         _hide_response_failure(data, tally, request_id=request_id, secret=upstream.api_key)
     tally.answered = True
     tally.read_usage(data.get("usage"))
@@ -564,7 +593,7 @@ def _hide_response_failure(response: dict[str, Any], tally: UpstreamUsage, *, re
     """A Response's ``error`` and ``incomplete_details`` in the API's words, as a stream's ``response.failed`` has
     them: the upstream's message may name its accounts or hosts, and is logged under the request id instead."""
     if (error := response.get("error")) is not None:
-        code = _failure_code(error)
+        code = _failure_code(error, secret)
         logger.warning("the gateway failed request %s: %.2000r", request_id, redacted(orjson.dumps(error), secret))
         tally.status, tally.error_code = 502, code
         message = f"The gateway failed ({code}). Quote the request id {request_id} when you report it."
@@ -573,9 +602,9 @@ def _hide_response_failure(response: dict[str, Any], tally: UpstreamUsage, *, re
         response["incomplete_details"] = incomplete_details(response["incomplete_details"])
 
 
-def _failure_code(error: Any) -> str:
+def _failure_code(error: Any, secret: str) -> str:
     """A failed Response's error code when it is a plain name, else ``upstream_error``."""
-    return (_plain_name(error.get("code")) if isinstance(error, dict) else None) or "upstream_error"
+    return (_plain_name(error.get("code"), secret) if isinstance(error, dict) else None) or "upstream_error"
 
 
 def incomplete_details(details: Any) -> dict[str, str] | None:
@@ -636,7 +665,7 @@ def not_a_stream(response: aiohttp.ClientResponse, body: bytes, *, request_id: s
         return upstream_error(response.status, response.headers, body, request_id=request_id, secret=secret)
     kind = response.content_type
     logger.warning(
-        "the gateway answered request %s with %s, not a stream: %r", request_id, kind, redacted(body[:2000], secret)
+        "the gateway answered request %s with %s, not a stream: %r", request_id, kind, redacted(body, secret)[:2000]
     )
     return APIError(
         f"The gateway answered a streamed request with {kind}, not an event stream. Quote the request id "
@@ -721,10 +750,12 @@ class StreamRelay:
                 if self._interrupted is not None:
                     yield self._interruption()
                     return
-                # Each read waits no longer than the stream has left: an upstream gone silent would otherwise hold
-                # the stream past its limit for as long as the read timeout (GATEWAY_TIMEOUT_SECONDS) allows.
+                # Each read waits no longer than the stream has left (an upstream gone silent would otherwise hold
+                # the stream past its limit), nor than the read timeout: the session's own does not fire once a
+                # chunked body's framing breaks after its headers, and aiohttp's read then waits with no error.
+                left = self.deadline - time.monotonic()
                 try:
-                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.0)) as self._wait:
+                    async with asyncio.timeout(max(min(left, settings.GATEWAY_TIMEOUT_SECONDS), 0.0)) as self._wait:
                         chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
@@ -732,7 +763,7 @@ class StreamRelay:
                     if self._interrupted is not None:
                         yield self._interruption()
                         return
-                    if self._wait is None or not self._wait.expired():
+                    if time.monotonic() < self.deadline:
                         raise  # the read timeout, not the stream's limit
                     yield self._time_limit()
                     return
@@ -765,16 +796,19 @@ class StreamRelay:
                 yield self._response_failed(self._failure)  # the upstream's error event was its last
             elif not self._ended and not self.tally.error_code:
                 yield self._upstream_error("The gateway's stream stopped before its end.")
-        except TimeoutError:
-            self.tally.status, self.tally.error_code = 504, "upstream_timeout"
-            yield self._sse_error(unreachable(TimeoutError(), request_id=self.request_id))
-        except aiohttp.ClientError:
-            self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
-            yield self._sse_error(
-                APIError(
-                    "The gateway connection broke mid-stream.", code="upstream_unavailable", status=502, type=SERVER
+        except UpstreamFailure as exc:
+            # What breaks after the stream's last event went out (the chunked body's end never sent) takes nothing
+            # from the answer, and the client, which has read its end, is told nothing more.
+            if not self._closed and isinstance(exc, TimeoutError):
+                self.tally.status, self.tally.error_code = 504, "upstream_timeout"
+                yield self._sse_error(unreachable(exc, request_id=self.request_id))
+            elif not self._closed:
+                self.tally.status, self.tally.error_code = 502, "upstream_unavailable"
+                yield self._sse_error(
+                    APIError(
+                        "The gateway connection broke mid-stream.", code="upstream_unavailable", status=502, type=SERVER
+                    )
                 )
-            )
         finally:
             revocation.unwatch_stream(self)
             if finished:
@@ -835,13 +869,13 @@ class StreamRelay:
             error = {}
         else:
             return None
-        code = _plain_name(error.get("code")) or "upstream_error"
+        code = _plain_name(error.get("code"), self.secret) or "upstream_error"
         kind = error.get("type")
         replaced = APIError(
             self._failed(event, code),
             code=code,
             status=502,
-            param=_plain_name(error.get("param")),
+            param=_plain_name(error.get("param"), self.secret),
             type=kind if isinstance(kind, str) and kind in ERROR_TYPES else SERVER,
         )
         if self.terminal is not RESPONSE_END:
@@ -853,7 +887,7 @@ class StreamRelay:
     def _hide_failure(self, event: bytes, data: dict[str, Any]) -> None:
         """A ``response.failed`` event recorded as the failure it is, its error put in the API's words."""
         response = data.get("response")
-        code = _failure_code(response.get("error") if isinstance(response, dict) else None)
+        code = _failure_code(response.get("error") if isinstance(response, dict) else None, self.secret)
         message = self._failed(event, code)
         if isinstance(response, dict):
             response["error"] = {"code": code, "message": message}
@@ -874,10 +908,11 @@ class StreamRelay:
             self._sequence = int(number[1])
         self.tally.output_seen += _streamed_tokens(payload, responses=self.terminal is RESPONSE_END)
         # Most events are deltas, passed on unread: only one that may be an ending, an error or usage is parsed, and
-        # an ending is told by its type, not by its name turning up in a delta's text.
+        # an ending is told by its type, not by its name turning up in a delta's text. One with an escape in it is
+        # read too: a name may be written escaped ("\u0065rror"), which no marker would find.
         markers = (b'"error"', b'"usage"', b'"b3os"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
         named = bool(others) and _named_error(others)
-        if not named and not any(marker in payload for marker in markers):
+        if not named and b"\\u" not in payload and not any(marker in payload for marker in markers):
             return event + b"\n\n"
         try:
             data = orjson.loads(payload)
@@ -933,8 +968,9 @@ def _named_error(lines: list[bytes]) -> bool:
 
 
 class SSEFrames:
-    """Cuts an event stream's bytes into events as they come: an event ends at a blank line, CRLF is read as LF.
-    Each byte is searched once, however many chunks a long event comes in."""
+    """Cuts an event stream's bytes into events as they come: an event ends at a blank line, and a line at CRLF,
+    LF or a CR alone, as SSE reads them (each read as LF). Each byte is searched once, however many chunks a long
+    event comes in."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
@@ -949,7 +985,7 @@ class SSEFrames:
         if b"\r" in chunk:
             if chunk.endswith(b"\r"):
                 chunk, self._carriage_return = chunk[:-1], True
-            chunk = chunk.replace(b"\r\n", b"\n")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buffer = self._buffer
         buffer += chunk
         events: list[bytes] = []
@@ -1042,6 +1078,7 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
         input_bound=max(entry.context_length, 4 * reads + 3),
         output_bound=output_bound(body, read, entry),
         input_estimate=min(reads, entry.context_length),
+        secret=upstream.api_key,
     )
     try:
         if not read.stream:

@@ -1121,3 +1121,138 @@ def test_a_stream_cut_into_chunks_anywhere_gives_the_events_it_gives_whole() -> 
         got = [event for start in range(0, len(stream), size) for event in frames.feed(stream[start : start + size])]
         assert (got, frames.rest()) == expected
     assert expected == ([b"data: a", b": keepalive", b"data: b\ndata: c", b"event: error\ndata: {}"], b"data: tail")
+
+
+# --- framing that breaks, names that hold the key, what comes after the end ---------------------------------------
+
+
+def raw(head: bytes, *parts: bytes) -> Script:
+    """An answer written byte for byte: ``head`` (the status line and headers), then each of ``parts`` a moment
+    apart, then the connection closed."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+        for part in parts:
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(part)
+
+    return script
+
+
+@BOTH
+async def test_an_answer_whose_headers_do_not_parse_is_a_502_and_the_log_line_keeps_the_key_out(
+    gw: Gateway, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    await gw.offer("garbled", raw(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-evil: a\rb\r\n\r\n"))
+
+    response = await gw.post("garbled", path=path, stream=True)
+
+    assert response.status_code == 502 and error_of(response)["code"] == "upstream_unavailable"
+    assert "could not reach" in caplog.text and UPSTREAM_KEY not in caplog.text
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@BOTH
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_body_whose_chunks_break_after_its_headers_is_a_timeout_at_the_read_timeout_and_frees_its_slot(
+    gw: Gateway, path: str, stream: bool
+) -> None:
+    kind = b"text/event-stream" if stream else b"application/json"
+    await gw.offer("broken", raw(CHUNKED % kind, b'14\r\ndata: {"id": "chatcm\r\nzz\r\n'))
+
+    response = await gw.post("broken", path=path, stream=stream)
+    text = await read_stream(response) if stream else ""
+
+    error = stream_error(text, path) if stream else error_of(response)
+    assert error["code"] == "upstream_timeout"
+    assert (await gw.record(response)).status == 504
+    assert gw.window("broken")[1] == 0
+
+
+@BOTH
+async def test_an_upstream_key_echoed_as_an_error_events_code_or_param_is_neither_relayed_nor_recorded(
+    gw: Gateway, path: str
+) -> None:
+    echoed = {"message": "bad key", "type": "invalid_request_error", "code": UPSTREAM_KEY, "param": UPSTREAM_KEY}
+    if path == CHAT:
+        failing = data({"error": echoed})
+    else:
+        failing = response_event("response.failed", 1, response={**RESPONSE, "status": "failed", "error": echoed})
+    await gw.offer("echoing", events(first_event(path), failing))
+
+    response, text = await gw.stream("echoing", path=path)
+
+    assert UPSTREAM_KEY not in text
+    assert (await gw.record(response)).error_code == "upstream_error"
+
+
+async def test_a_whole_failed_response_whose_code_holds_the_key_is_recorded_without_it(gw: Gateway) -> None:
+    failed = {**RESPONSE, "status": "failed", "error": {"code": UPSTREAM_KEY, "message": "x"}}
+    await gw.offer("echoing", answer(200, failed))
+
+    response = await gw.post("echoing", path=RESPONSES)
+
+    assert UPSTREAM_KEY not in response.content.decode()
+    assert (await gw.record(response)).error_code == "upstream_error"
+
+
+async def test_a_stream_framed_with_carriage_returns_alone_is_read_as_sse_reads_it(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    failed = {**RESPONSE, "status": "failed", "error": {"code": "server_error", "message": f"db-7 {UPSTREAM_KEY}"}}
+    framed = [
+        e.replace(b"\n", b"\r") for e in (first_event(RESPONSES), response_event("response.failed", 1, response=failed))
+    ]
+    await gw.offer("cr", events(*framed))
+
+    response, text = await gw.stream("cr", path=RESPONSES)
+
+    assert "db-7" not in text and UPSTREAM_KEY not in text
+    names = [line for line in text.split("\n") if line.startswith("event: ")]
+    assert names == ["event: response.created", "event: response.failed"]
+    assert (await gw.record(response)).error_code == "server_error"
+
+
+@BOTH
+async def test_an_error_event_whose_name_is_written_escaped_is_put_in_the_apis_words(gw: Gateway, path: str) -> None:
+    escaped = b'data: {"\\u0065rror": {"message": "at db-7", "type": "server_error", "code": "overloaded"}}\n\n'
+    await gw.offer("escaped", events(first_event(path), escaped))
+
+    response, text = await gw.stream("escaped", path=path)
+
+    assert "db-7" not in text and stream_error(text, path)["code"] == "overloaded"
+    assert (await gw.record(response)).error_code == "overloaded"
+
+
+@BOTH
+async def test_a_stream_whose_connection_breaks_after_its_last_event_ends_as_it_ended(gw: Gateway, path: str) -> None:
+    await gw.offer("cut", events(*(chat_stream() if path == CHAT else responses_stream()), then="cut"))
+
+    response, text = await gw.stream("cut", path=path)
+
+    assert "error" not in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+
+
+@BOTH
+@pytest.mark.parametrize("body", [{}, {"choices": "x", "output": 5}], ids=["empty", "not-lists"])
+async def test_a_whole_answer_without_its_choices_or_output_is_a_502(gw: Gateway, path: str, body: Any) -> None:
+    await gw.offer("shapeless", answer(200, body))
+
+    response = await gw.post("shapeless", path=path)
+
+    assert response.status_code == 502 and error_of(response)["code"] == "upstream_error"
+    assert (await gw.record(response)).status == 502
+
+
+async def test_a_whole_answer_with_an_error_beside_no_choices_is_that_error(gw: Gateway) -> None:
+    await gw.offer("sly", answer(200, {"error": {"message": "db-7 down", "code": "provider_down"}, "choices": []}))
+
+    response = await gw.post("sly")
+
+    assert response.status_code == 502 and error_of(response)["code"] == "provider_down"
+    assert "db-7" not in response.content.decode()
