@@ -80,6 +80,7 @@ class ParamNames:
     reasoning: str = "reasoning_effort"
     top_logprobs: str = "top_logprobs"
     image: str | None = None  # the first image in the conversation
+    tools_in_prompt: bool = False  # tools are described to the model, taking room in its context
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> APIError:
@@ -342,10 +343,15 @@ def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> A
     prompt = names.prompt
     answer = "completion" if prompt == "messages" else "output"
     if exc.prompt_too_long or exc.requested_output is None:
+        # With tools described to the model, they take their room too: told, so that a client with long tools and a
+        # short conversation knows what to shorten.
+        read = shorten = prompt
+        if names.tools_in_prompt:
+            read, shorten = f"{prompt} and {names.tools}", f"{prompt} or {names.tools}"
         return invalid_request(
-            f"This model's maximum context length is {exc.context_length} tokens. However, your {prompt} resulted "
+            f"This model's maximum context length is {exc.context_length} tokens. However, your {read} resulted "
             f"in {'at least ' if exc.at_least else ''}{exc.prompt_tokens} tokens. Please reduce the length of the "
-            f"{prompt}.",
+            f"{shorten}.",
             param=prompt,
             code="context_length_exceeded",
         )

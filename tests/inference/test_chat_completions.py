@@ -1085,6 +1085,22 @@ async def test_a_prompt_longer_than_the_context_is_refused_before_generation(
     assert await UsageRecord.objects.acount() == 0
 
 
+async def test_a_prompt_that_tools_push_past_the_context_names_them_when_the_model_is_told_of_them(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=256, max_output_tokens=24)
+    long_tool = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "description": "Weather. " * 60}}
+
+    told = await api.post(CHAT, body(tools=[long_tool], max_tokens=None))
+    untold = await api.post(CHAT, body(tools=[long_tool], tool_choice="none", max_tokens=None))
+
+    error = told.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "your messages and tools resulted in" in error["message"]
+    assert "reduce the length of the messages or tools" in error["message"]
+    assert untold.status_code == 200, untold.content  # the model is not told of tools it may not call
+
+
 async def test_asking_for_more_output_than_the_context_allows_is_refused(api: API, catalog_model: CatalogEntry) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
     response = await api.post(CHAT, body(max_tokens=120))
