@@ -24,7 +24,6 @@ import asyncio
 import logging
 import math
 import re
-import reprlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -368,8 +367,13 @@ class UpstreamUsage:
         self.reasoning_tokens, self.cached_tokens = reasoning, cached
 
     def _for_log(self, value: Any) -> str:
-        """``value`` as the log may hold it: shortened, nested no deeper than a few levels, without the key."""
-        return redacted(reprlib.repr(value).encode(), self.secret).decode(errors="replace")[:200]
+        """``value`` as the log may hold it: without the key, then shortened (shortened first, a key cut in two
+        would pass)."""
+        try:
+            written = orjson.dumps(value)
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes
+            return f"<{type(value).__name__} nested too deep to write>"
+        return redacted(written, self.secret)[:200].decode(errors="replace")
 
     def counted(self) -> int:
         """The tokens-per-minute charge once the upstream has reported: its counts, an estimate for one it left out."""
@@ -783,10 +787,14 @@ class StreamRelay:
                 if self._fault:
                     yield self._broken()
                     return
+                if self._closed:
+                    # The last event went out (with what came in its chunk): the answer is whole, and nothing the
+                    # upstream does next (a silence, a break, the stream's limit, a key revoked) is the client's.
+                    break
                 if time.monotonic() > self.deadline:
                     yield self._time_limit()
                     return
-            if rest := frames.rest():
+            if not self._closed and (rest := frames.rest()):
                 yield self._event(rest)
                 if self._fault:
                     yield self._broken()
@@ -811,7 +819,7 @@ class StreamRelay:
                 )
         finally:
             revocation.unwatch_stream(self)
-            if finished:
+            if finished and response.content.at_eof():
                 response.release()
             else:
                 response.close()  # drop the connection: the upstream stops sending to a client that is gone
@@ -975,16 +983,16 @@ class SSEFrames:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._searched = 0
-        self._carriage_return = False  # a chunk ended between a CR and its LF
+        # A chunk ended with a CR, read as a line's end at once: an LF that begins the next chunk is the same end.
+        self._carriage_return = False
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if not self._buffer and not self._carriage_return and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+        if self._carriage_return and chunk:
+            chunk, self._carriage_return = chunk.removeprefix(b"\n"), False
+        if not self._buffer and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             return chunk[:-2].split(b"\n\n")  # most chunks: whole events, nothing held from before
-        if self._carriage_return:
-            chunk, self._carriage_return = b"\r" + chunk, False
         if b"\r" in chunk:
-            if chunk.endswith(b"\r"):
-                chunk, self._carriage_return = chunk[:-1], True
+            self._carriage_return = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         buffer = self._buffer
         buffer += chunk
@@ -1006,7 +1014,7 @@ class SSEFrames:
 
     def rest(self) -> bytes:
         """What came after the last event's end."""
-        return bytes(self._buffer) + (b"\r" if self._carriage_return else b"")
+        return bytes(self._buffer)
 
 
 def _sse_parts(event: bytes) -> tuple[list[bytes], bytes | None]:

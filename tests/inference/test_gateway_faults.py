@@ -1228,17 +1228,6 @@ async def test_an_error_event_whose_name_is_written_escaped_is_put_in_the_apis_w
 
 
 @BOTH
-async def test_a_stream_whose_connection_breaks_after_its_last_event_ends_as_it_ended(gw: Gateway, path: str) -> None:
-    await gw.offer("cut", events(*(chat_stream() if path == CHAT else responses_stream()), then="cut"))
-
-    response, text = await gw.stream("cut", path=path)
-
-    assert "error" not in text
-    record = await gw.record(response)
-    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
-
-
-@BOTH
 @pytest.mark.parametrize("body", [{}, {"choices": "x", "output": 5}], ids=["empty", "not-lists"])
 async def test_a_whole_answer_without_its_choices_or_output_is_a_502(gw: Gateway, path: str, body: Any) -> None:
     await gw.offer("shapeless", answer(200, body))
@@ -1256,3 +1245,61 @@ async def test_a_whole_answer_with_an_error_beside_no_choices_is_that_error(gw: 
 
     assert response.status_code == 502 and error_of(response)["code"] == "provider_down"
     assert "db-7" not in response.content.decode()
+
+
+def test_an_event_framed_with_carriage_returns_alone_is_given_as_soon_as_its_chunk_ends() -> None:
+    frames = gateway.SSEFrames()
+
+    assert frames.feed(b"data: a\r\r") == [b"data: a"]
+    assert frames.feed(b"\ndata: b\r") == []  # the LF of a CRLF split across chunks ends no line of its own
+    assert frames.feed(b"\n\r\n") == [b"data: b"]
+
+
+@BOTH
+@pytest.mark.parametrize("framing", [b"\n", b"\r"], ids=["lf", "cr"])
+async def test_a_stream_whose_connection_breaks_after_its_last_event_ends_as_it_ended(
+    gw: Gateway, path: str, framing: bytes
+) -> None:
+    parts = [part.replace(b"\n", framing) for part in (chat_stream() if path == CHAT else responses_stream())]
+    await gw.offer("cut", events(*parts, then="cut"))
+
+    response, text = await gw.stream("cut", path=path)
+
+    assert "error" not in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+
+
+@BOTH
+async def test_a_stream_ends_with_its_last_event_whatever_the_upstream_does_after_it(
+    gw: Gateway, path: str, settings: Any
+) -> None:
+    settings.GATEWAY_STREAM_MAX_SECONDS = 2
+    settings.GATEWAY_TIMEOUT_SECONDS = 30  # a wait after the last event would reach the stream's limit first
+    before = gw.upstream.hung_up
+    stream = chat_stream() if path == CHAT else responses_stream()
+    await gw.offer("lingering", events(*stream, then="stall", upstream=gw.upstream))
+
+    response, text = await gw.stream("lingering", path=path)
+
+    assert "error" not in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+    assert await until(lambda: gw.upstream.hung_up == before + 1)  # its connection closed, not kept waiting
+
+
+async def test_usage_that_is_not_counts_is_logged_without_any_part_of_the_key(
+    gw: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    answered = {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [],
+        "usage": {"prompt_tokens": f"Bearer {UPSTREAM_KEY}"},
+    }
+    await gw.offer("leaky", answer(200, answered))
+
+    await gw.post("leaky")
+
+    assert "not token counts" in caplog.text
+    assert UPSTREAM_KEY[:12] not in caplog.text and UPSTREAM_KEY[-12:] not in caplog.text
