@@ -84,13 +84,15 @@ class ReadableInitialData:
                 continue
             if isinstance(field, DateTimeField) and isinstance(value, str):
                 try:
-                    moment = parse_datetime(value)
-                except ValueError:  # the shape of a time, with a 13th month
-                    moment = None
-                if moment is None:
+                    moment = parse_datetime(value)  # a date alone too, as midnight
+                    if moment is None:
+                        raise ValueError("not a time")
+                    # Shown in the current time zone: a time at either end of the calendar may leave it.
+                    initial[name] = timezone.localtime(
+                        moment if timezone.is_aware(moment) else timezone.make_aware(moment)
+                    )
+                except (ValueError, OverflowError):  # not a time, or the shape of one with a 13th month
                     del initial[name]
-                else:
-                    initial[name] = moment if timezone.is_aware(moment) else timezone.make_aware(moment)
         return initial
 
 
