@@ -822,6 +822,9 @@ def _token_end(text: str, cut: int, logprobs: list[Logprobs]) -> int:
     """The last place at or before ``cut`` (a character of ``text``, which ``logprobs``' tokens spell) where a token
     ends between two characters: held back from there, each piece sent is spelled by the logprobs sent before it."""
     data, limit, at = text.encode(), len(text[:cut].encode()), 0
+    spelled = b"".join(item.token for group in logprobs for item in group.items)[:limit]
+    if data[: len(spelled)] != spelled:
+        return cut  # out of step with the text (a character the decoder holds back): the word's start it is
     ends = [0]
     for item in (item for group in logprobs for item in group.items):
         at += len(item.token)

@@ -335,3 +335,13 @@ def test_a_refused_exchange_is_left_out_whole_but_the_clients_instructions_stay(
     ]
 
     assert refused_exchanges(items) == {4, 5, 6}
+
+
+def test_logprobs_out_of_step_with_the_text_leave_the_cut_at_the_words_start() -> None:
+    # The decoder holds back a "<" (a tag may begin) and lets it go with the next token's text: the logprobs then
+    # run a byte ahead of the text, and a token's end is no place in it.
+    pieces = [lp("A"), TextPiece("A"), lp(" <"), TextPiece(" "), lp("b"), lp(" cd"), TextPiece("<b cd")]
+
+    out = sent(pieces)
+
+    assert [piece.text for piece in out if isinstance(piece, TextPiece)] == ["A ", "<b ", "cd"]

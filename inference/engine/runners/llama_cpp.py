@@ -726,7 +726,9 @@ def _json_kind(value: Any) -> str:
         return f"the boolean {str(value).lower()}"
     if value is None:
         return "null"
-    return {str: "a string", int: "a number", float: "a number", list: "an array"}.get(type(value), "a value")
+    return {str: "a string", int: "a number", float: "a number", list: "an array", dict: "an object"}.get(
+        type(value), "a value"
+    )
 
 
 def _refs(schema: Any, *, in_map: bool = False) -> Iterator[str]:

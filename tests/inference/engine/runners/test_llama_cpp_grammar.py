@@ -518,6 +518,7 @@ def test_a_type_beside_the_keyword_the_converter_reads_still_holds(vocab: Any, s
     [
         ({"type": "string", "enum": [5, 6]}, "its 'enum' holds no value of its 'type' 'string': it allows no value"),
         ({"type": "integer", "const": "x"}, "its 'const' is a string, not of its 'type' 'integer'"),
+        ({"type": "string", "const": {"a": 1}}, "its 'const' is an object, not of its 'type' 'string'"),
         (
             {"type": "integer", "anyOf": [{"type": "string"}, {"type": "boolean"}]},
             "its 'type' 'integer' beside 'anyOf' cannot be enforced by this model's grammar: write it in each branch",
@@ -526,7 +527,7 @@ def test_a_type_beside_the_keyword_the_converter_reads_still_holds(vocab: Any, s
         ({"type": "object", "anyOf": [{"required": ["a"]}]}, "its 'type' 'object' beside 'anyOf'"),
         ({"type": "integer", "$ref": "#/$defs/s"}, "its 'type' 'integer' beside '$ref' cannot be enforced"),
     ],
-    ids=["enum", "const", "anyOf", "oneOf", "a-branch-of-any-type", "ref"],
+    ids=["enum", "const", "const-object", "anyOf", "oneOf", "a-branch-of-any-type", "ref"],
 )
 def test_a_type_beside_the_keyword_the_converter_reads_that_it_cannot_hold_is_named(
     schema: dict[str, Any], says: str
