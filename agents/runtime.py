@@ -414,7 +414,9 @@ class AgentTurn:
             parallel_tool_calls=self.params.parallel_tool_calls is not False,
             reasoning=self.reasoning,
             max_output_tokens=self.budget,
-            fit_output=self.params.max_output_tokens is None,  # the instance's limit, or the model's
+            # The instance's limit or the model's, which the client did not set; and past the first step what is left
+            # of the client's, whose steps' tool results it could not foresee: refused only before the response.
+            fit_output=self.params.max_output_tokens is None or step > 0,
             temperature=temperature(self.params, self.agent),
             top_p=self.params.top_p,
             logprobs=self.params.wants_logprobs,

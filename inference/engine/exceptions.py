@@ -54,11 +54,19 @@ class ContextLengthExceeded(EngineError):
     """The prompt, or the prompt with the output asked for, does not fit the model's context."""
 
     def __init__(
-        self, *, prompt_tokens: int, context_length: int, requested_output: int | None, at_least: bool = False
+        self,
+        *,
+        prompt_tokens: int,
+        context_length: int,
+        requested_output: int | None,
+        at_least: bool = False,
+        tools_in_prompt: bool = False,
     ) -> None:
         super().__init__(f"{prompt_tokens} prompt tokens and {requested_output} output tokens exceed {context_length}")
         # ``prompt_tokens`` is a lower bound: the prompt was refused before it was counted exactly.
         self.at_least = at_least
+        # The prompt describes tools to the model, which take their room in it too.
+        self.tools_in_prompt = tools_in_prompt
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
         self.requested_output = requested_output

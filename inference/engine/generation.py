@@ -439,7 +439,12 @@ def _prepare(*, entry: CatalogEntry, request: GenerationRequest, renderer: Promp
         except TemplateError as exc:
             raise ChatTemplateRefused(str(exc)) from None
         asked = None if request.fit_output else request.max_output_tokens
-        room = check_context(prompt_tokens=prompt.tokens, max_output=asked, context_length=entry.context_length)
+        room = check_context(
+            prompt_tokens=prompt.tokens,
+            max_output=asked,
+            context_length=entry.context_length,
+            tools_in_prompt=describe_tools,
+        )
         return prompt, room
 
     prompt, room = truncated(request.messages, fitting) if request.truncate else fitting(request.messages)

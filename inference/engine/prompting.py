@@ -136,16 +136,25 @@ def render_prompt(
     text, literal = literals.restore(text)
     if (least := renderer.least_tokens(text)) > context_length:
         raise ContextLengthExceeded(
-            prompt_tokens=least, context_length=context_length, requested_output=None, at_least=True
+            prompt_tokens=least,
+            context_length=context_length,
+            requested_output=None,
+            at_least=True,
+            tools_in_prompt=bool(tools) and describe_tools,
         )
     return RenderedPrompt(text=text, tokens=renderer.count_tokens(text, literal), literal=literal)
 
 
-def check_context(*, prompt_tokens: int, max_output: int | None, context_length: int) -> int:
+def check_context(
+    *, prompt_tokens: int, max_output: int | None, context_length: int, tools_in_prompt: bool = False
+) -> int:
     """The room left for output, or ``ContextLengthExceeded`` when the prompt, or the output asked for, does not fit."""
     room = context_length - prompt_tokens
     if room <= 0 or (max_output is not None and max_output > room):
         raise ContextLengthExceeded(
-            prompt_tokens=prompt_tokens, context_length=context_length, requested_output=max_output
+            prompt_tokens=prompt_tokens,
+            context_length=context_length,
+            requested_output=max_output,
+            tools_in_prompt=tools_in_prompt,
         )
     return room

@@ -477,7 +477,6 @@ class ChatCompletionRequest(WireModel):
                 tool.function.name: f"tools.{index}.function.parameters" for index, tool in enumerate(self.tools or ())
             },
             image=next(images, None),
-            tools_in_prompt=bool(self.tools) and self.tool_choice != "none",
         )
 
 

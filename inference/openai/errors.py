@@ -80,7 +80,6 @@ class ParamNames:
     reasoning: str = "reasoning_effort"
     top_logprobs: str = "top_logprobs"
     image: str | None = None  # the first image in the conversation
-    tools_in_prompt: bool = False  # tools are described to the model, taking room in its context
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> APIError:
@@ -346,7 +345,7 @@ def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> A
         # With tools described to the model, they take their room too: told, so that a client with long tools and a
         # short conversation knows what to shorten.
         read = shorten = prompt
-        if names.tools_in_prompt:
+        if exc.tools_in_prompt:
             read, shorten = f"{prompt} and {names.tools}", f"{prompt} or {names.tools}"
         return invalid_request(
             f"This model's maximum context length is {exc.context_length} tokens. However, your {read} resulted "

@@ -591,7 +591,6 @@ class ResponseCreateRequest(WireModel):
             output_schema="text.format.schema",
             reasoning="reasoning.effort",
             image=next(images, None),
-            tools_in_prompt=bool(self.tools) and self.tool_choice != "none",
         )
 
 

@@ -1255,6 +1255,56 @@ async def test_an_output_limit_the_client_did_not_set_is_fitted_to_the_room_the_
     assert (asked.status_code, error["code"], error["param"]) == (400, "context_length_exceeded", "max_output_tokens")
 
 
+@pytest.fixture
+def wordy_agent(
+    make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry, monkeypatch: pytest.MonkeyPatch
+) -> AgentInstance:
+    """Calls, first, a server tool whose result takes a good part of its model's context."""
+
+    def list_parts(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
+        return ToolResult(output="Gasket G-12, bearing B-7 and belt V-3 fit machine 4711. " * 20)
+
+    tool = ServerTool(
+        name="list_parts",
+        description="List the spare parts of machine 4711.",
+        parameters={"type": "object", "properties": {}},
+        run=list_parts,
+    )
+    monkeypatch.setitem(REGISTRY, tool.name, tool)
+    snug = CatalogEntry.objects.create(
+        public_id="b3os/smollm2-snug",
+        runner=catalog_model.runner,
+        runner_settings=catalog_model.runner_settings,
+        context_length=1024,
+        max_output_tokens=1024,
+    )
+    return make_instance(
+        "support.agent.wordy",
+        model=snug,
+        tools=["list_parts"],
+        first_step=FirstStep.TOOL,
+        instructions="You are the spare-parts assistant. Answer in one sentence.",
+        temperature=0,
+    )
+
+
+@pytest.mark.database
+async def test_what_is_left_of_the_clients_output_limit_is_fitted_to_the_room_a_later_step_leaves(
+    tenant: Tenant, wordy_agent: AgentInstance
+) -> None:
+    body = {"model": wordy_agent.instance_id, "input": SPARE_PARTS_QUESTION, "stream": True}
+    too_much = await tenant.post("/v1/responses", {**body, "max_output_tokens": 1024})
+    first_prompt = int(re.search(r"\((\d+) in the input", too_much.json()["error"]["message"])[1])
+
+    # As much as the first step leaves: the tool's result then leaves the next step less than what is left of it.
+    _, response = await tenant.stream(**body, max_output_tokens=1024 - first_prompt)
+
+    assert response["status"] in ("completed", "incomplete"), response.get("error")
+    assert [item["type"] for item in response["output"]] == ["agent_runtime:function_call", "message"]
+    later_prompt = response["usage"]["input_tokens"] - first_prompt
+    assert later_prompt + (1024 - first_prompt - response["usage"]["output_tokens"]) > 1024  # what was left: no room
+
+
 # --- reasoning, refusals before the stream, limits ---------------------------------------------------------------
 
 
