@@ -16,9 +16,10 @@ import httpx
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from twisted.internet import endpoints, reactor
 from twisted.web.http import _parseContentType
 
-from inference.management.commands.serve import media_type
+from inference.management.commands.serve import LISTEN_BACKLOG, listen_endpoint, media_type
 from tests.conftest import MODEL_ID, ROOT, LiveServer, start_server
 
 
@@ -41,6 +42,14 @@ from tests.conftest import MODEL_ID, ROOT, LiveServer, start_server
 )
 def test_the_content_type_is_read_as_twisted_reads_it(header: bytes) -> None:
     assert media_type(header) == _parseContentType(header)
+
+
+@pytest.mark.parametrize(("host", "interface"), [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1")], ids=["ipv4", "ipv6"])
+def test_the_server_listens_with_room_for_a_burst_of_connections_not_twisteds_fifty(host: str, interface: str) -> None:
+    described = endpoints.serverFromString(reactor, listen_endpoint(host, 8000))
+
+    assert (described._interface, described._port, described._backlog) == (interface, 8000, LISTEN_BACKLOG)
+    assert LISTEN_BACKLOG >= 1024
 
 
 def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tmp_path: Path) -> None:

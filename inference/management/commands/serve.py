@@ -127,6 +127,18 @@ def media_type(header: bytes) -> bytes:
     return media if media.count(b"/") == 1 else b"text/plain"
 
 
+# Connections the kernel holds for the server to accept: Twisted's default of 50 overflowed under a burst of new
+# connections (clients that open one a request behind a balancer that does not pool), whose SYNs were then dropped
+# and retried a second later. The kernel caps it at net.core.somaxconn (4096 on current Linux).
+LISTEN_BACKLOG = 4096
+
+
+def listen_endpoint(host: str, port: int) -> str:
+    """Twisted's description of the listening socket: ``host`` (an IPv6 address's colons escaped), ``port``."""
+    interface = host.strip("[]").replace(":", "\\:")
+    return f"tcp:port={port}:interface={interface}:backlog={LISTEN_BACKLOG}"
+
+
 def tcp_port(value: str) -> int:
     port = int(value) if value.strip().isdigit() else -1
     if not 1 <= port <= 65535:
@@ -183,11 +195,9 @@ class Command(BaseCommand):
             twisted_http.RESPONSES.setdefault(status.value, status.phrase.encode())
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)", style_func=self.style.SUCCESS)
-        interface = host.strip("[]")
-        endpoint = f"tcp:port={port}:interface={interface.replace(':', chr(92) + ':')}"
         server = _DrainingServer(
             application=application,
-            endpoints=[endpoint],
+            endpoints=[listen_endpoint(host, port)],
             signal_handlers=True,
             verbosity=0,
             http_timeout=settings.HTTP_TIMEOUT_SECONDS,
