@@ -17,9 +17,10 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from twisted.internet import endpoints, reactor
+from twisted.logger import Logger
 from twisted.web.http import _parseContentType
 
-from inference.management.commands.serve import LISTEN_BACKLOG, listen_endpoint, media_type
+from inference.management.commands.serve import LISTEN_BACKLOG, AcceptFailures, listen_endpoint, media_type
 from tests.conftest import MODEL_ID, ROOT, LiveServer, start_server
 
 
@@ -50,6 +51,21 @@ def test_the_server_listens_with_room_for_a_burst_of_connections_not_twisteds_fi
 
     assert (described._interface, described._port, described._backlog) == (interface, 8000, LISTEN_BACKLOG)
     assert LISTEN_BACKLOG >= 1024
+
+
+def test_connections_the_server_could_not_accept_are_told_in_its_log_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    told = AcceptFailures()
+    twisted_log = Logger(observer=told)
+
+    for _ in range(3):  # as Twisted says it, for each connection it cannot accept
+        twisted_log.info("Could not accept new connection ({acceptError})", acceptError="EMFILE")
+    twisted_log.info("Starting factory {factory!r}", factory=None)
+
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "could not accept new connections (EMFILE)" in warnings[0].getMessage()
+    assert "ulimit -n" in warnings[0].getMessage()
 
 
 def test_serve_on_a_port_another_server_holds_says_so_and_exits_with_an_error(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import resource
 import socket
 import time
 from http import HTTPStatus
@@ -15,6 +16,7 @@ from daphne import server as daphne_server
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.internet import defer, reactor
+from twisted.logger import globalLogPublisher
 from twisted.web import http as twisted_http
 
 from inference.api.connection import APIHTTPFactory
@@ -162,6 +164,35 @@ def check_port(host: str, port: int) -> None:
             raise CommandError(f"Cannot listen on {host}:{port}: {exc.strerror}. {hint}") from None
 
 
+# How often a run of refused connections is told in the log: each refused accept is an event of Twisted's own.
+ACCEPT_FAILURES_EVERY_SECONDS = 60.0
+
+
+class AcceptFailures:
+    """Tells the log, once a minute at most, that the server could not accept connections: out of file descriptors
+    (its clients are then refused or reset until connections close), or of memory for them. Twisted says so only
+    in its own log, at the info level, which the server's log does not show."""
+
+    def __init__(self) -> None:
+        self.told_at: float | None = None
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        said = event.get("log_format") or ""
+        if not (said.startswith("EMFILE encountered") or said.startswith("Could not accept new connection")):
+            return
+        now = time.monotonic()
+        if self.told_at is not None and now - self.told_at < ACCEPT_FAILURES_EVERY_SECONDS:
+            return
+        self.told_at = now
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        logger.warning(
+            "the server could not accept new connections (%s): it holds as many files and sockets as it may "
+            "(ulimit -n %d), or is out of memory for them; new connections are refused until some close",
+            event.get("acceptError") or "EMFILE",
+            soft,
+        )
+
+
 class Command(BaseCommand):
     help = (
         "Serve the API and the admin with daphne. "
@@ -195,6 +226,7 @@ class Command(BaseCommand):
             twisted_http.RESPONSES.setdefault(status.value, status.phrase.encode())
         mode = "distributed" if settings.DISTRIBUTED else "embedded"
         self.stderr.write(f"Serving on http://{host}:{port} ({mode} mode)", style_func=self.style.SUCCESS)
+        globalLogPublisher.addObserver(AcceptFailures())  # type: ignore[arg-type]  # a callable of an event
         server = _DrainingServer(
             application=application,
             endpoints=[listen_endpoint(host, port)],
