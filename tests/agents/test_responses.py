@@ -1196,16 +1196,23 @@ async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_mod
 # --- failures ------------------------------------------------------------------------------------------
 
 
+def same_model_with_limits(
+    catalog_model: CatalogEntry, public_id: str, *, context_length: int, max_output_tokens: int
+) -> CatalogEntry:
+    """The embedded model under another id, with its own context and output limits."""
+    return CatalogEntry.objects.create(
+        public_id=public_id,
+        runner=catalog_model.runner,
+        runner_settings=catalog_model.runner_settings,
+        context_length=context_length,
+        max_output_tokens=max_output_tokens,
+    )
+
+
 @pytest.fixture
 def cramped_agent(make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry) -> AgentInstance:
     """Searches first on a model whose context holds the question but not the search results too."""
-    cramped = CatalogEntry.objects.create(
-        public_id="b3os/smollm2-cramped",
-        runner=catalog_model.runner,
-        runner_settings=catalog_model.runner_settings,
-        context_length=120,
-        max_output_tokens=16,
-    )
+    cramped = same_model_with_limits(catalog_model, "b3os/smollm2-cramped", context_length=120, max_output_tokens=16)
     return make_instance(
         "support.agent.cramped", model=cramped, documents=True, tools=["knowledge_search"], first_step=FirstStep.SEARCH
     )
@@ -1229,13 +1236,7 @@ async def test_a_first_step_that_the_search_run_first_pushes_past_the_context_is
 @pytest.fixture
 def roomy_agent(make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry) -> AgentInstance:
     """On a model whose own output limit is more than any input leaves of its context."""
-    roomy = CatalogEntry.objects.create(
-        public_id="b3os/smollm2-roomy",
-        runner=catalog_model.runner,
-        runner_settings=catalog_model.runner_settings,
-        context_length=160,
-        max_output_tokens=150,
-    )
+    roomy = same_model_with_limits(catalog_model, "b3os/smollm2-roomy", context_length=160, max_output_tokens=150)
     return make_instance("support.agent.roomy", model=roomy)
 
 
@@ -1271,13 +1272,7 @@ def wordy_agent(
         run=list_parts,
     )
     monkeypatch.setitem(REGISTRY, tool.name, tool)
-    snug = CatalogEntry.objects.create(
-        public_id="b3os/smollm2-snug",
-        runner=catalog_model.runner,
-        runner_settings=catalog_model.runner_settings,
-        context_length=1024,
-        max_output_tokens=1024,
-    )
+    snug = same_model_with_limits(catalog_model, "b3os/smollm2-snug", context_length=1024, max_output_tokens=1024)
     return make_instance(
         "support.agent.wordy",
         model=snug,

@@ -251,6 +251,13 @@ def stream_error(text: str, path: str) -> dict[str, Any]:
     return error
 
 
+async def ended_whole(gw: Gateway, response: Any, text: str) -> None:
+    """The stream reached the client whole, with no error after it, and is recorded as a success with its usage."""
+    assert '"error"' not in text
+    record = await gw.record(response)
+    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -633,9 +640,7 @@ async def test_empty_data_and_a_done_after_the_last_event_pass_as_they_came(gw: 
 
     response, text = await gw.stream("lenient", path=path)
 
-    assert '"error"' not in text
-    record = await gw.record(response)
-    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+    await ended_whole(gw, response, text)
 
 
 @BOTH
@@ -1265,9 +1270,7 @@ async def test_a_stream_whose_connection_breaks_after_its_last_event_ends_as_it_
 
     response, text = await gw.stream("cut", path=path)
 
-    assert "error" not in text
-    record = await gw.record(response)
-    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+    await ended_whole(gw, response, text)
 
 
 @BOTH
@@ -1282,9 +1285,7 @@ async def test_a_stream_ends_with_its_last_event_whatever_the_upstream_does_afte
 
     response, text = await gw.stream("lingering", path=path)
 
-    assert "error" not in text
-    record = await gw.record(response)
-    assert (record.status, record.error_code, record.output_tokens) == (200, "", 8)
+    await ended_whole(gw, response, text)
     assert await until(lambda: gw.upstream.hung_up == before + 1)  # its connection closed, not kept waiting
 
 
