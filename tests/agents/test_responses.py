@@ -77,21 +77,23 @@ def searching_agent(make_instance: Callable[..., AgentInstance]) -> AgentInstanc
     )
 
 
+def registered(
+    monkeypatch: pytest.MonkeyPatch, run: Callable[[ToolContext, dict[str, Any]], ToolResult], what: str
+) -> ServerTool:
+    """``run`` as a server tool without arguments, registered as any tool is, under its function's name."""
+    tool = ServerTool(name=run.__name__, description=what, parameters={"type": "object", "properties": {}}, run=run)
+    monkeypatch.setitem(REGISTRY, tool.name, tool)
+    return tool
+
+
 @pytest.fixture
 def broken_stock_tool(monkeypatch: pytest.MonkeyPatch) -> ServerTool:
-    """A server tool whose backend is down, registered as any tool is."""
+    """A server tool whose backend is down."""
 
     def check_stock(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
         raise ToolError("The stock service is unreachable.")
 
-    tool = ServerTool(
-        name="check_stock",
-        description="Check which spare parts are in stock.",
-        parameters={"type": "object", "properties": {}},
-        run=check_stock,
-    )
-    monkeypatch.setitem(REGISTRY, tool.name, tool)
-    return tool
+    return registered(monkeypatch, check_stock, "Check which spare parts are in stock.")
 
 
 async def records(**filters: Any) -> list[UsageRecord]:
@@ -1265,13 +1267,7 @@ def wordy_agent(
     def list_parts(context: ToolContext, arguments: dict[str, Any]) -> ToolResult:
         return ToolResult(output="Gasket G-12, bearing B-7 and belt V-3 fit machine 4711. " * 20)
 
-    tool = ServerTool(
-        name="list_parts",
-        description="List the spare parts of machine 4711.",
-        parameters={"type": "object", "properties": {}},
-        run=list_parts,
-    )
-    monkeypatch.setitem(REGISTRY, tool.name, tool)
+    registered(monkeypatch, list_parts, "List the spare parts of machine 4711.")
     snug = same_model_with_limits(catalog_model, "b3os/smollm2-snug", context_length=1024, max_output_tokens=1024)
     return make_instance(
         "support.agent.wordy",
