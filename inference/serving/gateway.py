@@ -478,6 +478,10 @@ def _plain_name(value: Any, secret: str) -> str | None:
     return None
 
 
+class NeverReached(APIError):
+    """No connection to the upstream could be made: it never saw the request, which consumed nothing."""
+
+
 def unreachable(exc: BaseException, *, upstream: Upstream | None = None, request_id: str = "") -> APIError:
     """The upstream did not answer: the cause is logged under the request id (with the upstream's host, which the
     client is not told), and the client gets the id to quote."""
@@ -491,7 +495,8 @@ def unreachable(exc: BaseException, *, upstream: Upstream | None = None, request
         return APIError(
             f"The gateway did not answer in time.{quote}", code="upstream_timeout", status=504, type="server_error"
         )
-    return APIError(
+    kind = NeverReached if isinstance(exc, aiohttp.ClientConnectorError) else APIError
+    return kind(
         f"The gateway could not be reached.{quote}", code="upstream_unavailable", status=502, type="server_error"
     )
 
@@ -1102,7 +1107,10 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
             return Result(headers=grant.headers, body=data, route=ROUTE)
         response = await open_stream(upstream=upstream, path=path, body=forwarded, request_id=caller.request_id)
     except BaseException as exc:
-        grant.release()
+        if isinstance(exc, NeverReached):
+            await grant.withdraw()  # as a node request no model took: the caller's windows are left as they were
+        else:
+            grant.release()
         record_error(meter, None, exc)
         if isinstance(exc, APIError):
             exc.headers = {**grant.headers, **exc.headers}  # as every answer to an admitted request has them

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -579,6 +580,26 @@ async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(
     assert response.status_code == 504
     record = await gw.record(response)
     assert (record.input_tokens, record.output_tokens) == (0, 0)
+
+
+@BOTH
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_request_no_connection_to_the_upstream_could_carry_leaves_the_callers_windows_as_they_were(
+    gw: Gateway, path: str, stream: bool
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    gw.entries["refused"] = await CatalogEntry.objects.acreate(
+        public_id="refused", runner="gateway", upstream_base_url=f"http://127.0.0.1:{port}/v1", upstream_api_key="k"
+    )
+
+    response = await gw.post("refused", path=path, stream=stream)
+
+    assert response.status_code == 502 and error_of(response)["code"] == "upstream_unavailable"
+    record = await gw.record(response)
+    assert (record.status, record.input_tokens, record.output_tokens) == (502, 0, 0)
+    assert gw.window("refused") == (0, 0)  # its charge withdrawn, its slot free
 
 
 # --- streams -----------------------------------------------------------------------------------------------
