@@ -16,10 +16,15 @@ from kombu.exceptions import OperationalError as BrokerError
 
 Service = Literal["redis", "database"]
 
-# Reaching Redis failed (refused, reset, timed out, no pooled connection free in time), directly or as Celery's broker.
+# Reaching Redis failed (refused, reset, timed out, no pooled connection free in time), directly or as Celery's broker;
+# or Redis refuses writes for a state it is in: out of memory under ``noeviction``, a replica after a failover, its
+# master down.
 REDIS_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
     BrokerError,
 )
 # Django wraps the driver's errors: these two are the connection's, not a query's (a bad query is a ProgrammingError,

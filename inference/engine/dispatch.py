@@ -411,14 +411,20 @@ class WorkerPresence:
         self._stopped.set()
 
     def _beat(self) -> None:
+        failing = False  # since the last beat that worked: a fault is told once, not every second
         while not self._stopped.is_set():
             try:
                 with sync_client().pipeline(transaction=False) as pipe:
                     for queue in self._queues:
                         pipe.set(presence_key(queue), "1", ex=PRESENCE_TTL_SECONDS)
                     pipe.execute()
+                failing = False
             except REDIS_ERRORS as exc:  # Redis away: jobs cannot come either; said again once it is back
                 logger.debug("could not renew the queues' presence: %s: %s", type(exc).__name__, exc)
+            except Exception:  # whatever it is, the beat goes on: a worker no API process sees gets no job
+                if not failing:
+                    logger.exception("could not renew the queues' presence; trying again each second")
+                failing = True
             self._stopped.wait(PRESENCE_BEAT_SECONDS)
 
 

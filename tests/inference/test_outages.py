@@ -18,6 +18,9 @@ from django.test import override_settings
 
 from core import redis as core_redis
 from core.logs import OutageLogFilter
+from core.outages import unavailable_service
+from inference.api import errors
+from inference.engine import dispatch
 from inference.models import UsageRecord
 from inference.usage import metrics, records
 from orgs.models import Organization
@@ -181,6 +184,52 @@ def test_a_request_whose_organization_was_deleted_while_it_ran_goes_with_its_rec
     [line] = [r for r in caplog.records if "req_org_gone" in r.getMessage()]
     assert (line.levelname, line.exc_info) == ("WARNING", None)
     assert "deleted organization" in line.getMessage()
+
+
+@pytest.fixture
+def redis_refusing_writes(tmp_path: Path) -> Iterator[Redis]:
+    """Distributed mode on a Redis that refuses writes: a replica (after a failover) of a master that is gone."""
+    server = Redis(tmp_path).start()
+    server.cli("replicaof", "127.0.0.1", str(free_port()))
+    core_redis._async_clients.clear()
+    core_redis._sync_client = None
+    with override_settings(DISTRIBUTED=True, REDIS_URL=server.url):
+        yield server
+    core_redis._async_clients.clear()
+    core_redis._sync_client = None
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        redis_errors.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+        redis_errors.ReadOnlyError("You can't write against a read only replica."),
+        redis_errors.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+    ],
+    ids=["out-of-memory", "read-only-replica", "master-down"],
+)
+def test_redis_refusing_writes_for_the_state_it_is_in_is_an_outage_answered_503(refusal: Exception) -> None:
+    assert unavailable_service(refusal) == "redis"
+    assert errors.to_api_error(refusal, None).body()["error"]["code"] == "service_unavailable"  # type: ignore[union-attr]
+
+
+def test_a_workers_presence_outlives_redis_refusing_writes_and_is_said_again_once_it_takes_them(
+    redis_refusing_writes: Redis,
+) -> None:
+    presence = dispatch.WorkerPresence(["a-queue"]).start()
+    try:
+        time.sleep(dispatch.PRESENCE_BEAT_SECONDS * 1.5)  # a beat or two refused
+        redis_refusing_writes.cli("replicaof", "no", "one")  # promoted, as after a failover
+
+        deadline = time.monotonic() + 5
+        while (
+            time.monotonic() < deadline and redis_refusing_writes.cli("exists", dispatch.presence_key("a-queue")) != "1"
+        ):
+            time.sleep(0.1)
+        assert redis_refusing_writes.cli("exists", dispatch.presence_key("a-queue")) == "1"
+    finally:
+        presence.stop()
 
 
 # --- what the log says while Redis is away -----------------------------------------------------------------
