@@ -33,6 +33,10 @@ logger = logging.getLogger("orgs.admission")
 
 WINDOW = 60.0
 SLOT_TTL = 15.0
+# How often a slot Redis did not release is taken again, until it would have expired.
+RELEASE_RETRY_SECONDS = 1.0
+# The releases being tried again: the event loop keeps only weak references to tasks.
+_releasing: set[asyncio.Task[None]] = set()
 SLOT_REFRESH = 5.0
 # Redis keeps a limit's keys this long past their last use: each entry's own score says when it counts no more.
 KEY_GRACE = 5
@@ -454,8 +458,23 @@ class RedisStore:
         try:
             await client.zrem(self._keys(key)[2], slot)
         except REDIS_ERRORS as exc:
-            # Nobody refreshes the slot any more: it expires within SLOT_TTL seconds all the same.
-            logger.warning("an in-flight slot was left to expire: %s: %s", type(exc).__name__, exc)
+            # Nobody refreshes the slot any more: it expires within SLOT_TTL seconds all the same. Until then it is
+            # taken again each second: a Redis back sooner (restarted with its data, or paused) frees it then, and a
+            # client retrying its 503 is not refused for a slot nothing holds.
+            logger.warning("an in-flight slot is released once Redis answers: %s: %s", type(exc).__name__, exc)
+            retry = asyncio.get_running_loop().create_task(self._release_later(key, slot))
+            _releasing.add(retry)
+            retry.add_done_callback(_releasing.discard)
+
+    async def _release_later(self, key: str, slot: str) -> None:
+        deadline = time.monotonic() + SLOT_TTL
+        while time.monotonic() < deadline:
+            await asyncio.sleep(RELEASE_RETRY_SECONDS)
+            try:
+                await self._client()[0].zrem(self._keys(key)[2], slot)
+                return
+            except REDIS_ERRORS:
+                continue
 
     async def refresh(self, held: dict[str, set[str]], now: float) -> None:
         client, _ = self._client()

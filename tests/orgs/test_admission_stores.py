@@ -13,6 +13,7 @@ import pytest
 from core import redis as redis_clients
 from orgs import admission
 from tests.inference.test_distributed import start_redis
+from tests.services import free_port
 
 LIMITS = admission.Limits(tokens_per_minute=100)
 NOW = 1_800_000_000.0
@@ -210,3 +211,27 @@ async def test_a_withdrawal_cancelled_while_redis_answers_still_releases_the_slo
     with pytest.raises(asyncio.CancelledError):
         await withdrawing
     assert grant.released and released == [True]
+
+
+async def test_a_slot_redis_did_not_release_is_released_once_it_answers_again_not_left_to_expire(
+    tmp_path: Path, settings: Any
+) -> None:
+    server, settings.REDIS_URL = start_redis(tmp_path)
+    redis_clients._async_clients.clear()
+    store = admission.RedisStore()
+    one_in_flight = admission.Limits(requests_in_flight=1)
+    try:
+        assert (await store.try_admit("1:0", one_in_flight, 0, "held", time.time())).admitted
+        client = redis_clients.async_client()
+        await client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a failover: writes refused
+        await store.release("1:0", "held")
+        await client.execute_command("REPLICAOF", "NO", "ONE")  # promoted again, its data whole
+
+        await asyncio.sleep(admission.RELEASE_RETRY_SECONDS * 2)
+
+        again = await store.try_admit("1:0", one_in_flight, 0, "next", time.time())
+        assert again.admitted, again  # well within the slot's time to live
+    finally:
+        await redis_clients.async_client().aclose()
+        redis_clients._async_clients.clear()
+        server.terminate()
