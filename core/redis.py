@@ -2,9 +2,11 @@
 
 Every client fails fast when Redis is away: a refused or timed-out connection raises at once, after one immediate
 retry that replaces a pooled connection a Redis restart left dead, instead of redis-py's default of three retries
-with seconds of back-off, so a request answers 503 in milliseconds (``core.outages``). A pool holds at most
-``REDIS_MAX_CONNECTIONS`` connections; a command waits for a free one rather than failing when a burst of requests
-finds them all busy.
+with seconds of back-off, so a request answers 503 in milliseconds (``core.outages``). A node that refuses writes
+as a replica (``READONLY``, ``MASTERDOWN``: a failover that moved the master behind the same name) is such a dead
+connection too: it is dropped and the command tried once on a new one, which finds the name's new master. A pool
+holds at most ``REDIS_MAX_CONNECTIONS`` connections; a command waits for a free one rather than failing when a burst
+of requests finds them all busy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from redis.retry import Retry
 # Seconds to connect, and to wait for an answer (the admission script and the key version answer in microseconds).
 CONNECT_TIMEOUT = 2.0
 SOCKET_TIMEOUT = 5.0
+
+# What drops the connection and tries the command once more on a new one.
+RETRIED = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+)
 
 _async_clients: dict[int, Any] = {}
 _sync_client: Any = None
@@ -56,7 +66,9 @@ def async_client() -> Any:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        pool = aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, **_options(AsyncRetry(NoBackoff(), 1)))
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, **_options(AsyncRetry(NoBackoff(), 1, supported_errors=RETRIED))
+        )
         client = _async_clients[loop_id] = _Redis(connection_pool=pool)
     return client
 
@@ -64,6 +76,8 @@ def async_client() -> Any:
 def sync_client() -> Any:
     global _sync_client
     if _sync_client is None:
-        pool = redis.BlockingConnectionPool.from_url(settings.REDIS_URL, **_options(Retry(NoBackoff(), 1)))
+        pool = redis.BlockingConnectionPool.from_url(
+            settings.REDIS_URL, **_options(Retry(NoBackoff(), 1, supported_errors=RETRIED))
+        )
         _sync_client = redis.Redis(connection_pool=pool)
     return _sync_client

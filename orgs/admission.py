@@ -35,8 +35,15 @@ WINDOW = 60.0
 SLOT_TTL = 15.0
 # How often a slot Redis did not release is taken again, until it would have expired.
 RELEASE_RETRY_SECONDS = 1.0
-# The releases being tried again: the event loop keeps only weak references to tasks.
+# The releases under way, and those being tried again: the event loop keeps only weak references to tasks.
 _releasing: set[asyncio.Task[None]] = set()
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+
+
 SLOT_REFRESH = 5.0
 # Redis keeps a limit's keys this long past their last use: each entry's own score says when it counts no more.
 KEY_GRACE = 5
@@ -462,9 +469,7 @@ class RedisStore:
             # taken again each second: a Redis back sooner (restarted with its data, or paused) frees it then, and a
             # client retrying its 503 is not refused for a slot nothing holds.
             logger.warning("an in-flight slot is released once Redis answers: %s: %s", type(exc).__name__, exc)
-            retry = asyncio.get_running_loop().create_task(self._release_later(key, slot))
-            _releasing.add(retry)
-            retry.add_done_callback(_releasing.discard)
+            _keep(asyncio.get_running_loop().create_task(self._release_later(key, slot)))
 
     async def _release_later(self, key: str, slot: str) -> None:
         deadline = time.monotonic() + SLOT_TTL
@@ -473,7 +478,7 @@ class RedisStore:
             try:
                 await self._client()[0].zrem(self._keys(key)[2], slot)
                 return
-            except REDIS_ERRORS:
+            except Exception:  # noqa: BLE001  (Redis away, or a connection it left half made: tried until the deadline)
                 continue
 
     async def refresh(self, held: dict[str, set[str]], now: float) -> None:
@@ -627,7 +632,7 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
         try:
             decision = await store.try_admit(key, limits, tokens, slot, now)
         except asyncio.CancelledError:  # the client left while Redis admitted it, or not: the slot is not held
-            asyncio.get_running_loop().create_task(store.release(key, slot))
+            _keep(asyncio.get_running_loop().create_task(store.release(key, slot)))
             raise
     else:
         decision = store.try_admit(key, limits, tokens, slot, now)
@@ -639,7 +644,7 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     def release() -> None:
         _held.get(key, set()).discard(slot)
         if isinstance(store, RedisStore):
-            asyncio.get_running_loop().create_task(store.release(key, slot))
+            _keep(asyncio.get_running_loop().create_task(store.release(key, slot)))
         else:
             store.release(key, slot)
 

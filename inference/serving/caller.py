@@ -180,11 +180,13 @@ async def run_admitted(
         revocation.watch(generation, caller.api_key.pk)
         return await respond(generation, grant, meter)
     except BaseException as exc:
-        if _no_room(generation, exc):
-            await grant.withdraw()
-        else:
-            grant.release()
-        record_error(meter, generation if generation.accepted else None, exc)
-        if isinstance(exc, Overloaded | NotStarted):
-            exc.headers = grant.headers  # as every answer to an admitted request has them
+        try:
+            if _no_room(generation, exc):
+                await grant.withdraw()
+            else:
+                grant.release()
+        finally:  # recorded even when the withdrawal is cancelled (a second hang-up) or fails
+            record_error(meter, generation if generation.accepted else None, exc)
+            if isinstance(exc, Overloaded | NotStarted):
+                exc.headers = grant.headers  # as every answer to an admitted request has them
         raise

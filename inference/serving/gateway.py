@@ -1107,13 +1107,15 @@ async def forward_to_gateway(*, body: dict[str, Any], caller: Caller, path: str,
             return Result(headers=grant.headers, body=data, route=ROUTE)
         response = await open_stream(upstream=upstream, path=path, body=forwarded, request_id=caller.request_id)
     except BaseException as exc:
-        if isinstance(exc, NeverReached):
-            await grant.withdraw()  # as a node request no model took: the caller's windows are left as they were
-        else:
-            grant.release()
-        record_error(meter, None, exc)
-        if isinstance(exc, APIError):
-            exc.headers = {**grant.headers, **exc.headers}  # as every answer to an admitted request has them
+        try:
+            if isinstance(exc, NeverReached):
+                await grant.withdraw()  # as a node request no model took: the caller's windows are left as they were
+            else:
+                grant.release()
+        finally:  # recorded even when the withdrawal is cancelled (a second hang-up) or fails
+            record_error(meter, None, exc)
+            if isinstance(exc, APIError):
+                exc.headers = {**grant.headers, **exc.headers}  # as every answer to an admitted request has them
         raise
     relay = StreamRelay(
         tally=tally,

@@ -580,6 +580,7 @@ async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(
     assert response.status_code == 504
     record = await gw.record(response)
     assert (record.input_tokens, record.output_tokens) == (0, 0)
+    assert gw.window("mute")[0] > 0  # it reached the upstream, which may have worked on it: its charge is kept
 
 
 @BOTH

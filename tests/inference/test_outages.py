@@ -214,6 +214,18 @@ def test_redis_refusing_writes_for_the_state_it_is_in_is_an_outage_answered_503(
     assert errors.to_api_error(refusal, None).body()["error"]["code"] == "service_unavailable"  # type: ignore[union-attr]
 
 
+async def test_a_connection_to_a_node_refusing_writes_as_a_replica_is_dropped_and_the_command_tried_on_a_new_one(
+    redis_refusing_writes: Redis,
+) -> None:
+    # After a failover the name points at the new master, which only a new connection reaches.
+    for client in (core_redis.async_client(), core_redis.sync_client()):
+        retry = client.connection_pool.connection_kwargs["retry"]
+        assert {redis_errors.ReadOnlyError, redis_errors.MasterDownError} <= set(retry._supported_errors)
+
+    with pytest.raises(redis_errors.ReadOnlyError):  # the same node behind the name: refused again, and said
+        await core_redis.async_client().set("k", "v")
+
+
 def test_a_workers_presence_outlives_redis_refusing_writes_and_is_said_again_once_it_takes_them(
     redis_refusing_writes: Redis,
 ) -> None:

@@ -61,7 +61,9 @@ def test_connections_the_server_could_not_accept_are_told_in_its_log_once_a_minu
 
     for _ in range(3):  # as Twisted says it, for each connection it cannot accept
         twisted_log.info("Could not accept new connection ({acceptError})", acceptError="EMFILE")
+    twisted_log.info("EMFILE encountered; releasing reserved file descriptor.")
     twisted_log.info("Starting factory {factory!r}", factory=None)
+    AcceptFailures()({"log_format": "Could not accept new connection ({acceptError})", "acceptError": "ECONNABORTED"})
 
     warnings = [record for record in caplog.records if record.levelname == "WARNING"]
     assert len(warnings) == 1 and "could not accept new connections (EMFILE)" in warnings[0].getMessage()

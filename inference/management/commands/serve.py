@@ -178,7 +178,13 @@ class AcceptFailures:
 
     def __call__(self, event: dict[str, Any]) -> None:
         said = event.get("log_format") or ""
-        if not (said.startswith("EMFILE encountered") or said.startswith("Could not accept new connection")):
+        if said.startswith("EMFILE encountered"):
+            error = "EMFILE"
+        elif said.startswith("Could not accept new connection"):
+            error = str(event.get("acceptError"))
+        else:
+            return
+        if error not in _ACCEPT_FAILURES:  # ECONNABORTED: a client that left before it was accepted, nothing wrong here
             return
         now = time.monotonic()
         if self.told_at is not None and now - self.told_at < ACCEPT_FAILURES_EVERY_SECONDS:
@@ -186,11 +192,19 @@ class AcceptFailures:
         self.told_at = now
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         logger.warning(
-            "the server could not accept new connections (%s): it holds as many files and sockets as it may "
-            "(ulimit -n %d), or is out of memory for them; new connections are refused until some close",
-            event.get("acceptError") or "EMFILE",
-            soft,
+            "the server could not accept new connections (%s): %s; new connections are refused or reset until "
+            "some close",
+            error,
+            _ACCEPT_FAILURES[error].format(soft=soft),
         )
+
+
+_ACCEPT_FAILURES = {
+    "EMFILE": "it holds as many files and sockets as it may (ulimit -n {soft})",
+    "ENFILE": "the machine holds as many open files as it may (fs.file-max)",
+    "ENOBUFS": "the kernel is out of memory for sockets",
+    "ENOMEM": "the kernel is out of memory for sockets",
+}
 
 
 class Command(BaseCommand):
