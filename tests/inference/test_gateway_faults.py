@@ -23,6 +23,7 @@ from inference.api.middleware import RequestIdLogFilter
 from inference.models import CatalogEntry, UsageRecord
 from inference.serving import gateway
 from inference.usage import records as usage
+from orgs import admission
 from orgs.admission import memory_store
 from orgs.models import APIKey, Limit, Organization
 from tests.conftest import API, read_stream, sse_data
@@ -583,17 +584,22 @@ async def test_a_request_the_upstream_never_answered_is_recorded_with_no_tokens(
     assert gw.window("mute")[0] > 0  # it reached the upstream, which may have worked on it: its charge is kept
 
 
-@BOTH
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-async def test_a_request_no_connection_to_the_upstream_could_carry_leaves_the_callers_windows_as_they_were(
-    gw: Gateway, path: str, stream: bool
-) -> None:
-    with socket.socket() as closed:  # a port nothing listens on: connections to it are refused
+async def offer_refused(gw: Gateway) -> None:
+    """The model "refused", offered through an upstream on a port nothing listens on: connections are refused."""
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     gw.entries["refused"] = await CatalogEntry.objects.acreate(
         public_id="refused", runner="gateway", upstream_base_url=f"http://127.0.0.1:{port}/v1", upstream_api_key="k"
     )
+
+
+@BOTH
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_request_no_connection_to_the_upstream_could_carry_leaves_the_callers_windows_as_they_were(
+    gw: Gateway, path: str, stream: bool
+) -> None:
+    await offer_refused(gw)
 
     response = await gw.post("refused", path=path, stream=stream)
 
@@ -601,6 +607,23 @@ async def test_a_request_no_connection_to_the_upstream_could_carry_leaves_the_ca
     record = await gw.record(response)
     assert (record.status, record.input_tokens, record.output_tokens) == (502, 0, 0)
     assert gw.window("refused") == (0, 0)  # its charge withdrawn, its slot free
+
+
+async def test_a_request_whose_withdrawal_fails_is_recorded_all_the_same(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await offer_refused(gw)
+
+    async def failing(grant: Any) -> None:
+        raise RuntimeError("the windows could not be told")
+
+    monkeypatch.setattr(admission.Grant, "withdraw", failing)
+
+    response = await gw.post("refused")
+
+    assert response.status_code == 500  # the withdrawal's own fault
+    record = await gw.record(response)
+    assert (record.status, record.error_code) == (502, "upstream_unavailable")
 
 
 # --- streams -----------------------------------------------------------------------------------------------
