@@ -17,6 +17,7 @@ from django.views.defaults import page_not_found
 from rest_framework import exceptions as drf_exceptions
 
 from core.outages import unavailable_service
+from inference.engine.exceptions import NotStarted
 from inference.openai.errors import (
     APIError,
     ParamNames,
@@ -73,6 +74,8 @@ def render_exception(exc: BaseException, context: RequestContext | None) -> Json
         # An outage, not a bug: one line each, no traceback (there would be one per request while it lasts).
         logger.warning("%s unavailable: %s: %s", service, type(exc).__name__, exc)
         metrics.unavailable(service)
+    elif isinstance(exc, NotStarted) and exc.service is not None:  # said in the log where the job failed to start
+        metrics.unavailable(exc.service)
     error = to_api_error(exc, context.params if context else None)
     if error is None:
         logger.error("unhandled error in request %s", context.request_id if context else "-", exc_info=exc)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from core.outages import Service
+
 Capability = Literal["tools", "json_schema", "reasoning", "image_input"]
 
 
@@ -137,3 +139,8 @@ class NotStarted(EngineError):
         self.code = code
         self.retry_after = retry_after
         self.headers: dict[str, str] = {}  # the caller's rate-limit headers, once it was admitted
+
+    @property
+    def service(self) -> Service | None:
+        """The service whose outage kept the job from its runner: Redis, when the job could not be queued."""
+        return "redis" if self.code == "service_unavailable" else None

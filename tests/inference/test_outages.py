@@ -21,6 +21,7 @@ from core.logs import OutageLogFilter
 from core.outages import unavailable_service
 from inference.api import errors
 from inference.engine import dispatch
+from inference.engine.exceptions import NotStarted
 from inference.models import UsageRecord
 from inference.usage import metrics, records
 from orgs.models import Organization
@@ -63,6 +64,26 @@ async def test_a_request_while_redis_cannot_be_reached_is_a_503_with_retry_after
     assert response["Retry-After"] == "2"
     assert time.monotonic() - started < 1.0
     assert sample("b3os_unavailable_responses_total", service="redis") == before + 1
+
+
+def test_a_job_that_could_not_be_queued_is_a_503_counted_as_redis_unavailable() -> None:
+    before = sample("b3os_unavailable_responses_total", service="redis")
+
+    response = errors.render_exception(
+        NotStarted("service_unavailable", "the job could not be queued: ConnectionError", retry_after=2), None
+    )
+
+    assert response.status_code == 503
+    assert sample("b3os_unavailable_responses_total", service="redis") == before + 1
+
+
+def test_a_job_no_worker_took_is_no_outage_of_redis() -> None:
+    before = sample("b3os_unavailable_responses_total", service="redis")
+
+    response = errors.render_exception(NotStarted("no_worker", "no worker serves the queue", retry_after=2), None)
+
+    assert response.status_code == 503
+    assert sample("b3os_unavailable_responses_total", service="redis") == before
 
 
 # --- usage records while the database is away ------------------------------------------------------------
