@@ -651,6 +651,7 @@ def test_an_upstream_answer_past_the_bound_is_a_502_not_read_whole(setup: Setup)
 
     assert response.status_code == 502
     assert "larger than 200000 bytes" in response.json()["error"]["message"]
+    assert setup.usage(response.headers["x-request-id"])[1:3] == (502, "upstream_error")
 
 
 def test_a_server_told_to_stop_closes_its_connections_to_upstreams(setup: Setup, tmp_path: Path) -> None:
