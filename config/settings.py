@@ -336,6 +336,13 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A worker that lost Redis keeps trying to reconnect however long it stays away (Celery's default gives up after 100
 # tries, about 45 minutes, and the worker exits).
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+# A worker reconnects, as from a lost connection, when Redis changes role under it (a failover: its blocked read ended
+# with UNBLOCKED, then, until the name reaches the new master, its queue's declaration refused with READONLY). Those
+# are channel errors to kombu, and by default a worker dies of one.
+CELERY_BROKER_CHANNEL_ERROR_RETRY = True
+# Tasks with late acknowledgement are cancelled on such a loss; there are none (below), so this only quiets Celery's
+# warning about the setting's future default on each reconnection.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 # Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
 # answers 503 now, instead of blocking one of the few threads that publish for everyone. Workers reconnect on their
 # own terms (broker_connection_retry).

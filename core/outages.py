@@ -13,18 +13,29 @@ from typing import Literal
 import redis.exceptions
 from django import db
 from kombu.exceptions import OperationalError as BrokerError
+from redis._parsers.base import BaseParser
 
 Service = Literal["redis", "database"]
 
+
+class Misconfigured(redis.exceptions.ResponseError):
+    """Redis refuses writes because it could not save its data to disk (``MISCONF``): an outage until it can."""
+
+
+# redis-py names a reply's error class by its first word, and leaves this one a plain ResponseError. Both parsers
+# (Python's and hiredis') and both clients (sync and asyncio) read this one table.
+BaseParser.EXCEPTION_CLASSES.setdefault("MISCONF", Misconfigured)
+
 # Reaching Redis failed (refused, reset, timed out, no pooled connection free in time), directly or as Celery's broker;
 # or Redis refuses writes for a state it is in: out of memory under ``noeviction``, a replica after a failover, its
-# master down.
+# master down, or its disk refusing a save.
 REDIS_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError,
     redis.exceptions.MasterDownError,
+    Misconfigured,
     BrokerError,
 )
 # Django wraps the driver's errors: these two are the connection's, not a query's (a bad query is a ProgrammingError,

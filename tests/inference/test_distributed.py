@@ -757,3 +757,19 @@ def test_after_a_redis_restart_the_next_jobs_on_the_same_worker_all_succeed(clus
     expected = answer.json()["choices"][0]["message"]
     assert [response.json()["choices"][0]["message"] for response in after] == [expected] * 4
     assert "Redis is unavailable" not in cluster.worker.log.read_text()[len(log) :]
+
+
+def test_a_worker_outlives_redis_changing_role_under_it_and_serves_once_a_master_is_back(cluster: Cluster) -> None:
+    # A failover: the master made a replica ends the worker's blocked read (UNBLOCKED), and until the name reaches a
+    # master again each reconnection's queue declaration is refused (READONLY). Either used to kill the worker.
+    worker = cluster.worker.process
+    log = cluster.worker.log.read_text()
+    cluster.redis.cli("replicaof", "127.0.0.1", str(free_port()))  # a master never reached: the data stays
+    try:
+        assert wait_until(lambda: "ReadOnlyError" in cluster.worker.log.read_text()[len(log) :])
+        time.sleep(1)
+    finally:
+        cluster.redis.cli("replicaof", "no", "one")
+
+    assert wait_until(lambda: post(cluster, {**QUESTION, "max_tokens": 4}).status_code == 200, timeout=30, step=0.5)
+    assert worker.poll() is None

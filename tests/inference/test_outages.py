@@ -15,6 +15,7 @@ import redis.exceptions as redis_errors
 from channels_redis.pubsub import RedisPubSubChannelLayer
 from django.db import OperationalError
 from django.test import override_settings
+from redis._parsers.base import BaseParser
 
 from core import redis as core_redis
 from core.logs import OutageLogFilter
@@ -227,8 +228,10 @@ def redis_refusing_writes(tmp_path: Path) -> Iterator[Redis]:
         redis_errors.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
         redis_errors.ReadOnlyError("You can't write against a read only replica."),
         redis_errors.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+        # As redis-py reads Redis's reply, which it has no class of its own for.
+        BaseParser.parse_error("MISCONF Errors writing to the AOF file: No space left on device"),
     ],
-    ids=["out-of-memory", "read-only-replica", "master-down"],
+    ids=["out-of-memory", "read-only-replica", "master-down", "failing-to-save"],
 )
 def test_redis_refusing_writes_for_the_state_it_is_in_is_an_outage_answered_503(refusal: Exception) -> None:
     assert unavailable_service(refusal) == "redis"
