@@ -19,7 +19,7 @@ from agents.api import TENANT_HEADER
 from agents.protocol import AgentResponseRequest, FeedbackRequest
 from inference.models import CAPABILITIES
 from inference.openai.chat import ChatCompletionRequest
-from inference.openai.responses import ResponseCreateRequest
+from inference.openai.responses import ResponseCreateRequest, TokenCountRequest
 from inference.openai.usage import PARAMS as USAGE_PARAMS
 
 REF = "#/components/schemas/{model}"
@@ -133,7 +133,7 @@ STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Ser
 
 
 def _post(summary: str, request: str, response: str, *, stream: bool = True, tenant: bool = False) -> dict[str, Any]:
-    ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.')
+    ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.' if stream else "The answer.")
     if stream:
         ok["content"].update(STREAM)
     operation: dict[str, Any] = {
@@ -177,12 +177,19 @@ def _query(name: str) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": {"type": "string"}}
 
 
+def _counted(definitions: dict[str, Any]) -> dict[str, Any]:
+    """The count's request: a Responses request's fields that shape its input, the only ones it takes."""
+    schema = definitions["TokenCountRequest"]
+    return {**schema, "properties": {k: v for k, v in schema["properties"].items() if k in TokenCountRequest.COUNTED}}
+
+
 @functools.cache
 def document() -> dict[str, Any]:
     _, definitions = models_json_schema(
         [
             (ChatCompletionRequest, "validation"),
             (ResponseCreateRequest, "validation"),
+            (TokenCountRequest, "validation"),
             (AgentResponseRequest, "validation"),
             (FeedbackRequest, "validation"),
         ],
@@ -199,7 +206,7 @@ def document() -> dict[str, Any]:
             "error is OpenAI's error object; fields named b3os are this platform's.",
         },
         "components": {
-            "schemas": {**definitions["$defs"], **EXTENSIONS},
+            "schemas": {**definitions["$defs"], "TokenCountRequest": _counted(definitions["$defs"]), **EXTENSIONS},
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"apiKey": []}],
@@ -221,7 +228,7 @@ def document() -> dict[str, Any]:
             ),
             "/v1/infer/responses/input_tokens": _post(
                 "The input tokens a Responses request takes on its model; nothing runs.",
-                "ResponseCreateRequest",
+                "TokenCountRequest",
                 "TokenCounts",
                 stream=False,
             ),

@@ -51,6 +51,21 @@ async def test_its_request_bodies_are_the_models_the_views_validate_with(api: AP
         assert schemas[model.__name__] == own
 
 
+@pytest.mark.parametrize(("field", "value"), [("stream", True), ("temperature", 0.5), ("max_output_tokens", 16)])
+async def test_the_input_token_count_is_documented_as_taking_only_what_shapes_the_input(
+    api: API, field: str, value: Any
+) -> None:
+    published = await document(api)
+    operation = published["paths"]["/v1/infer/responses/input_tokens"]["post"]
+    ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = published["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    body = {"model": MODEL_ID, "input": "Hi", field: value}
+
+    assert field not in schema["properties"] and schema["additionalProperties"] is False
+    assert (await api.post("/v1/infer/responses/input_tokens", body)).json()["error"]["code"] == "unknown_parameter"
+    assert set(operation["responses"]["200"]["content"]) == {"application/json"}
+
+
 async def test_every_schema_in_it_is_valid_json_schema_and_names_the_b3os_extensions(api: API) -> None:
     schemas = (await document(api))["components"]["schemas"]
 

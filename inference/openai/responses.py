@@ -651,9 +651,15 @@ class TokenCountRequest(ResponseCreateRequest):
 
     COUNTED: ClassVar[frozenset[str]] = frozenset(
         {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning"}
-        | {"truncation", "previous_response_id", "conversation"}
+        | {"truncation", "previous_response_id", "conversation", "personality"}
     )
     NEEDS_A_MESSAGE: ClassVar[bool] = False
+    REFUSED: ClassVar[Mapping[str, str]] = {
+        **ResponseCreateRequest.REFUSED,
+        "personality": "personality is not supported: the model has no style presets",
+    }
+
+    personality: str | None = None
 
     # Optional, as in TokenCountsBody: instructions and tools alone are counted too.
     input: Input = Field(default_factory=list)

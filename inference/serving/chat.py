@@ -95,6 +95,8 @@ def messages(request: wire.ChatCompletionRequest) -> list[Message]:
                     for c in message.tool_calls
                 ]
                 waiting, asked_at = dict.fromkeys(c.id for c in message.tool_calls), index
+                if len(waiting) < len(message.tool_calls):
+                    raise _repeated_call_id(index, [c.id for c in message.tool_calls])
             out.append(item)
         elif isinstance(message, wire.ToolMessage):
             if message.tool_call_id not in waiting:
@@ -111,6 +113,16 @@ def messages(request: wire.ChatCompletionRequest) -> list[Message]:
     if waiting:
         raise _unanswered(asked_at, waiting)
     return out
+
+
+def _repeated_call_id(index: int, ids: list[str]) -> APIError:
+    """Two calls of one assistant message under one id: a tool message could not say which of them it answers."""
+    second = next(i for i, call_id in enumerate(ids) if call_id in ids[:i])
+    return invalid_request(
+        f"tool call id {ids[second]!r} is used by more than one of the assistant message's tool_calls: each call "
+        "needs an id of its own, which its tool message names",
+        param=f"messages.{index}.tool_calls.{second}.id",
+    )
 
 
 def _unanswered(index: int, waiting: dict[str, None]) -> APIError:

@@ -336,8 +336,9 @@ def answer(call_id: str) -> dict[str, Any]:
         ([calling("a")], "messages.1.tool_calls", ": a"),
         ([calling("a"), answer("a"), answer("a")], "messages.3.tool_call_id", "'a'"),
         ([calling("a"), answer("a"), {"role": "user", "content": "?"}, answer("a")], "messages.4.tool_call_id", "'a'"),
+        ([calling("a", "b", "a"), answer("a"), answer("b")], "messages.1.tool_calls.2.id", "'a' is used by more"),
     ],
-    ids=["one-unanswered", "none-answered", "answered-twice", "answered-after-another-turn"],
+    ids=["one-unanswered", "none-answered", "answered-twice", "answered-after-another-turn", "two-calls-one-id"],
 )
 async def test_each_tool_call_is_answered_once_by_the_tool_messages_right_after_it(
     api: API, history: list[dict[str, Any]], param: str, says: str

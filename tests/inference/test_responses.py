@@ -682,6 +682,14 @@ async def test_counting_input_tokens_takes_only_what_shapes_the_input(api: API, 
     assert error["message"] == f"Unrecognized request argument supplied: {field}"
 
 
+async def test_counting_input_tokens_refuses_a_style_preset_by_name_as_the_model_has_none(api: API) -> None:
+    body = {"model": MODEL_ID, "input": "Name one river in Oregon.", "personality": "friendly"}
+
+    error = assert_error(await api.post(f"{RESPONSES}/input_tokens", body), 400, "unsupported_parameter", "personality")
+
+    assert "no style presets" in error["message"]
+
+
 @pytest.mark.parametrize("field", ["conversation", "prompt", "context_management", "moderation"])
 @pytest.mark.parametrize("value", [0, False, 0.0, ""])
 async def test_a_falsy_value_of_the_wrong_type_for_a_refused_field_is_refused_too(
