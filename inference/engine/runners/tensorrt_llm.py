@@ -117,7 +117,7 @@ def _import_api() -> _API:
         import tensorrt_llm
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig, RequestError
-    except ImportError as exc:
+    except (ImportError, OSError, RuntimeError) as exc:  # missing; its C++ or CUDA libraries failing to load
         raise RunnerError(
             f"TensorRT-LLM is not available here ({exc}); it needs an NVIDIA GPU and the 'gpu' extra.",
             code="runner_unavailable",
@@ -285,13 +285,18 @@ class _Engine:
             return
         try:
             output = self.llm.generate_async(prompt_ids, params, streaming=True)
-        except (ValueError, TypeError, self.api.RequestError) as exc:
-            # The library's checks on the request itself (max_num_tokens raises RequestError in later
-            # releases, ValueError before): this request is refused, the engine is fine.
-            request.events.put(_Failed(exc, _refusal_code(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001  (e.g. "LLM is shutting down": the engine is gone)
-            request.events.put(_Failed(exc, "runner_unavailable", fatal=True))
+        except Exception as exc:  # noqa: BLE001
+            # Whatever was raised, the engine is gone only when the library says so: "LLM is shutting down", or an
+            # error of the executor's own threads, which the proxy's submit raises once it has shut the executor
+            # down (proxy.py, _handle_background_error), of any type. Otherwise this request alone failed: the
+            # library's checks on it (max_num_tokens raises RequestError in later releases, ValueError before), or
+            # anything else that went wrong with it.
+            if _engine_down(self.llm):
+                request.events.put(_Failed(exc, "runner_unavailable", fatal=True))
+            elif isinstance(exc, ValueError | TypeError | self.api.RequestError):
+                request.events.put(_Failed(exc, _refusal_code(exc)))
+            else:
+                request.events.put(_Failed(exc, "generation_failed"))
             return
         request._output = output
         request.events.put(_Started(len(output.prompt_token_ids)))

@@ -140,6 +140,9 @@ class LLM:
         else:
             error = None
         output.id = self._executor.submit(prompt_token_ids, sampling_params, max_tokens, output._deliver, error=error)
+        # As the proxy's submit (executor/proxy.py): an error the executor's threads failed with is raised here, once
+        # the executor is shut down, whatever its type.
+        self._executor._handle_background_error()
         return output
 
     def _deduce_max_tokens(self, prompt_len: int, sampling_params: SamplingParams) -> int:

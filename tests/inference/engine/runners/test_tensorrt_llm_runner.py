@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import importlib.abc
 import io
 import json
 import os
@@ -1078,6 +1079,36 @@ def test_a_missing_tensorrt_llm_surfaces_as_a_runner_error(monkeypatch: pytest.M
     assert raised.value.code == "runner_unavailable"
 
 
+class _Unloadable(importlib.abc.MetaPathFinder):
+    """Finds ``tensorrt_llm`` and fails as its import does on a host without the GPU's libraries: loading its C++
+    bindings (``_preload_python_lib``: ``cdll.LoadLibrary``) or initialising CUDA."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+        if name == "tensorrt_llm":
+            raise self.failure
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError("libnvinfer.so.10: cannot open shared object file"), RuntimeError("CUDA driver initialization failed")],
+    ids=["a-library-missing", "cuda-failing"],
+)
+def test_a_tensorrt_llm_that_fails_to_load_surfaces_as_a_runner_error(
+    monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    _drop_tensorrt_llm_modules()
+    monkeypatch.setattr(sys, "meta_path", [_Unloadable(failure), *sys.meta_path])
+
+    with pytest.raises(RunnerError) as raised:
+        runner_module.load(SETTINGS)
+
+    assert raised.value.code == "runner_unavailable"
+    assert str(failure) in str(raised.value)
+
+
 # -- failures ----------------------------------------------------------------------------------------
 
 
@@ -1187,22 +1218,49 @@ def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
     assert len(engine.llms) == 1
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [RuntimeError("CUDA error: an illegal memory access was encountered"), ValueError("a worker thread's own fault")],
+    ids=["an-engine-error", "one-of-a-refusals-type"],
+)
 def test_an_error_the_executor_fails_with_takes_the_engine_down_and_the_next_request_loads_it_again(
-    engine: Seen,
+    engine: Seen, failure: Exception
 ) -> None:
     runner = runner_module.load(SETTINGS)
     collect(runner.stream(make_job("first"), never))
-    # What the executor's own threads fail with reaches the next result that handles a response, once the executor
-    # has shut down (executor.py, _handle_background_error).
-    engine.llms[0]._executor._error_queue.put(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    # What the executor's own threads fail with is raised by the next request's submit, once the executor has shut
+    # down (proxy.py, _handle_background_error), whatever its type: a ValueError there is no refusal of the request.
+    engine.llms[0]._executor._error_queue.put(failure)
 
     with pytest.raises(RunnerError) as raised:
         collect(runner.stream(make_job("second"), never))
 
-    assert raised.value.code == "generation_failed"
+    assert raised.value.code == "runner_unavailable"
     chunks, _ = collect(runner.stream(make_job("still here"), never))
     assert "".join(c.text for c in chunks) == "still here"
     assert len(engine.llms) == 2
+
+
+def test_an_unexpected_error_taking_one_request_leaves_the_engine_serving(
+    trtllm: types.ModuleType, engine: Seen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = runner_module.load(SETTINGS)
+    generate_async = trtllm.LLM.generate_async
+
+    def odd(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if "odd" in self.tokenizer.decode(inputs):
+            raise KeyError("a stop string the tokenizer could not encode")
+        return generate_async(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(trtllm.LLM, "generate_async", odd)
+
+    with pytest.raises(RunnerError) as raised:
+        collect(runner.stream(make_job("odd one"), never))
+
+    assert raised.value.code == "generation_failed"
+    chunks, _ = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    assert len(engine.llms) == 1
 
 
 def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen) -> None:
