@@ -940,6 +940,7 @@ class TensorRTLLMRunner:
         sent = 0  # characters of the output text already yielded
         owed_tokens = 0  # tokens whose text is held back or not yet detokenized
         owed_logprobs: list[TokenLogprob] = []
+        text_bytes = spelled = 0  # the bytes of the text sent, and of the tokens whose logprobs were sent
         was_cancelled = False
         cancel_deadline: float | None = None
         try:
@@ -982,15 +983,27 @@ class TensorRTLLMRunner:
                     owed_logprobs.extend(event.logprobs)
                     ready = len(event.text) - _held_back(event.text, stops)
                     if ready > sent:
-                        yield TextChunk(event.text[sent:ready], owed_tokens, tuple(owed_logprobs), event.cached_tokens)
-                        sent, owed_tokens, owed_logprobs = ready, 0, []
+                        text = event.text[sent:ready]
+                        text_bytes += len(text.encode())
+                        # With logprobs, a chunk takes the tokens the text sent so far spells: those of text held
+                        # back (it may become a stop string) go with that text, or not at all.
+                        count = _spelled(owed_logprobs, spelled, text_bytes) if owed_logprobs else owed_tokens
+                        logprobs, owed_logprobs = tuple(owed_logprobs[:count]), owed_logprobs[count:]
+                        yield TextChunk(text, count, logprobs, event.cached_tokens)
+                        sent, owed_tokens = ready, owed_tokens - count
+                        spelled += sum(len(lp.token) for lp in logprobs)
 
             if was_cancelled:
                 reason: FinishReason = "cancelled"
             else:
-                # The final text is settled (stop strings cut, see _settled_text): send what was held back.
-                if last is not None and len(last.text) > sent:
-                    yield TextChunk(last.text[sent:], owed_tokens, tuple(owed_logprobs), last.cached_tokens)
+                # The final text is settled (stop strings cut, see _settled_text): send what was held back, and the
+                # tokens still owed though no text came of them.
+                if last is not None and (len(last.text) > sent or owed_tokens):
+                    rest = last.text[sent:]
+                    count = _spelled(owed_logprobs, spelled, text_bytes + len(rest.encode()), partly=True)
+                    if not rest and _unfinished(owed_logprobs):
+                        count = len(owed_logprobs)
+                    yield TextChunk(rest, owed_tokens, tuple(owed_logprobs[:count]), last.cached_tokens)
                 reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
             yield Finished(
                 reason=reason,
@@ -1005,6 +1018,30 @@ class TensorRTLLMRunner:
                 request.abort()
                 request.stop()
             engine.forget(request)
+
+
+def _spelled(logprobs: list[TokenLogprob], start: int, text_end: int, *, partly: bool = False) -> int:
+    """How many of the tokens of ``logprobs``, the first at byte ``start`` of the output, its text up to byte
+    ``text_end`` spells whole; ``partly``: and the one it ends inside of (where a stop string begins inside a token,
+    that token's logprob stays, as the llama.cpp runner's does)."""
+    end = start
+    for count, logprob in enumerate(logprobs):
+        if end >= text_end:
+            return count
+        end += len(logprob.token)
+        if end > text_end:
+            return count + partly
+    return len(logprobs)
+
+
+def _unfinished(logprobs: list[TokenLogprob]) -> bool:
+    """Whether tokens that left no text are the first bytes of a character the output never finished (their logprobs
+    carry those bytes, as the llama.cpp runner sends them), not a stop string's, which the text leaves out."""
+    try:
+        b"".join(lp.token for lp in logprobs).decode()
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def load(settings: dict[str, Any]) -> TensorRTLLMRunner:

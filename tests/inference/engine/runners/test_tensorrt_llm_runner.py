@@ -451,9 +451,27 @@ def test_an_answer_cut_inside_a_character_ends_before_it_and_still_counts_its_to
 
     chunks, finished = collect(runner.stream(make_job("fire 🔥", max_tokens=4, logprobs=True), never))
 
-    # The library's detokenizer never turns the character's first two bytes into text.
+    # The library's detokenizer never turns the character's first two bytes into text. Their tokens still travel with
+    # the last chunk, and their logprobs carry those bytes, as the llama.cpp runner sends them.
     assert "".join(c.text for c in chunks) == "fire "
     assert (finished.reason, finished.completion_tokens) == ("length", 4)
+    assert sum(c.tokens for c in chunks) == 4
+    assert [lp.token for c in chunks for lp in c.logprobs] == [b"fire", b" ", b"\xf0", b"\x9f"]
+
+
+def test_a_stop_strings_tokens_count_and_only_those_the_text_begins_send_logprobs(engine: Seen) -> None:
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(
+        runner.stream(make_job("alpha beta gamma delta", logprobs=True, stop=("gamma delta",)), never)
+    )
+
+    assert "".join(c.text for c in chunks) == "alpha beta "
+    assert sum(c.tokens for c in chunks) == finished.completion_tokens == 4
+    # " gamma" holds the text's last space, where the stop string begins: its logprob stays; " delta"'s goes.
+    assert [lp.token for c in chunks for lp in c.logprobs] == [b"alpha", b" beta", b" gamma"]
+    # No chunk's logprobs run ahead of its text.
+    assert all(len(b"".join(lp.token for lp in c.logprobs)) <= len(c.text.encode()) for c in chunks[:-1])
 
 
 # -- cancellation ------------------------------------------------------------------------------------
