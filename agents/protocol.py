@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 
 from inference.openai import responses as wire
 from inference.openai.errors import invalid_request, unsupported_parameter
@@ -76,8 +76,16 @@ def _storable(value: str) -> str:
     return value
 
 
+def _streamed_only(schema: dict[str, Any]) -> None:
+    """The request's JSON schema says what ``refuse_unsupported`` holds it to: ``stream`` true."""
+    schema["properties"]["stream"] = {"const": True, "description": "The runtime answers with an event stream only."}
+    schema["required"] = [*schema.get("required", ()), "stream"]
+
+
 class AgentResponseRequest(wire.ResponseCreateRequest):
     """``POST /v1/responses``: ``model`` names an instance; streaming only; the service may keep the conversation."""
+
+    model_config = ConfigDict(json_schema_extra=_streamed_only)
 
     # The runtime keeps conversations, so previous_response_id is taken; the rest is refused for its own reasons.
     REFUSED: ClassVar[Mapping[str, str]] = {

@@ -439,8 +439,11 @@ class AgentTurn:
         return self._refusal is not None
 
     def _offered(self, tool: ServerTool) -> bool:
-        """Instances that search first do not offer the search to the model: the runtime has searched."""
-        return not (self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name)
+        """Instances that search first do not offer the search to the model: the runtime has searched. Unless it has
+        not (a message with nothing to search for) while ``tool_choice: required`` asks for a server tool call."""
+        if self.agent.first_step == FirstStep.SEARCH and tool.name == KNOWLEDGE_SEARCH.name:
+            return self._server_calls == 0 and self.params.tool_choice == "required" and not self.client_tools
+        return True
 
     async def prepare_first(self) -> Generation:
         """The first model step, before the response begins: what admission charges for, and the context check
@@ -637,7 +640,11 @@ class AgentTurn:
         call = self._call(tool, arguments, call_id)
         index, events = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
         yield events
-        yield self.encoder.close_item(index, await self._run_tool(tool, call))
+        if self.tool_calls_spent:  # one of several calls of a step, past the limit: shown, not run
+            spent = f"The call was not run: the response's max_tool_calls ({self.params.max_tool_calls}) were spent."
+            yield self.encoder.close_item(index, agent_call_item(**call, status="failed", error=spent))
+        else:
+            yield self.encoder.close_item(index, await self._run_tool(tool, call))
 
     @staticmethod
     def _call(tool: ServerTool, arguments: str, call_id: str) -> dict[str, str]:

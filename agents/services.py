@@ -347,6 +347,13 @@ def _check_against_instance(params: AgentResponseRequest, agent: Agent) -> None:
             param="tool_choice",
             code="invalid_value",
         )
+    if params.tool_choice == "required" and not params.function_tools and params.max_tool_calls == 0:
+        raise invalid_request(
+            "tool_choice 'required' cannot be met: max_tool_calls 0 lets the instance's tools run no call, and the "
+            "request sends no tools of its own.",
+            param="tool_choice",
+            code="invalid_value",
+        )
     check_output_limit(agent.entry, params.max_output_tokens)
     # The agent's capabilities are its model's, with reasoning only when the instance reasons too.
     entry = agent.entry

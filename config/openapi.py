@@ -132,10 +132,14 @@ EXTENSIONS: dict[str, dict[str, Any]] = {
 STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events."}}}
 
 
-def _post(summary: str, request: str, response: str, *, stream: bool = True, tenant: bool = False) -> dict[str, Any]:
+def _post(
+    summary: str, request: str, response: str, *, stream: bool = True, tenant: bool = False, only_stream: bool = False
+) -> dict[str, Any]:
     ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.' if stream else "The answer.")
     if stream:
         ok["content"].update(STREAM)
+    if only_stream:
+        ok = {"description": f"An event stream of {response} events.", "content": STREAM}
     operation: dict[str, Any] = {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -206,7 +210,11 @@ def document() -> dict[str, Any]:
             "error is OpenAI's error object; fields named b3os are this platform's.",
         },
         "components": {
-            "schemas": {**definitions["$defs"], "TokenCountRequest": _counted(definitions["$defs"]), **EXTENSIONS},
+            "schemas": {
+                **definitions["$defs"],
+                "TokenCountRequest": _counted(definitions["$defs"]),
+                **EXTENSIONS,
+            },
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"apiKey": []}],
@@ -238,7 +246,9 @@ def document() -> dict[str, Any]:
                 "OrganizationUsage",
                 parameters=[_query(name) for name in USAGE_PARAMS],
             ),
-            "/v1/responses": _post("An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True),
+            "/v1/responses": _post(
+                "An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True, only_stream=True
+            ),
             "/v1/responses/{response_id}": _not_offered(
                 "Not offered: a stored conversation goes on by previous_response_id.", tenant=True
             ),

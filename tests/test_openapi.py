@@ -66,6 +66,15 @@ async def test_the_input_token_count_is_documented_as_taking_only_what_shapes_th
     assert set(operation["responses"]["200"]["content"]) == {"application/json"}
 
 
+async def test_an_agents_turn_is_documented_as_streamed_only(api: API) -> None:
+    published = await document(api)
+    operation = published["paths"]["/v1/responses"]["post"]
+    schema = published["components"]["schemas"]["AgentResponseRequest"]
+
+    assert schema["properties"]["stream"]["const"] is True and "stream" in schema["required"]
+    assert set(operation["responses"]["200"]["content"]) == {"text/event-stream"}
+
+
 async def test_every_schema_in_it_is_valid_json_schema_and_names_the_b3os_extensions(api: API) -> None:
     schemas = (await document(api))["components"]["schemas"]
 

@@ -536,6 +536,33 @@ async def test_max_tool_calls_bounds_the_search_an_instance_runs_first_too(
 
 
 @pytest.mark.database
+async def test_max_tool_calls_bounds_the_calls_of_one_step_too_showing_those_past_it_not_run(
+    tenant: Tenant, make_instance: Callable[..., AgentInstance]
+) -> None:
+    instance = await sync_to_async(make_instance)(
+        "model.agent", documents=True, tools=["knowledge_search"], first_step=FirstStep.MODEL
+    )
+    two_calls = "\n".join(
+        f'<tool_call>\n{{"name": "knowledge_search", "arguments": {{"query": "{part}"}}}}\n</tool_call>'
+        for part in ("drill", "saw")
+    )
+    history = [
+        {"role": "user", "content": "Look up drill and saw."},
+        {"role": "assistant", "content": two_calls},
+        {"role": "user", "content": "Look up bracket and belt."},
+    ]
+
+    _, response = await tenant.stream(
+        model=instance.instance_id, input=history, max_tool_calls=1, max_output_tokens=120, store=False
+    )
+
+    calls = agent_calls(response)
+    assert len(calls) == 2, "the model was expected to call the tool twice in one step"
+    assert [call["status"] for call in calls] == ["completed", "failed"]
+    assert calls[1]["error"] == "The call was not run: the response's max_tool_calls (1) were spent."
+
+
+@pytest.mark.database
 async def test_tool_choice_none_runs_not_even_the_search_an_instance_runs_first(
     tenant: Tenant, spare_parts: AgentInstance
 ) -> None:
@@ -1193,6 +1220,31 @@ async def test_required_without_client_tools_is_met_by_a_server_tool_and_the_mod
 
     assert [item["type"] for item in response["output"]] == [AGENT_CALL, "message"]
     assert response["output"][0]["name"] == "knowledge_search"
+
+
+async def test_required_without_client_tools_on_a_message_with_nothing_to_search_for_has_the_model_search(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    # The instance searches first, but not for common words only: the model is asked for the search instead.
+    _, response = await tenant.stream(
+        model=spare_parts.instance_id, input="Why is it so?", tool_choice="required", max_output_tokens=128
+    )
+
+    assert [item["type"] for item in response["output"]][:1] == [AGENT_CALL]
+    assert response["output"][0]["name"] == "knowledge_search"
+
+
+async def test_required_without_client_tools_that_max_tool_calls_leaves_no_call_is_refused(
+    tenant: Tenant, spare_parts: AgentInstance
+) -> None:
+    body = {"model": spare_parts.instance_id, "input": "Hi", "tool_choice": "required", "max_tool_calls": 0}
+
+    response = await tenant.post("/v1/responses", {**body, "stream": True})
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "tool_choice")
+    assert "max_tool_calls 0" in error["message"]
 
 
 # --- failures ------------------------------------------------------------------------------------------
