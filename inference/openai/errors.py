@@ -96,6 +96,11 @@ def unsupported_parameter(param: str, message: str | None = None) -> APIError:
     return APIError(message or f"{param} is not supported", code="unsupported_parameter", param=param)
 
 
+def unknown_parameter(param: str) -> APIError:
+    """OpenAI's refusal of a parameter the endpoint does not have."""
+    return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+
+
 def model_missing(message: str, *, code: str = "model_not_available") -> APIError:
     """A 404 naming ``model``: the model the request asked for is not to be had here."""
     return APIError(message, code=code, status=404, param="model")

@@ -14,7 +14,14 @@ from typing import Annotated, Any, ClassVar, Literal, TypedDict
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
 from pydantic_core import PydanticCustomError
 
-from .errors import APIError, ParamNames, invalid_request, stream_options_without_stream, unsupported_parameter
+from .errors import (
+    APIError,
+    ParamNames,
+    invalid_request,
+    stream_options_without_stream,
+    unknown_parameter,
+    unsupported_parameter,
+)
 from .shared import (
     MAX_TOOLS,
     FunctionName,
@@ -664,12 +671,12 @@ class TokenCountRequest(ResponseCreateRequest):
     # Optional, as in TokenCountsBody: instructions and tools alone are counted too.
     input: Input = Field(default_factory=list)
 
-    def refuse_uncounted(self) -> None:
+    @classmethod
+    def refuse_uncounted(cls, body: Any) -> None:
         """A Responses parameter that counting takes no part of (``stream``, ``max_output_tokens``) is unknown here, as
-        at OpenAI."""
-        if uncounted := sorted(self.model_fields_set - self.COUNTED):
-            name = uncounted[0]
-            raise APIError(f"Unrecognized request argument supplied: {name}", code="unknown_parameter", param=name)
+        at OpenAI: refused as such in the body as sent, before any value is checked."""
+        if isinstance(body, Mapping) and (uncounted := sorted(set(body) - cls.COUNTED)):
+            raise unknown_parameter(str(uncounted[0]))
 
 
 def input_tokens_object(input_tokens: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from inference.engine.decoding import parameters_problem
 from inference.models import MODEL_ID, MODEL_ID_RULE, is_model_id
 
-from .errors import APIError, invalid_request, unsupported_parameter
+from .errors import APIError, invalid_request, unknown_parameter, unsupported_parameter
 
 MAX_TOOLS = 128
 # The error type of a validator that refuses something OpenAI's API knows but this one does not serve.
@@ -104,7 +104,7 @@ def validation_error(exc: ValidationError, data: Any) -> APIError:
     kind = first["type"]
     param = _param(tuple(first["loc"]), data, missing=kind == "missing")
     if kind == "extra_forbidden":
-        return APIError(f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param)
+        return unknown_parameter(param)
     if kind == UNSUPPORTED:
         return unsupported_parameter(param, first["msg"])
     if (tagged_error := _tag_error(kind, first, param) or _literal_error(kind, first, param)) is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, get_args
 
-from inference.openai.errors import APIError, invalid_request
+from inference.openai.errors import APIError, invalid_request, unknown_parameter
 from inference.usage import reports
 
 
@@ -52,7 +52,7 @@ def _day(raw: str, *, name: str, ceil: bool) -> date:
 def parse_query(params: Mapping[str, str]) -> UsageQuery:
     for name in params:
         if name not in PARAMS:
-            raise APIError(f"Unrecognized request argument supplied: {name}", code="unknown_parameter", param=name)
+            raise unknown_parameter(name)
     group_by = params.get("group_by") or "day"
     if group_by not in get_args(reports.GroupBy):
         raise _param_error("group_by", "use day, model or key.")

@@ -15,7 +15,7 @@ from typing import Any
 
 from inference.engine.catalog import get_enabled_model
 from inference.engine.exceptions import ModelNotServed, NotStarted, OutputLimitTooLarge, Overloaded
-from inference.engine.generation import Done, Failed, Generation
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, prepare
 from inference.models import CatalogEntry
 from inference.openai.errors import APIError, from_exception, generation_failed
 from inference.usage import metrics
@@ -160,18 +160,20 @@ async def run_admitted(
     model: str,
     endpoint: str,
     output_limit: int | None,
-    build: Callable[[CatalogEntry], Awaitable[Generation]],
+    translate: Callable[[CatalogEntry], GenerationRequest],
     respond: Callable[[Generation, Grant, Meter], Awaitable[Result]],
 ) -> Result:
-    """The node API's path after validation: a cheap refusal of callers over their limits, prepare (rendering, the
-    context check), admit, respond; usage in every case."""
+    """The node API's path after validation: the request checked against its model and translated (a bad request is
+    a 400 whatever the caller's limits), a cheap refusal of callers over their limits, prepare (rendering, the context
+    check), admit, respond; usage in every case."""
     entry = await get_enabled_model(model)
     if not entry.served_here:
         raise ModelNotServed(model)
     check_output_limit(entry, output_limit)
+    request = translate(entry)
     meter = meter_for(caller, model=entry.public_id, endpoint=endpoint)
     await precheck_request(caller, meter, model_pk=entry.pk, tokens=least_charge(entry, output_limit))
-    generation = await build(entry)
+    generation = await prepare(entry=entry, request=request)
     tokens = generation.prompt_tokens + generation.job.sampling.max_tokens
     grant = await admit_request(caller, meter, model_pk=entry.pk, tokens=tokens)
     try:

@@ -18,7 +18,7 @@ from inference.engine.decoding import (
     ToolCallStart,
     ToolChoice,
 )
-from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs, prepare
+from inference.engine.generation import Done, Failed, Generation, GenerationRequest, Logprobs
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import chat as wire
@@ -347,9 +347,6 @@ async def stream_chunks(
 
 
 async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: Caller) -> Result:
-    async def build(entry: CatalogEntry) -> Generation:
-        return await prepare(entry=entry, request=to_generation_request(params, entry))
-
     async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
         want_logprobs = bool(params.logprobs)
         if params.stream:
@@ -373,6 +370,6 @@ async def create_chat_completion(*, params: wire.ChatCompletionRequest, caller: 
         model=params.model,
         endpoint=ENDPOINT,
         output_limit=params.output_limit,
-        build=build,
+        translate=lambda entry: to_generation_request(params, entry),
         respond=respond,
     )

@@ -742,9 +742,6 @@ async def count_input_tokens(*, params: wire.ResponseCreateRequest) -> dict[str,
 
 
 async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller) -> Result:
-    async def build(entry: CatalogEntry) -> Generation:
-        return await prepare(entry=entry, request=to_generation_request(params, entry))
-
     async def respond(generation: Generation, grant: Grant, meter: Meter) -> Result:
         sampling = generation.job.sampling
         # As applied: what the request set, else the model's sampling defaults, else OpenAI's.
@@ -761,6 +758,6 @@ async def create_response(*, params: wire.ResponseCreateRequest, caller: Caller)
         model=params.model,
         endpoint=ENDPOINT,
         output_limit=params.max_output_tokens,
-        build=build,
+        translate=lambda entry: to_generation_request(params, entry),
         respond=respond,
     )

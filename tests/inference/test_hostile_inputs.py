@@ -261,6 +261,30 @@ async def test_a_client_over_its_limit_is_refused_before_its_prompt_is_rendered(
     assert len(watched_renderer["render"]) == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT, chat(n=2), "n"),
+        (CHAT, chat(stream_options={"include_usage": True}), "stream_options"),
+        (RESPONSES, {"model": MODEL_ID, "input": "Hi", "service_tier": "flex"}, "service_tier"),
+    ],
+    ids=["chat-n", "chat-stream-options-without-stream", "responses-service-tier"],
+)
+async def test_a_bad_request_from_a_client_over_its_limit_is_still_a_400_naming_the_parameter(
+    api: API, path: str, body: dict[str, Any], param: str
+) -> None:
+    # A 429 would have the client wait, then send again a request that can never succeed.
+    organization = await Organization.objects.aget(slug="acme")
+    await Limit.objects.acreate(organization=organization, requests_per_minute=1)
+    admission.clear_limits_cache()
+    assert (await api.post(CHAT, chat())).status_code == 200
+
+    response = await api.post(path, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"]["param"] == param
+
+
 async def test_a_request_whose_output_alone_outgrows_the_tokens_left_is_refused_before_rendering(
     api: API, watched_renderer: dict[str, list[str]]
 ) -> None:

@@ -672,7 +672,19 @@ async def test_a_response_still_needs_a_message_to_respond_to(api: API, input_: 
     assert "no message for the model to respond to" in error["message"]
 
 
-@pytest.mark.parametrize(("field", "value"), [("stream", True), ("max_output_tokens", 999999), ("route", "gateway")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", True),
+        ("max_output_tokens", 999999),
+        ("route", "gateway"),
+        # Values the parameter could never take: still refused as a parameter the count does not have.
+        ("stream", 1),
+        ("max_output_tokens", 5),
+        ("route", 1),
+        ("metadata", {"a": 1}),
+    ],
+)
 async def test_counting_input_tokens_takes_only_what_shapes_the_input(api: API, field: str, value: Any) -> None:
     body = {"model": MODEL_ID, "input": "Name one river in Oregon.", field: value}
 
