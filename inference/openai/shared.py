@@ -137,10 +137,7 @@ def _tag_error(kind: str, error: Any, param: str) -> APIError | None:
         )
     tag = given[field]
     if not isinstance(tag, str):
-        what = "null" if tag is None else next((name for kind_, name in _GIVEN if isinstance(tag, kind_)), "null")
-        return invalid_request(
-            f"Invalid type for '{where}': expected a string, but got {what} instead.", param=where, code="invalid_type"
-        )
+        return invalid_type(where, "a string", tag)
     return _not_supported(tag, error["ctx"].get("expected_tags", "").split(", "), param=where)
 
 
@@ -187,22 +184,24 @@ _GIVEN: tuple[tuple[type, str], ...] = (
 )
 
 
+def invalid_type(param: str, expected: str, given: Any) -> APIError:
+    """OpenAI's refusal of a value of the wrong JSON type: ``expected`` says what the parameter takes."""
+    what = "null" if given is None else next((name for kind_, name in _GIVEN if isinstance(given, kind_)), "null")
+    return invalid_request(
+        f"Invalid type for '{param}': expected {expected}, but got {what} instead.", param=param, code="invalid_type"
+    )
+
+
 def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
     """OpenAI's own words and codes for a value of the wrong type, a number out of its range, or an array or a
     string of the wrong size."""
     ctx, given = error.get("ctx") or {}, error.get("input")
-    if kind in _EXPECTED:
-        what = "null" if given is None else next((name for kind_, name in _GIVEN if isinstance(given, kind_)), None)
+    if kind in _EXPECTED and (given is None or any(isinstance(given, kind_) for kind_, _ in _GIVEN)):
         expected = _EXPECTED[kind]
         if kind == "list_type" and tuple(error["loc"])[-1:] == ("list",):  # text or parts (``text_or_list``)
             items = {"input": "input items", "stop": "strings"}.get(param, "objects")
             expected = f"one of a string or array of {items}"
-        if what is not None:
-            return invalid_request(
-                f"Invalid type for '{param}': expected {expected}, but got {what} instead.",
-                param=param,
-                code="invalid_type",
-            )
+        return invalid_type(param, expected, given)
     if kind in _BOUNDS and isinstance(given, int | float) and not isinstance(given, bool):
         key, words, end, sign = _BOUNDS[kind]
         bound = ctx[key]

@@ -53,7 +53,7 @@ from inference.openai.errors import (
     unsupported_parameter,
 )
 from inference.openai.responses import GatewayResponseRequest
-from inference.openai.shared import parse
+from inference.openai.shared import invalid_type, parse
 
 from . import revocation
 from .caller import Caller, Result, admit_request, meter_for, record_error
@@ -142,13 +142,11 @@ def upstream_for(entry: CatalogEntry) -> Upstream:
 
 
 def gateway_model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if model is None or model == "":
+    if "model" not in body:
         raise invalid_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    model = body["model"]
     if not isinstance(model, str):
-        raise invalid_request(
-            "Invalid value for 'model': Input should be a valid string.", param="model", code="invalid_value"
-        )
+        raise invalid_type("model", "a string", model)
     if not is_model_id(model):
         raise invalid_request(f"Invalid value for 'model': {MODEL_ID_RULE}.", param="model", code="invalid_value")
     return model

@@ -308,12 +308,13 @@ def test_a_model_outside_the_catalog_is_refused_not_forwarded(setup: Setup) -> N
     assert setup.last() == before
 
 
-@pytest.mark.parametrize(("model", "code"), [(123, "invalid_value"), (None, "missing_required_parameter")])
+@pytest.mark.parametrize(("model", "code"), [(123, "invalid_type"), (None, "invalid_type"), ("", "invalid_value")])
 def test_a_gateway_model_that_is_not_a_name_is_named_as_such(setup: Setup, model: object, code: str) -> None:
     response = setup.post(chat(model=model))
 
     assert response.status_code == 400
     assert (response.json()["error"]["param"], response.json()["error"]["code"]) == ("model", code)
+    assert response.json() == setup.post(chat(model=model, route="node")).json()  # in the node's words
 
 
 def test_a_disabled_gateway_model_is_refused_not_forwarded(setup: Setup) -> None:
