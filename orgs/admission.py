@@ -24,7 +24,7 @@ from django.conf import settings
 
 from core.db import db_task
 from core.outages import REDIS_ERRORS
-from core.redis import async_client
+from core.redis import async_client, sync_client
 
 from .exceptions import LimitExceeded
 from .models import Limit
@@ -180,6 +180,28 @@ def clear_limits_cache() -> None:
     _limits_cache.clear()
 
 
+def limits_changed(organization_id: int) -> None:
+    """A limit of the organization was saved or deleted: limits are read again from the next request. One left
+    without any limit is counted no more, and its counts are dropped: a limit set on it later counts from then on, as
+    on an organization that never had one, not from the counts of the minute before (held in the window until then)."""
+    clear_limits_cache()
+    unset = {"tokens_per_minute": None, "requests_per_minute": None, "requests_in_flight": None}
+    if Limit.objects.filter(organization_id=organization_id).exclude(**unset).exists():
+        return
+    if not settings.DISTRIBUTED:
+        memory_store.forget(f"{organization_id}:")
+        return
+    client = sync_client()
+    try:
+        keys = list(client.scan_iter(match=f"b3os:lim:{organization_id}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    except REDIS_ERRORS as exc:  # the change is saved all the same; the counts expire within the minute
+        logger.warning(
+            "the counts of organization %s stay until they expire: %s: %s", organization_id, type(exc).__name__, exc
+        )
+
+
 # --- the in-process store --------------------------------------------------------------------
 
 
@@ -258,6 +280,12 @@ class MemoryStore:
             window = self._windows.get(key)
             if window is not None:
                 window.slots.pop(slot, None)
+
+    def forget(self, prefix: str) -> None:
+        """Drops the windows whose keys start with ``prefix``."""
+        with self._lock:
+            for key in [key for key in self._windows if key.startswith(prefix)]:
+                del self._windows[key]
 
     def withdraw(self, key: str, slot: str, tokens: int, at: float) -> None:
         """Takes back a request admitted at ``at``: its count, its slot and ``tokens`` of its charge."""

@@ -23,8 +23,8 @@ class OrgsConfig(AppConfig):
         # A changed limit applies from the next request this process admits, not once its cached copy ages out
         # (embedded mode: the admin runs in the serving process). Other processes read it within
         # ``LIMITS_CACHE_SECONDS``.
-        def limit_changed(sender: object, **kwargs: object) -> None:
-            transaction.on_commit(admission.clear_limits_cache)
+        def limit_changed(sender: object, instance: Limit, **kwargs: object) -> None:
+            transaction.on_commit(lambda: admission.limits_changed(instance.organization_id))
 
         post_save.connect(limit_changed, sender=Limit, weak=False, dispatch_uid="limits-cache-Limit-save")
         post_delete.connect(limit_changed, sender=Limit, weak=False, dispatch_uid="limits-cache-Limit-delete")

@@ -198,6 +198,29 @@ async def test_a_changed_limit_applies_within_seconds(api: API, monkeypatch: pyt
     assert (await api.post(CHAT, ask())).status_code == 200
 
 
+@pytest.mark.parametrize("how", ["deleted", "blanked"])
+async def test_a_limit_set_again_after_the_organization_had_none_counts_from_then_on(api: API, how: str) -> None:
+    row = await limit(requests_per_minute=5)
+    for _ in range(3):
+        assert (await api.post(CHAT, ask())).status_code == 200
+    if how == "deleted":
+        await row.adelete()
+    else:
+        row.requests_per_minute = None
+        await row.asave()
+    assert (await api.post(CHAT, ask())).status_code == 200  # uncounted
+
+    if how == "deleted":
+        await limit(requests_per_minute=1)
+    else:
+        row.requests_per_minute = 1
+        await row.asave()
+
+    # The requests of the minute before, while the organization had a limit, count no more than the unlimited one.
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+
+
 async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
     await limit(requests_per_minute=0)
     refused = await api.post(CHAT, ask())

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 
 from core import redis as redis_clients
 from orgs import admission
@@ -235,3 +236,24 @@ async def test_a_slot_redis_did_not_release_is_released_once_it_answers_again_no
         await redis_clients.async_client().aclose()
         redis_clients._async_clients.clear()
         server.terminate()
+
+
+@pytest.mark.django_db
+async def test_an_organization_left_without_limits_has_its_counts_dropped_and_no_other(
+    store: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no limit row left, organization 7 is counted no more: a limit set on it later counts from then on.
+    settings.DISTRIBUTED = isinstance(store, admission.RedisStore)
+    monkeypatch.setattr(admission, "memory_store", store if not settings.DISTRIBUTED else admission.memory_store)
+    monkeypatch.setattr(redis_clients, "_sync_client", None)
+    one_a_minute = admission.Limits(requests_per_minute=1)
+    for key in ("7:0", "7:3", "17:0"):
+        assert (await call(store.try_admit(key, one_a_minute, 0, "slot", NOW))).admitted
+
+    await sync_to_async(admission.limits_changed)(7)
+
+    assert (await call(store.try_admit("7:0", one_a_minute, 0, "slot", NOW + 1))).admitted
+    assert (await call(store.try_admit("7:3", one_a_minute, 0, "slot", NOW + 1))).admitted
+    assert not (await call(store.try_admit("17:0", one_a_minute, 0, "slot", NOW + 1))).admitted
+    if settings.DISTRIBUTED:
+        redis_clients.sync_client().close()
