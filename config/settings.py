@@ -369,6 +369,10 @@ JOB_BACKLOG_MAX = _int("JOB_BACKLOG_MAX", 4, least=1)
 # The Retry-After of a request refused because its model's sequences and queue are all taken (503 overloaded).
 OVERLOADED_RETRY_AFTER_SECONDS = _int("OVERLOADED_RETRY_AFTER_SECONDS", 2, least=0)
 
+# Threads that read the jobs of runners that hold one per job (TensorRT-LLM's): how many of its jobs a process runs
+# at once. On a GPU host, as many as the sequences the engine should batch, and a worker's --concurrency no more.
+RUNNER_JOB_THREADS = _int("RUNNER_JOB_THREADS", 64, least=1)
+
 # Read by the CPU runner itself (inference.engine.runners.llama_cpp), in workers and test children too; checked here.
 _int("CPU_RUNNER_THREADS", 0, least=1, code="config.E051", hint="Use 1 or more threads, or leave it unset.")
 

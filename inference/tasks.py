@@ -145,6 +145,14 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
                 needed,
                 needed,
             )
+        if isinstance(concurrency, int) and concurrency > settings.RUNNER_JOB_THREADS:
+            logger.warning(
+                "this worker takes %d jobs at a time, but runners that hold a thread per job (TensorRT-LLM's) run "
+                "at most RUNNER_JOB_THREADS (%d) of them: the others wait for a thread; set RUNNER_JOB_THREADS=%d",
+                concurrency,
+                settings.RUNNER_JOB_THREADS,
+                concurrency,
+            )
 
 
 _presence: WorkerPresence | None = None

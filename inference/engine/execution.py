@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any, TypeVar
 
+from django.conf import settings
+
 from inference.engine.runners.base import (
     Finished,
     GenerationJob,
@@ -43,7 +45,7 @@ RUNNER_MODULES = {
 _runners: dict[str, Runner] = {}
 _renderers: dict[str, PromptRenderer] = {}
 _lock = threading.Lock()
-_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="runner")
+_executor = ThreadPoolExecutor(max_workers=settings.RUNNER_JOB_THREADS, thread_name_prefix="runner")
 
 
 def runner_module(runner: str, settings: object = None) -> Any:

@@ -1587,6 +1587,7 @@ class StartingWorker:
 
     queues: list[str]
     pool_cls: str = "threads"
+    concurrency: int = 8
 
     @property
     def app(self) -> Any:
@@ -1611,6 +1612,30 @@ def test_a_worker_builds_the_models_of_its_queues_when_it_starts(
     runner = execution.get_runner(served.runner, served.runner_settings)
     collect(runner.stream(make_job("ready"), never))
     assert len(engine.llms) == 1
+
+
+@pytest.mark.django_db
+def test_a_worker_taking_more_jobs_than_threads_read_them_says_so_when_it_starts(
+    engine: Seen, fresh_caches: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, settings: Any
+) -> None:
+    served = CatalogEntry.objects.create(public_id="b3os/toy-chat", runner="tensorrt_llm", runner_settings=SETTINGS)
+    monkeypatch.setattr(tasks, "_served_queues", frozenset())
+    settings.RUNNER_JOB_THREADS = 64
+
+    tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue], concurrency=256))
+
+    assert "run at most RUNNER_JOB_THREADS (64)" in caplog.text and "set RUNNER_JOB_THREADS=256" in caplog.text
+
+
+def test_the_threads_that_read_jobs_are_as_many_as_the_setting_says() -> None:
+    code = (
+        "import django; django.setup(); from inference.engine import execution; print(execution._executor._max_workers)"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "RUNNER_JOB_THREADS": "256"}
+
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+
+    assert ran.stdout.split()[-1] == "256"
 
 
 @pytest.mark.django_db
