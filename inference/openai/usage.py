@@ -63,6 +63,8 @@ def parse_query(params: Mapping[str, str]) -> UsageQuery:
     if params.get("start"):
         start = _day(params["start"], name="start", ceil=False)
     if start >= end:
+        if not params.get("end"):  # the default end, tomorrow: the start the client sent is in the future
+            raise _param_error("start", "'start' is after today: there is no usage yet.")
         raise _param_error("end", "'end' must be after 'start' (it is exclusive).")
     if (end - start).days > reports.MAX_REPORT_DAYS:
         raise _param_error("start", f"the range may span at most {reports.MAX_REPORT_DAYS} days.")

@@ -7,6 +7,7 @@ from datetime import date, timedelta
 from typing import Any
 
 from django import forms
+from django.db.models import Max
 
 from inference.models import CatalogEntry, UsageDailyRollup, UsageRecord
 from inference.usage.reports import MAX_REPORT_DAYS, UsageFilter, day_start, utc_today
@@ -41,9 +42,14 @@ class UsageReportForm(forms.Form):
         defaults = {"start": (today - timedelta(days=DEFAULT_DAYS - 1)).isoformat(), "end": today.isoformat()}
         super().__init__({**defaults, **{k: v for k, v in (data or {}).items() if v}})
         known = set(CatalogEntry.objects.values_list("public_id", flat=True))
-        known |= set(UsageDailyRollup.objects.order_by().values_list("model", flat=True).distinct())
-        todays = UsageRecord.objects.filter(created__gte=day_start(today)).order_by()
-        known |= set(todays.values_list("model", flat=True).distinct())
+        rollups = UsageDailyRollup.objects.order_by()
+        known |= set(rollups.values_list("model", flat=True).distinct())
+        # And the models of the days not rolled up yet (today, and the days before the next rollup runs).
+        last_rolled = rollups.aggregate(last=Max("day"))["last"]
+        unrolled = UsageRecord.objects.order_by()
+        if last_rolled is not None:
+            unrolled = unrolled.filter(created__gte=day_start(last_rolled + timedelta(days=1)))
+        known |= set(unrolled.values_list("model", flat=True).distinct())
         self.fields["model"].choices = [("", "All models"), *((m, m) for m in sorted(known))]
 
     def clean(self) -> dict[str, Any]:

@@ -317,6 +317,23 @@ def test_the_admin_report_exports_what_it_shows_as_csv(record: Record) -> None:
     assert [(r["name"], r["errors"]) for r in rows if r["section"] == "error_code"] == [("rate_limited", "1")]
 
 
+@pytest.mark.parametrize("rolled_up", [False, True])
+def test_the_admin_report_filters_on_any_model_it_shows_one_out_of_the_catalog_on_a_day_not_rolled_up_among_them(
+    record: Record, rolled_up: bool
+) -> None:
+    record(day=days_ago(3))
+    reports.roll_up()
+    record(day=days_ago(1), model="retired/model")  # usage of a model since taken out of the catalog
+    if rolled_up:
+        reports.roll_up()
+
+    download = staff_client().get("/admin/usage/report/", {"model": "retired/model", "format": "csv"})
+
+    assert download.status_code == 200, download.content
+    rows = list(csv.DictReader(io.StringIO(download.content.decode())))
+    assert (rows[0]["section"], rows[0]["requests"]) == ("total", "1")
+
+
 @pytest.mark.parametrize("may_view_usage", [False, True])
 def test_the_admin_report_is_only_for_staff_who_may_view_usage_records(record: Record, may_view_usage: bool) -> None:
     """Staff given other parts of the admin (the catalog, say) do not read every organization's usage."""
@@ -449,6 +466,7 @@ async def test_usage_takes_unix_seconds_and_counts_the_whole_day_of_the_end(
         ("start=2020-01-01&end=2025-01-01", "start", "invalid_value"),
         ("organization=globex", "organization", "unknown_parameter"),
         ("end=9999-12-31T00:00:01", "end", "invalid_value"),
+        ("start=9999-01-01", "start", "invalid_value"),  # after today, with end left to its default
     ],
 )
 async def test_bad_usage_parameters_are_refused_by_name(api: API, query: str, param: str, code: str) -> None:
