@@ -8,7 +8,7 @@ clients send back what they received (``id``, ``status``, ``annotations``…). B
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
@@ -34,6 +34,7 @@ from .shared import (
     ServiceTierResponses,
     StreamOptions,
     WireModel,
+    first_repeated,
     mentions_json,
     tagged,
     text_or_list,
@@ -377,15 +378,6 @@ def duplicate_item(item_id: str) -> APIError:
     )
 
 
-def _first_repeated(values: Iterable[str]) -> str | None:
-    seen: set[str] = set()
-    for value in values:
-        if value in seen:
-            return value
-        seen.add(value)
-    return None
-
-
 class ResponseCreateRequest(WireModel):
     model: ModelId
     input: Input
@@ -460,8 +452,9 @@ class ResponseCreateRequest(WireModel):
         for index, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise unsupported_parameter(f"include.{index}", f"include {value!r} is not offered here")
-        if (repeated := _first_repeated(id for _, id in self.echoed_ids())) is not None:
-            raise duplicate_item(repeated)
+        ids = [id for _, id in self.echoed_ids()]
+        if (repeated := first_repeated(ids)) is not None:
+            raise duplicate_item(ids[repeated])
         self._check_reasoning()
         self._check_tools()
 

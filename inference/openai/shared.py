@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -97,6 +97,16 @@ def _readings(loc: tuple[Any, ...], node: Any, *, missing: bool) -> Iterator[tup
             yield [str(part), *parts], landed or not rest
         return
     yield from _readings(rest, node, missing=missing)
+
+
+def first_repeated(values: Sequence[Hashable]) -> int | None:
+    """The index of the first value that came before too, or None when each is its own."""
+    seen: set[Hashable] = set()
+    for index, value in enumerate(values):
+        if value in seen:
+            return index
+        seen.add(value)
+    return None
 
 
 def validation_error(exc: ValidationError, data: Any) -> APIError:

@@ -23,7 +23,7 @@ from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import chat as wire
 from inference.openai.errors import APIError, invalid_request, unsupported_parameter
-from inference.openai.shared import LogprobItems, completion_usage, dumps, now
+from inference.openai.shared import LogprobItems, completion_usage, dumps, first_repeated, now
 from inference.usage.records import Meter
 from orgs.admission import Grant
 
@@ -94,9 +94,10 @@ def messages(request: wire.ChatCompletionRequest) -> list[Message]:
                     }
                     for c in message.tool_calls
                 ]
-                waiting, asked_at = dict.fromkeys(c.id for c in message.tool_calls), index
-                if len(waiting) < len(message.tool_calls):
-                    raise _repeated_call_id(index, [c.id for c in message.tool_calls])
+                ids = [c.id for c in message.tool_calls]
+                if (second := first_repeated(ids)) is not None:
+                    raise _repeated_call_id(f"messages.{index}.tool_calls.{second}.id", ids[second])
+                waiting, asked_at = dict.fromkeys(ids), index
             out.append(item)
         elif isinstance(message, wire.ToolMessage):
             if message.tool_call_id not in waiting:
@@ -115,13 +116,12 @@ def messages(request: wire.ChatCompletionRequest) -> list[Message]:
     return out
 
 
-def _repeated_call_id(index: int, ids: list[str]) -> APIError:
+def _repeated_call_id(param: str, call_id: str) -> APIError:
     """Two calls of one assistant message under one id: a tool message could not say which of them it answers."""
-    second = next(i for i, call_id in enumerate(ids) if call_id in ids[:i])
     return invalid_request(
-        f"tool call id {ids[second]!r} is used by more than one of the assistant message's tool_calls: each call "
+        f"tool call id {call_id!r} is used by more than one of the assistant message's tool_calls: each call "
         "needs an id of its own, which its tool message names",
-        param=f"messages.{index}.tool_calls.{second}.id",
+        param=param,
     )
 
 
