@@ -181,21 +181,15 @@ def clear_limits_cache() -> None:
 
 
 def limits_changed(organization_id: int) -> None:
-    """A limit of the organization was saved or deleted: limits are read again from the next request. One left
-    without any limit is counted no more, and its counts are dropped: a limit set on it later counts from then on, as
-    on an organization that never had one, not from the counts of the minute before (held in the window until then)."""
+    """A limit of the organization was saved or deleted: limits are read again from the next request. A model it
+    limits no more is counted no more, and its counts are dropped: a limit set on it later counts from then on, as on
+    an organization that never had one, not from the counts of the minute before (held in the window until then)."""
     clear_limits_cache()
-    unset = {"tokens_per_minute": None, "requests_per_minute": None, "requests_in_flight": None}
-    if Limit.objects.filter(organization_id=organization_id).exclude(**unset).exists():
-        return
-    if not settings.DISTRIBUTED:
-        memory_store.forget(f"{organization_id}:")
-        return
-    client = sync_client()
+    store = _store()
     try:
-        keys = list(client.scan_iter(match=f"b3os:lim:{organization_id}:*", count=1000))
-        if keys:
-            client.delete(*keys)
+        for key in store.windows_of(organization_id):
+            if _load_limits(organization_id, int(key.split(":")[1]) or None).unlimited:
+                store.forget(key)
     except REDIS_ERRORS as exc:  # the change is saved all the same; the counts expire within the minute
         logger.warning(
             "the counts of organization %s stay until they expire: %s: %s", organization_id, type(exc).__name__, exc
@@ -281,11 +275,14 @@ class MemoryStore:
             if window is not None:
                 window.slots.pop(slot, None)
 
-    def forget(self, prefix: str) -> None:
-        """Drops the windows whose keys start with ``prefix``."""
+    def windows_of(self, organization_id: int) -> list[str]:
+        """The keys of the organization's windows, one for each model it was counted on."""
         with self._lock:
-            for key in [key for key in self._windows if key.startswith(prefix)]:
-                del self._windows[key]
+            return [key for key in self._windows if key.startswith(f"{organization_id}:")]
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._windows.pop(key, None)
 
     def withdraw(self, key: str, slot: str, tokens: int, at: float) -> None:
         """Takes back a request admitted at ``at``: its count, its slot and ``tokens`` of its charge."""
@@ -415,6 +412,9 @@ def _key_seconds() -> int:
     return math.ceil(WINDOW + SLOT_TTL) + KEY_GRACE
 
 
+_PREFIX = "b3os:lim:"
+
+
 class RedisStore:
     def __init__(self) -> None:
         self._scripts: dict[int, tuple[Any, Any]] = {}
@@ -427,7 +427,16 @@ class RedisStore:
 
     @staticmethod
     def _keys(key: str) -> list[str]:
-        return [f"b3os:lim:{key}:req", f"b3os:lim:{key}:tok", f"b3os:lim:{key}:slots", f"b3os:lim:{key}:toksum"]
+        return [f"{_PREFIX}{key}:req", f"{_PREFIX}{key}:tok", f"{_PREFIX}{key}:slots", f"{_PREFIX}{key}:toksum"]
+
+    # The two below are called from the thread that changed a limit (the admin's, a command's): a plain client.
+    def windows_of(self, organization_id: int) -> list[str]:
+        """The keys of the organization's windows, one for each model it was counted on."""
+        names = sync_client().scan_iter(match=f"{_PREFIX}{organization_id}:*", count=1000)
+        return sorted({name.decode().removeprefix(_PREFIX).rsplit(":", 1)[0] for name in names})
+
+    def forget(self, key: str) -> None:
+        sync_client().delete(*self._keys(key))
 
     async def try_admit(
         self,

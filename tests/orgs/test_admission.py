@@ -221,6 +221,24 @@ async def test_a_limit_set_again_after_the_organization_had_none_counts_from_the
     assert (await api.post(CHAT, ask())).status_code == 429
 
 
+async def test_a_model_left_unlimited_beside_another_models_limit_counts_from_then_on_once_limited_again(
+    api: API, catalog_model: CatalogEntry
+) -> None:
+    other = await CatalogEntry.objects.acreate(
+        public_id="b3os/other", runner=catalog_model.runner, runner_settings=catalog_model.runner_settings
+    )
+    default = await limit(requests_per_minute=5)
+    await limit(model=other, requests_per_minute=5)  # the organization keeps a limit, on another model
+    for _ in range(3):
+        assert (await api.post(CHAT, ask())).status_code == 200
+    await default.adelete()
+
+    await limit(requests_per_minute=1)
+
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+
+
 async def test_a_refused_request_leaves_one_usage_record(api: API) -> None:
     await limit(requests_per_minute=0)
     refused = await api.post(CHAT, ask())
