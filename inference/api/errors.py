@@ -74,8 +74,8 @@ def render_exception(exc: BaseException, context: RequestContext | None) -> Json
         # An outage, not a bug: one line each, no traceback (there would be one per request while it lasts).
         logger.warning("%s unavailable: %s: %s", service, type(exc).__name__, exc)
         metrics.unavailable(service)
-    elif isinstance(exc, NotStarted) and exc.service is not None:  # said in the log where the job failed to start
-        metrics.unavailable(exc.service)
+    elif isinstance(exc, NotStarted) and exc.outage is not None:  # said in the log where the job failed to start
+        metrics.unavailable(exc.outage)
     error = to_api_error(exc, context.params if context else None)
     if error is None:
         logger.error("unhandled error in request %s", context.request_id if context else "-", exc_info=exc)

@@ -185,7 +185,7 @@ class ChannelJob:
             )
         except REDIS_ERRORS as exc:
             await self._close()
-            yield [JobFailed("service_unavailable", f"the job could not be queued: {type(exc).__name__}")]
+            yield [JobFailed("service_unavailable", f"the job could not be queued: {type(exc).__name__}", "redis")]
             return
         except BaseException:  # cancelled (the client hung up) while the job was being queued: no one will listen
             await self._close()
@@ -249,7 +249,7 @@ class ChannelJob:
             except REDIS_ERRORS as exc:
                 # Redis went away under the job: its events cannot come back, so the stream ends here, cleanly.
                 logger.warning("job %s lost its reply channel: %s: %s", self._job.job_id, type(exc).__name__, exc)
-                yield [JobFailed("service_unavailable", "the model's events could not be read")]
+                yield [JobFailed("service_unavailable", "the model's events could not be read", "redis")]
                 return
             except _Busy:
                 yield [JobFailed("overloaded", f"the workers on queue {self._queue} had no room for the job in time")]

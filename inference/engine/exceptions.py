@@ -134,13 +134,9 @@ class NotStarted(EngineError):
     """No runner took the job for want of one, before any response began: no worker consumes the model's queue
     (``no_worker``), or the job could not be queued (``service_unavailable``). Try again after ``retry_after``."""
 
-    def __init__(self, code: str, detail: str, *, retry_after: int) -> None:
+    def __init__(self, code: str, detail: str, *, retry_after: int, outage: Service | None = None) -> None:
         super().__init__(detail)
         self.code = code
         self.retry_after = retry_after
+        self.outage = outage  # the service whose outage kept the job from its runner, if one did
         self.headers: dict[str, str] = {}  # the caller's rate-limit headers, once it was admitted
-
-    @property
-    def service(self) -> Service | None:
-        """The service whose outage kept the job from its runner: Redis, when the job could not be queued."""
-        return "redis" if self.code == "service_unavailable" else None

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 
+from core.outages import Service
 from inference.engine.runners.base import (
     Finished,
     GenerationJob,
@@ -229,6 +230,9 @@ class JobFailed:
 
     code: str
     message: str
+    # The service whose outage failed it, when one did (Redis, for a job that could not be queued or whose events
+    # could not be read): said by the API process's side of the dispatch, never sent by a worker.
+    outage: Service | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,7 +151,12 @@ class Generation:
             if refused.code in NOT_STARTED_CODES:
                 self.finished = True
                 logger.warning("job %s did not start: %s: %s", self.job.job_id, refused.code, refused.message)
-                raise NotStarted(refused.code, refused.message, retry_after=settings.OUTAGE_RETRY_AFTER_SECONDS)
+                raise NotStarted(
+                    refused.code,
+                    refused.message,
+                    retry_after=settings.OUTAGE_RETRY_AFTER_SECONDS,
+                    outage=refused.outage,
+                )
         self._first = [event for event in first if not isinstance(event, Accepted)]
 
     async def _batches(self) -> AsyncGenerator[list[JobEvent], None]:

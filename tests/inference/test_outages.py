@@ -69,19 +69,22 @@ async def test_a_request_while_redis_cannot_be_reached_is_a_503_with_retry_after
 
 def test_a_job_that_could_not_be_queued_is_a_503_counted_as_redis_unavailable() -> None:
     before = sample("b3os_unavailable_responses_total", service="redis")
+    failed = NotStarted("service_unavailable", "the job could not be queued", retry_after=2, outage="redis")
 
-    response = errors.render_exception(
-        NotStarted("service_unavailable", "the job could not be queued: ConnectionError", retry_after=2), None
-    )
+    response = errors.render_exception(failed, None)
 
     assert response.status_code == 503
     assert sample("b3os_unavailable_responses_total", service="redis") == before + 1
 
 
-def test_a_job_no_worker_took_is_no_outage_of_redis() -> None:
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [("no_worker", "no worker serves the queue"), ("service_unavailable", "the worker that took it died")],
+)
+def test_a_job_no_worker_took_or_whose_worker_died_is_no_outage_of_redis(code: str, why: str) -> None:
     before = sample("b3os_unavailable_responses_total", service="redis")
 
-    response = errors.render_exception(NotStarted("no_worker", "no worker serves the queue", retry_after=2), None)
+    response = errors.render_exception(NotStarted(code, why, retry_after=2), None)
 
     assert response.status_code == 503
     assert sample("b3os_unavailable_responses_total", service="redis") == before
