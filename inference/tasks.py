@@ -17,7 +17,7 @@ from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, end_served_jobs, serve_job
 from inference.engine.execution import get_capacity, get_runner, start_sweeping
-from inference.engine.runners.base import GenerationJob
+from inference.engine.runners.base import GenerationJob, PushingRunner
 from inference.models import CatalogEntry
 from inference.usage.reports import roll_up_and_prune
 
@@ -78,6 +78,23 @@ def load_served_models(queues: Collection[str]) -> list[str]:
         else:
             loaded.append(entry.public_id)
     return loaded
+
+
+def threaded_models(queues: Collection[str]) -> list[str]:
+    """The models of ``queues`` whose runner reads each job on a thread of its own (one that pushes none)."""
+    try:
+        entries = [entry for entry in CatalogEntry.objects.served_here() if entry.queue in queues]
+    except DatabaseError:
+        return []
+    threaded = []
+    for entry in entries:
+        try:
+            runner = get_runner(entry.runner, entry.runner_settings)  # loaded already, as the worker started
+        except Exception:  # noqa: BLE001  (said when it failed to load)
+            continue
+        if not isinstance(runner, PushingRunner):
+            threaded.append(entry.public_id)
+    return threaded
 
 
 def _runs_jobs_in_main_process(worker: Any) -> bool:
@@ -145,11 +162,13 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
                 needed,
                 needed,
             )
-        if isinstance(concurrency, int) and concurrency > settings.RUNNER_JOB_THREADS:
+        threaded = threaded_models(_served_queues)
+        if isinstance(concurrency, int) and concurrency > settings.RUNNER_JOB_THREADS and threaded:
             logger.warning(
-                "this worker takes %d jobs at a time, but runners that hold a thread per job (TensorRT-LLM's) run "
-                "at most RUNNER_JOB_THREADS (%d) of them: the others wait for a thread; set RUNNER_JOB_THREADS=%d",
+                "this worker takes %d jobs at a time, but %s reads each job on a thread of its own, of which a "
+                "process has RUNNER_JOB_THREADS (%d): the others wait for a thread; set RUNNER_JOB_THREADS=%d",
                 concurrency,
+                ", ".join(threaded),
                 settings.RUNNER_JOB_THREADS,
                 concurrency,
             )

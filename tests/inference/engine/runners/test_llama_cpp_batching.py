@@ -427,6 +427,22 @@ def test_a_worker_with_fewer_threads_than_its_models_hold_says_how_many_to_give_
     assert "start it with --concurrency 6" in caplog.text
 
 
+@pytest.mark.django_db
+def test_a_worker_of_batching_models_only_takes_more_jobs_than_runner_threads_without_a_word_of_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The batched runner pushes its events from its one scheduling thread: it holds no thread per job.
+    entry = CatalogEntry.objects.create(public_id="b3os/batching", runner="llama_cpp", runner_settings=SETTINGS)
+    queues = SimpleNamespace(consume_from={entry.queue: None})
+    worker = SimpleNamespace(
+        pool_cls="threads", concurrency=500, app=SimpleNamespace(amqp=SimpleNamespace(queues=queues))
+    )
+
+    tasks._load_models_at_worker_init(sender=worker)
+
+    assert "RUNNER_JOB_THREADS" not in caplog.text
+
+
 def test_a_fault_in_the_scheduler_ends_the_jobs_it_touched_and_the_runner_goes_on(
     runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

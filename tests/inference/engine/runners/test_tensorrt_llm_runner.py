@@ -1624,7 +1624,8 @@ def test_a_worker_taking_more_jobs_than_threads_read_them_says_so_when_it_starts
 
     tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue], concurrency=256))
 
-    assert "run at most RUNNER_JOB_THREADS (64)" in caplog.text and "set RUNNER_JOB_THREADS=256" in caplog.text
+    assert "b3os/toy-chat reads each job on a thread of its own" in caplog.text
+    assert "RUNNER_JOB_THREADS (64)" in caplog.text and "set RUNNER_JOB_THREADS=256" in caplog.text
 
 
 def test_the_threads_that_read_jobs_are_as_many_as_the_setting_says() -> None:
