@@ -938,9 +938,10 @@ class TensorRTLLMRunner:
         prompt_tokens = job.prompt_tokens
         last: _Step | None = None
         sent = 0  # characters of the output text already yielded
-        owed_tokens = 0  # tokens whose text is held back or not yet detokenized
-        owed_logprobs: list[TokenLogprob] = []
-        text_bytes = spelled = 0  # the bytes of the text sent, and of the tokens whose logprobs were sent
+        # The steps whose text is held back (it may become a stop string) or not yet detokenized: where the output's
+        # text ended once each step's tokens were read, with their count and logprobs.
+        owed: list[tuple[int, int, tuple[TokenLogprob, ...]]] = []
+        reached = spelled = 0  # where the text of the steps read so far, and of those sent, ends
         was_cancelled = False
         cancel_deadline: float | None = None
         try:
@@ -979,31 +980,25 @@ class TensorRTLLMRunner:
                     last = event
                     if was_cancelled:
                         continue
-                    owed_tokens += event.new_tokens
-                    owed_logprobs.extend(event.logprobs)
+                    # Past any text a stop string since cut: a step's tokens end no earlier than those before.
+                    reached = max(reached, len(event.text))
+                    owed.append((reached, event.new_tokens, event.logprobs))
                     ready = len(event.text) - _held_back(event.text, stops)
                     if ready > sent:
-                        text = event.text[sent:ready]
-                        text_bytes += len(text.encode())
-                        # With logprobs, a chunk takes the tokens the text sent so far spells: those of text held
-                        # back (it may become a stop string) go with that text, or not at all.
-                        count = _spelled(owed_logprobs, spelled, text_bytes) if owed_logprobs else owed_tokens
-                        logprobs, owed_logprobs = tuple(owed_logprobs[:count]), owed_logprobs[count:]
-                        yield TextChunk(text, count, logprobs, event.cached_tokens)
-                        sent, owed_tokens = ready, owed_tokens - count
-                        spelled += sum(len(lp.token) for lp in logprobs)
+                        # A chunk takes the tokens of the steps whose text it ends.
+                        count = next((n for n, (end, _, _) in enumerate(owed) if end > ready), len(owed))
+                        taken, owed = owed[:count], owed[count:]
+                        yield TextChunk(event.text[sent:ready], *_of_steps(taken), event.cached_tokens)
+                        sent, spelled = ready, taken[-1][0] if taken else spelled
 
             if was_cancelled:
                 reason: FinishReason = "cancelled"
             else:
                 # The final text is settled (stop strings cut, see _settled_text): send what was held back, and the
                 # tokens still owed though no text came of them.
-                if last is not None and (len(last.text) > sent or owed_tokens):
-                    rest = last.text[sent:]
-                    count = _spelled(owed_logprobs, spelled, text_bytes + len(rest.encode()), partly=True)
-                    if not rest and _unfinished(owed_logprobs):
-                        count = len(owed_logprobs)
-                    yield TextChunk(rest, owed_tokens, tuple(owed_logprobs[:count]), last.cached_tokens)
+                tokens, logprobs = _of_steps(owed, text_end=len(last.text), after=spelled) if last else (0, ())
+                if last is not None and (len(last.text) > sent or tokens):
+                    yield TextChunk(last.text[sent:], tokens, logprobs, last.cached_tokens)
                 reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
             yield Finished(
                 reason=reason,
@@ -1020,28 +1015,20 @@ class TensorRTLLMRunner:
             engine.forget(request)
 
 
-def _spelled(logprobs: list[TokenLogprob], start: int, text_end: int, *, partly: bool = False) -> int:
-    """How many of the tokens of ``logprobs``, the first at byte ``start`` of the output, its text up to byte
-    ``text_end`` spells whole; ``partly``: and the one it ends inside of (where a stop string begins inside a token,
-    that token's logprob stays, as the llama.cpp runner's does)."""
-    end = start
-    for count, logprob in enumerate(logprobs):
-        if end >= text_end:
-            return count
-        end += len(logprob.token)
-        if end > text_end:
-            return count + partly
-    return len(logprobs)
-
-
-def _unfinished(logprobs: list[TokenLogprob]) -> bool:
-    """Whether tokens that left no text are the first bytes of a character the output never finished (their logprobs
-    carry those bytes, as the llama.cpp runner sends them), not a stop string's, which the text leaves out."""
-    try:
-        b"".join(lp.token for lp in logprobs).decode()
-    except UnicodeDecodeError:
-        return True
-    return False
+def _of_steps(
+    steps: list[tuple[int, int, tuple[TokenLogprob, ...]]], *, text_end: int | None = None, after: int = 0
+) -> tuple[int, tuple[TokenLogprob, ...]]:
+    """The tokens of ``steps`` and their logprobs. With ``text_end``, where the answer's text ends (cut at a stop
+    string), only the logprobs of the steps whose text it holds, and of the one it ends inside of (a stop string may
+    begin inside a token: that token's logprob stays, as the llama.cpp runner's does); the others' text is no part
+    of the answer. Tokens that left no text (the first bytes of a character never finished) end where it does."""
+    logprobs: list[TokenLogprob] = []
+    start = after
+    for end, _, step_logprobs in steps:
+        if text_end is None or start < text_end or end <= text_end:
+            logprobs.extend(step_logprobs)
+        start = end
+    return sum(tokens for _, tokens, _ in steps), tuple(logprobs)
 
 
 def load(settings: dict[str, Any]) -> TensorRTLLMRunner:
