@@ -100,7 +100,6 @@ class ResponseInputTokensView(AsyncAPIView):
     http_method_names = ["post"]
 
     async def post(self, request: Request) -> Response:
-        TokenCountRequest.refuse_uncounted(request.data)
         params = await self.parse(request, TokenCountRequest)
         self.names(request, params.param_names())
         return Response(await responses.count_input_tokens(params=params))

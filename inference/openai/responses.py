@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
-from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter
+from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import (
@@ -664,12 +664,14 @@ class TokenCountRequest(ResponseCreateRequest):
     # Optional, as in TokenCountsBody: instructions and tools alone are counted too.
     input: Input = Field(default_factory=list)
 
+    @model_validator(mode="before")
     @classmethod
-    def refuse_uncounted(cls, body: Any) -> None:
+    def refuse_uncounted(cls, body: Any) -> Any:
         """A Responses parameter that counting takes no part of (``stream``, ``max_output_tokens``) is unknown here, as
         at OpenAI: refused as such in the body as sent, before any value is checked."""
         if isinstance(body, Mapping) and (uncounted := sorted(set(body) - cls.COUNTED)):
             raise unknown_parameter(str(uncounted[0]))
+        return body
 
 
 def input_tokens_object(input_tokens: int) -> dict[str, Any]:
