@@ -9,7 +9,7 @@ the URLs of both.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_safe
@@ -133,13 +133,23 @@ STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Ser
 
 
 def _post(
-    summary: str, request: str, response: str, *, stream: bool = True, tenant: bool = False, only_stream: bool = False
+    summary: str,
+    request: str,
+    response: str,
+    *,
+    stream: Literal["never", "asked", "always"] = "asked",
+    tenant: bool = False,
 ) -> dict[str, Any]:
-    ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.' if stream else "The answer.")
-    if stream:
-        ok["content"].update(STREAM)
-    if only_stream:
+    """A POST operation answering ``response``: as JSON, as an event stream when the request asks (``"stream":
+    true``), or always as an event stream."""
+    ok: dict[str, Any]
+    if stream == "always":
         ok = {"description": f"An event stream of {response} events.", "content": STREAM}
+    elif stream == "asked":
+        ok = _json(_ref(response), 'The answer; with "stream": true, an event stream.')
+        ok["content"].update(STREAM)
+    else:
+        ok = _json(_ref(response), "The answer.")
     operation: dict[str, Any] = {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
@@ -238,7 +248,7 @@ def document() -> dict[str, Any]:
                 "The input tokens a Responses request takes on its model; nothing runs.",
                 "TokenCountRequest",
                 "TokenCounts",
-                stream=False,
+                stream="never",
             ),
             "/v1/infer/responses/{response_id}": _not_offered("Not offered: this node keeps no response."),
             "/v1/infer/usage": _get(
@@ -247,14 +257,14 @@ def document() -> dict[str, Any]:
                 parameters=[_query(name) for name in USAGE_PARAMS],
             ),
             "/v1/responses": _post(
-                "An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True, only_stream=True
+                "An agent's turn, streamed.", "AgentResponseRequest", "Response", tenant=True, stream="always"
             ),
             "/v1/responses/{response_id}": _not_offered(
                 "Not offered: a stored conversation goes on by previous_response_id.", tenant=True
             ),
             "/v1/instances": instances,
             "/v1/feedback": _post(
-                "A rating of a stored response.", "FeedbackRequest", "Feedback", stream=False, tenant=True
+                "A rating of a stored response.", "FeedbackRequest", "Feedback", stream="never", tenant=True
             ),
             "/v1/openapi.json": {
                 "get": {
