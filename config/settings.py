@@ -340,7 +340,7 @@ CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # with UNBLOCKED, then, until the name reaches the new master, its queue's declaration refused with READONLY). Those
 # are channel errors to kombu, and by default a worker dies of one.
 CELERY_BROKER_CHANNEL_ERROR_RETRY = True
-# Tasks with late acknowledgement are cancelled on such a loss; there are none (below), so this only quiets Celery's
+# Tasks with late acknowledgement are cancelled on such a loss; there are none (above), so this only quiets Celery's
 # warning about the setting's future default on each reconnection.
 CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 # Connecting to the broker for a publish is tried twice at once, not for seconds: with Redis away, an API request
