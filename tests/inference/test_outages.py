@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,11 +16,10 @@ import redis.exceptions as redis_errors
 from channels_redis.pubsub import RedisPubSubChannelLayer
 from django.db import OperationalError
 from django.test import override_settings
-from redis._parsers.base import BaseParser
 
 from core import redis as core_redis
 from core.logs import OutageLogFilter
-from core.outages import unavailable_service
+from core.outages import Misconfigured, unavailable_service
 from inference.api import errors
 from inference.engine import dispatch
 from inference.engine.exceptions import NotStarted
@@ -27,7 +27,7 @@ from inference.models import UsageRecord
 from inference.usage import metrics, records
 from orgs.models import Organization
 from orgs.services import create_api_key
-from tests.conftest import API, MODEL_ID
+from tests.conftest import API, MODEL_ID, wait_until
 from tests.services import Redis, free_port
 
 pytestmark = pytest.mark.database
@@ -225,16 +225,46 @@ def redis_refusing_writes(tmp_path: Path) -> Iterator[Redis]:
     server.stop()
 
 
+@pytest.fixture
+def redis_failing_to_save(tmp_path: Path) -> Iterator[Redis]:
+    """Distributed mode on a Redis that refuses writes because its last save failed (its directory is gone)."""
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = Redis(directory).start()
+    server.cli("config", "set", "save", "3600 1")  # saves, so a failed save stops writes
+    shutil.rmtree(directory)
+    server.cli("bgsave")
+    assert wait_until(lambda: "rdb_last_bgsave_status:err" in server.cli("info", "persistence"))
+    core_redis._async_clients.clear()
+    with override_settings(DISTRIBUTED=True, REDIS_URL=server.url):
+        yield server
+    core_redis._async_clients.clear()
+    assert server.process is not None
+    server.process.kill()  # told to stop, it would try to save first, which it cannot
+    server.process.wait()
+
+
+@pytest.mark.django_db(transaction=True)  # its usage record is written, by the writer's thread
+async def test_redis_refusing_writes_as_it_cannot_save_is_an_outage_answered_503(
+    api: API, redis_failing_to_save: Redis
+) -> None:
+    with pytest.raises(Misconfigured):  # as redis-py reads Redis's MISCONF reply
+        await core_redis.async_client().set("k", "v")
+
+    response = await api.post(CHAT, ASK)
+
+    assert response.status_code == 503, response.content
+    assert response.json()["error"]["code"] == "service_unavailable" and response["Retry-After"]
+
+
 @pytest.mark.parametrize(
     "refusal",
     [
         redis_errors.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
         redis_errors.ReadOnlyError("You can't write against a read only replica."),
         redis_errors.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
-        # As redis-py reads Redis's reply, which it has no class of its own for.
-        BaseParser.parse_error("MISCONF Errors writing to the AOF file: No space left on device"),
     ],
-    ids=["out-of-memory", "read-only-replica", "master-down", "failing-to-save"],
+    ids=["out-of-memory", "read-only-replica", "master-down"],
 )
 def test_redis_refusing_writes_for_the_state_it_is_in_is_an_outage_answered_503(refusal: Exception) -> None:
     assert unavailable_service(refusal) == "redis"
