@@ -166,6 +166,10 @@ class CatalogEntry(models.Model):
             raise ValidationError({"sampling_defaults": problem})
         if self.max_output_tokens > self.context_length:
             raise ValidationError({"max_output_tokens": "Cannot exceed the context length."})
+        if self.image_input and self.served_here:
+            raise ValidationError(
+                {"image_input": "The node's runners read text only: image input is for models the gateway serves."}
+            )
         known = {name for name, _ in GATEWAY_PARAMETERS}
         parameters = self.gateway_parameters
         if not isinstance(parameters, list) or not all(isinstance(name, str) and name in known for name in parameters):

@@ -200,6 +200,17 @@ def test_a_catalog_model_with_room_for_no_token_is_not_saved(staff_client: Clien
     assert (entry.context_length, entry.max_output_tokens) == (8192, 2048)
 
 
+def test_a_model_the_node_serves_is_not_saved_taking_images_its_runners_cannot_read(staff_client: Client) -> None:
+    entry = CatalogEntry.objects.create(public_id="acme/model")  # on the CPU runner, as the form gives it
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+
+    page = staff_client.post(url, form_data(entry, image_input="on"))
+
+    assert page.status_code == 200 and "The node&#x27;s runners read text only" in page.content.decode()
+    entry.refresh_from_db()
+    assert entry.image_input is False
+
+
 SMOLLM2 = DEFAULT_MODEL["runner_settings"]
 
 
