@@ -924,6 +924,8 @@ class StreamRelay:
         markers = (b'"error"', b'"usage"', b'"b3os"', *(RESPONSE_MARKERS if self.terminal is RESPONSE_END else ()))
         named = bool(others) and _named_error(others)
         if not named and b"\\u" not in payload and not any(marker in payload for marker in markers):
+            if self.terminal is CHAT_END:  # a chunk says which way it went, as the node's do
+                return b"\n".join([*others, b"data: " + _routed(payload)]) + b"\n\n"
             return event + b"\n\n"
         try:
             data = orjson.loads(payload)
@@ -937,6 +939,9 @@ class StreamRelay:
         if isinstance(extra := data.get("b3os"), dict) and extra.get("route") != ROUTE:
             # An upstream of this platform's own says which way it served the request: here, the gateway's.
             data["b3os"] = {**extra, "route": ROUTE}
+            changed = True
+        elif self.terminal is CHAT_END and "b3os" not in data:
+            data["b3os"] = {"route": ROUTE}
             changed = True
         if self.terminal is RESPONSE_END and data.get("type") == "response.created":
             self._response = data.get("response") if isinstance(data.get("response"), dict) else None
@@ -965,6 +970,15 @@ class StreamRelay:
         except orjson.JSONEncodeError:  # nested deeper than orjson writes: passed on as it came
             return event + b"\n\n"
         return b"\n".join([*others, b"data: " + rewritten]) + b"\n\n"
+
+
+_ROUTED = b'{"b3os":{"route":"' + ROUTE.encode() + b'"}'
+
+
+def _routed(payload: bytes) -> bytes:
+    """A chat chunk's data with ``b3os.route`` first, written in without reading the rest (which holds no ``b3os``)."""
+    rest = payload.strip()[1:].lstrip()
+    return _ROUTED + (rest if rest == b"}" else b"," + rest)
 
 
 def _an_object(payload: bytes) -> bool:

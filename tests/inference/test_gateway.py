@@ -466,6 +466,19 @@ def test_a_stream_without_include_usage_is_metered_and_its_client_sees_no_usage(
     assert setup.usage(request_id)[:5] == ("gateway", 200, "", 11, 8)
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_every_chunk_of_a_gateway_stream_says_which_way_it_went_as_the_nodes_do(
+    setup: Setup, include_usage: bool
+) -> None:
+    lines, _ = stream_lines(setup, chat(stream=True, stream_options={"include_usage": include_usage}))
+    node, _ = stream_lines(setup, {"model": MODEL_ID, "messages": QUESTION, "max_tokens": 2, "stream": True})
+
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert len(chunks) > 1 and {chunk["b3os"]["route"] for chunk in chunks} == {"gateway"}
+    assert {json.loads(line)["b3os"]["route"] for line in node[:-1]} == {"node"}
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"])
+
+
 def test_a_stream_with_include_usage_passes_the_usage_on(setup: Setup) -> None:
     lines, _ = stream_lines(setup, chat(stream=True, stream_options={"include_usage": True}))
 
