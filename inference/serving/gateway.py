@@ -976,8 +976,9 @@ _ROUTED = b'{"b3os":{"route":"' + ROUTE.encode() + b'"}'
 
 
 def _routed(payload: bytes) -> bytes:
-    """A chat chunk's data with ``b3os.route`` first, written in without reading the rest (which holds no ``b3os``)."""
-    rest = payload.strip()[1:].lstrip()
+    """A chat chunk's data with ``b3os.route`` first, written in without reading the rest (which holds no ``b3os``),
+    on one line: data sent over several lines is joined by newlines, which in JSON are whitespace."""
+    rest = payload.strip()[1:].lstrip().replace(b"\n", b" ")
     return _ROUTED + (rest if rest == b"}" else b"," + rest)
 
 

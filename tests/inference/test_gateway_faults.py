@@ -864,6 +864,23 @@ async def test_a_chat_stream_from_an_upstream_of_this_platform_says_it_went_thro
     assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "Hello"
 
 
+async def test_every_chat_chunk_says_it_went_through_the_gateway_however_the_upstream_framed_it(gw: Gateway) -> None:
+    def chunk(content: str) -> dict[str, Any]:  # without "usage": null, as many servers send them, passed on unread
+        return {name: value for name, value in chat_chunk(content).items() if name != "usage"}
+
+    spaced = b"id: 7\ndata:   " + json.dumps(chunk("!")).encode() + b"  \n\n"
+    await gw.offer(
+        "framed", events(data(chunk("Hel")), split_over_lines(data(chunk("lo"))), spaced, data(CHAT_USAGE), DONE)
+    )
+
+    response, text = await gw.stream("framed")
+
+    chunks = [json.loads(line) for line in sse_data(text) if line != "[DONE]"]
+    assert [chunk["b3os"] for chunk in chunks] == [{"route": "gateway"}] * 3
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "Hello!"
+    assert "id: 7\n" in text
+
+
 async def test_a_responses_stream_whose_upstream_ends_after_its_error_event_still_ends_with_response_failed(
     gw: Gateway,
 ) -> None:
