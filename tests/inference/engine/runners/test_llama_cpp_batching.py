@@ -411,17 +411,22 @@ def test_a_waiting_job_whose_client_left_holds_no_place_in_the_queue(
     assert runner.stats().active == runner.stats().queued == 0
 
 
+def start_worker_of_the_batching_model(concurrency: int) -> CatalogEntry:
+    """A threads worker of ``concurrency`` starting on the queue of a batching model's entry; the entry."""
+    entry = CatalogEntry.objects.create(public_id="b3os/batching", runner="llama_cpp", runner_settings=SETTINGS)
+    queues = SimpleNamespace(consume_from={entry.queue: None})
+    worker = SimpleNamespace(
+        pool_cls="threads", concurrency=concurrency, app=SimpleNamespace(amqp=SimpleNamespace(queues=queues))
+    )
+    tasks._load_models_at_worker_init(sender=worker)
+    return entry
+
+
 @pytest.mark.django_db
 def test_a_worker_with_fewer_threads_than_its_models_hold_says_how_many_to_give_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    entry = CatalogEntry.objects.create(public_id="b3os/batching", runner="llama_cpp", runner_settings=SETTINGS)
-    queues = SimpleNamespace(consume_from={entry.queue: None})
-    worker = SimpleNamespace(
-        pool_cls="threads", concurrency=2, app=SimpleNamespace(amqp=SimpleNamespace(queues=queues))
-    )
-
-    tasks._load_models_at_worker_init(sender=worker)
+    entry = start_worker_of_the_batching_model(concurrency=2)
 
     assert tasks.jobs_held({entry.queue}) == 6  # 4 sequences and 2 queued, as SETTINGS say
     assert "start it with --concurrency 6" in caplog.text
@@ -432,13 +437,7 @@ def test_a_worker_of_batching_models_only_takes_more_jobs_than_runner_threads_wi
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The batched runner pushes its events from its one scheduling thread: it holds no thread per job.
-    entry = CatalogEntry.objects.create(public_id="b3os/batching", runner="llama_cpp", runner_settings=SETTINGS)
-    queues = SimpleNamespace(consume_from={entry.queue: None})
-    worker = SimpleNamespace(
-        pool_cls="threads", concurrency=500, app=SimpleNamespace(amqp=SimpleNamespace(queues=queues))
-    )
-
-    tasks._load_models_at_worker_init(sender=worker)
+    start_worker_of_the_batching_model(concurrency=500)
 
     assert "RUNNER_JOB_THREADS" not in caplog.text
 

@@ -1191,6 +1191,14 @@ def test_a_prompt_and_max_tokens_that_fit_max_seq_len_are_served(engine: Seen) -
     assert (finished.reason, finished.prompt_tokens, finished.completion_tokens) == ("length", 6, 2)
 
 
+def still_serving(runner: Any, engine: Seen) -> int:
+    """How many engines were built once the runner has answered the next request whole: one while the engine that
+    served before still serves, more once it was taken down and built again."""
+    chunks, _ = collect(runner.stream(make_job("still here"), never))
+    assert "".join(c.text for c in chunks) == "still here"
+    return len(engine.llms)
+
+
 def test_a_failure_during_generation_surfaces_as_a_runner_error(
     trtllm: types.ModuleType, engine: Seen, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1205,9 +1213,7 @@ def test_a_failure_during_generation_surfaces_as_a_runner_error(
     assert "the engine failed it" in str(raised.value)
     # A per-request failure leaves the engine serving.
     monkeypatch.undo()
-    chunks, _ = collect(runner.stream(make_job("still here"), never))
-    assert "".join(c.text for c in chunks) == "still here"
-    assert len(engine.llms) == 1
+    assert still_serving(runner, engine) == 1
 
 
 def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
@@ -1231,9 +1237,7 @@ def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
 
     assert raised.value.code == "generation_failed"
     assert engine.calls[0].output.aborted()  # not left writing an answer nobody reads
-    chunks, _ = collect(runner.stream(make_job("still here"), never))
-    assert "".join(c.text for c in chunks) == "still here"
-    assert len(engine.llms) == 1
+    assert still_serving(runner, engine) == 1
 
 
 @pytest.mark.parametrize(
@@ -1254,9 +1258,7 @@ def test_an_error_the_executor_fails_with_takes_the_engine_down_and_the_next_req
         collect(runner.stream(make_job("second"), never))
 
     assert raised.value.code == "runner_unavailable"
-    chunks, _ = collect(runner.stream(make_job("still here"), never))
-    assert "".join(c.text for c in chunks) == "still here"
-    assert len(engine.llms) == 2
+    assert still_serving(runner, engine) == 2
 
 
 def test_an_unexpected_error_taking_one_request_leaves_the_engine_serving(
@@ -1276,9 +1278,7 @@ def test_an_unexpected_error_taking_one_request_leaves_the_engine_serving(
         collect(runner.stream(make_job("odd one"), never))
 
     assert raised.value.code == "generation_failed"
-    chunks, _ = collect(runner.stream(make_job("still here"), never))
-    assert "".join(c.text for c in chunks) == "still here"
-    assert len(engine.llms) == 1
+    assert still_serving(runner, engine) == 1
 
 
 def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen) -> None:
@@ -1289,9 +1289,7 @@ def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen)
 
     assert raised.value.code == "generation_failed"
     assert engine.calls == []
-    chunks, _ = collect(runner.stream(make_job("still here"), never))
-    assert "".join(c.text for c in chunks) == "still here"
-    assert len(engine.llms) == 1
+    assert still_serving(runner, engine) == 1
 
 
 def test_sampling_parameters_the_library_refuses_surface_as_a_runner_error(engine: Seen) -> None:
