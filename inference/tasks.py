@@ -16,7 +16,7 @@ from django.core import checks
 from django.db import DatabaseError
 
 from inference.engine.dispatch import GENERATE_TASK, WorkerPresence, end_served_jobs, serve_job
-from inference.engine.execution import get_capacity, get_runner, start_sweeping
+from inference.engine.execution import get_capacity, get_runner, loaded_runner, start_sweeping
 from inference.engine.runners.base import GenerationJob, PushingRunner
 from inference.models import CatalogEntry
 from inference.usage.reports import roll_up_and_prune
@@ -81,20 +81,13 @@ def load_served_models(queues: Collection[str]) -> list[str]:
 
 
 def threaded_models(queues: Collection[str]) -> list[str]:
-    """The models of ``queues`` whose runner reads each job on a thread of its own (one that pushes none)."""
+    """The models of ``queues`` whose loaded runner reads each job on a thread of its own (one that pushes none)."""
     try:
         entries = [entry for entry in CatalogEntry.objects.served_here() if entry.queue in queues]
     except DatabaseError:
         return []
-    threaded = []
-    for entry in entries:
-        try:
-            runner = get_runner(entry.runner, entry.runner_settings)  # loaded already, as the worker started
-        except Exception:  # noqa: BLE001  (said when it failed to load)
-            continue
-        if not isinstance(runner, PushingRunner):
-            threaded.append(entry.public_id)
-    return threaded
+    runners = {entry.public_id: loaded_runner(entry.runner, entry.runner_settings) for entry in entries}
+    return [model for model, runner in runners.items() if runner is not None and not isinstance(runner, PushingRunner)]
 
 
 def _runs_jobs_in_main_process(worker: Any) -> bool:
@@ -162,11 +155,16 @@ def _load_models_at_worker_init(sender: Any = None, **_: Any) -> None:
                 needed,
                 needed,
             )
-        threaded = threaded_models(_served_queues)
-        if isinstance(concurrency, int) and concurrency > settings.RUNNER_JOB_THREADS and threaded:
+        # Only past the threads: whether a model reads each job on a thread of its own asks the catalog.
+        if (
+            isinstance(concurrency, int)
+            and concurrency > settings.RUNNER_JOB_THREADS
+            and (threaded := threaded_models(_served_queues))
+        ):
             logger.warning(
-                "this worker takes %d jobs at a time, but %s reads each job on a thread of its own, of which a "
-                "process has RUNNER_JOB_THREADS (%d): the others wait for a thread; set RUNNER_JOB_THREADS=%d",
+                "this worker takes %d jobs at a time, but its models that read each job on a thread of its own (%s) "
+                "have RUNNER_JOB_THREADS (%d) threads in a process: the others wait for one; set "
+                "RUNNER_JOB_THREADS=%d",
                 concurrency,
                 ", ".join(threaded),
                 settings.RUNNER_JOB_THREADS,

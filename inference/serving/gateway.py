@@ -936,12 +936,12 @@ class StreamRelay:
         if (replaced := self._error(event, data, named=named)) is not None:
             return replaced
         changed = False
-        if isinstance(extra := data.get("b3os"), dict) and extra.get("route") != ROUTE:
-            # An upstream of this platform's own says which way it served the request: here, the gateway's.
-            data["b3os"] = {**extra, "route": ROUTE}
-            changed = True
-        elif self.terminal is CHAT_END and "b3os" not in data:
-            data["b3os"] = {"route": ROUTE}
+        extra = data.get("b3os")
+        routed = isinstance(extra, dict) and extra.get("route") == ROUTE
+        if not routed and (self.terminal is CHAT_END or isinstance(extra, dict)):
+            # An upstream of this platform's own says which way it served the request: here, the gateway's. A chat
+            # chunk says so whatever the upstream put there, or left out.
+            data["b3os"] = {**(extra if isinstance(extra, dict) else {}), "route": ROUTE}
             changed = True
         if self.terminal is RESPONSE_END and data.get("type") == "response.created":
             self._response = data.get("response") if isinstance(data.get("response"), dict) else None

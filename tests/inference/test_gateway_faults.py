@@ -869,15 +869,17 @@ async def test_every_chat_chunk_says_it_went_through_the_gateway_however_the_ups
         return {name: value for name, value in chat_chunk(content).items() if name != "usage"}
 
     spaced = b"id: 7\ndata:   " + json.dumps(chunk("!")).encode() + b"  \n\n"
+    odd = [data({**chunk("?"), "b3os": None}), data({**chunk("?"), "b3os": "upstream"})]
     await gw.offer(
-        "framed", events(data(chunk("Hel")), split_over_lines(data(chunk("lo"))), spaced, data(CHAT_USAGE), DONE)
+        "framed",
+        events(data(chunk("Hel")), split_over_lines(data(chunk("lo"))), spaced, *odd, data(CHAT_USAGE), DONE),
     )
 
     response, text = await gw.stream("framed")
 
     chunks = [json.loads(line) for line in sse_data(text) if line != "[DONE]"]
-    assert [chunk["b3os"] for chunk in chunks] == [{"route": "gateway"}] * 3
-    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "Hello!"
+    assert [chunk["b3os"] for chunk in chunks] == [{"route": "gateway"}] * 5
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "Hello!??"
     assert "id: 7\n" in text
 
 

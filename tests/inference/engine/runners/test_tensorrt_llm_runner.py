@@ -1191,7 +1191,7 @@ def test_a_prompt_and_max_tokens_that_fit_max_seq_len_are_served(engine: Seen) -
     assert (finished.reason, finished.prompt_tokens, finished.completion_tokens) == ("length", 6, 2)
 
 
-def still_serving(runner: Any, engine: Seen) -> int:
+def engines_after_the_next_answer(runner: Any, engine: Seen) -> int:
     """How many engines were built once the runner has answered the next request whole: one while the engine that
     served before still serves, more once it was taken down and built again."""
     chunks, _ = collect(runner.stream(make_job("still here"), never))
@@ -1213,7 +1213,7 @@ def test_a_failure_during_generation_surfaces_as_a_runner_error(
     assert "the engine failed it" in str(raised.value)
     # A per-request failure leaves the engine serving.
     monkeypatch.undo()
-    assert still_serving(runner, engine) == 1
+    assert engines_after_the_next_answer(runner, engine) == 1
 
 
 def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
@@ -1237,7 +1237,7 @@ def test_an_error_handling_one_requests_result_leaves_the_engine_serving(
 
     assert raised.value.code == "generation_failed"
     assert engine.calls[0].output.aborted()  # not left writing an answer nobody reads
-    assert still_serving(runner, engine) == 1
+    assert engines_after_the_next_answer(runner, engine) == 1
 
 
 @pytest.mark.parametrize(
@@ -1258,7 +1258,7 @@ def test_an_error_the_executor_fails_with_takes_the_engine_down_and_the_next_req
         collect(runner.stream(make_job("second"), never))
 
     assert raised.value.code == "runner_unavailable"
-    assert still_serving(runner, engine) == 2
+    assert engines_after_the_next_answer(runner, engine) == 2
 
 
 def test_an_unexpected_error_taking_one_request_leaves_the_engine_serving(
@@ -1278,7 +1278,7 @@ def test_an_unexpected_error_taking_one_request_leaves_the_engine_serving(
         collect(runner.stream(make_job("odd one"), never))
 
     assert raised.value.code == "generation_failed"
-    assert still_serving(runner, engine) == 1
+    assert engines_after_the_next_answer(runner, engine) == 1
 
 
 def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen) -> None:
@@ -1289,7 +1289,7 @@ def test_an_empty_prompt_is_refused_without_taking_the_engine_down(engine: Seen)
 
     assert raised.value.code == "generation_failed"
     assert engine.calls == []
-    assert still_serving(runner, engine) == 1
+    assert engines_after_the_next_answer(runner, engine) == 1
 
 
 def test_sampling_parameters_the_library_refuses_surface_as_a_runner_error(engine: Seen) -> None:
@@ -1622,7 +1622,7 @@ def test_a_worker_taking_more_jobs_than_threads_read_them_says_so_when_it_starts
 
     tasks._load_models_at_worker_init(sender=StartingWorker(queues=[served.queue], concurrency=256))
 
-    assert "b3os/toy-chat reads each job on a thread of its own" in caplog.text
+    assert "its models that read each job on a thread of its own (b3os/toy-chat)" in caplog.text
     assert "RUNNER_JOB_THREADS (64)" in caplog.text and "set RUNNER_JOB_THREADS=256" in caplog.text
 
 
