@@ -250,11 +250,14 @@ async def test_redis_refusing_writes_as_it_cannot_save_is_an_outage_answered_503
 ) -> None:
     with pytest.raises(Misconfigured):  # as redis-py reads Redis's MISCONF reply
         await core_redis.async_client().set("k", "v")
+    before = sample("b3os_unavailable_responses_total", service="redis")
 
     response = await api.post(CHAT, ASK)
 
     assert response.status_code == 503, response.content
     assert response.json()["error"]["code"] == "service_unavailable" and response["Retry-After"]
+    # Its job could not be queued: counted as Redis's outage, as the dispatch told the generation.
+    assert sample("b3os_unavailable_responses_total", service="redis") == before + 1
 
 
 @pytest.mark.parametrize(
