@@ -446,6 +446,31 @@ def test_the_logprobs_of_the_pieces_of_a_character_carry_its_bytes(engine: Seen)
     assert logprobs[2].top[0] == (b"\xf0", -0.25)
 
 
+def test_each_chunk_carries_its_own_tokens_even_where_a_tokens_bytes_do_not_spell_its_text(
+    engine: Seen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a SentencePiece vocabulary spells a word's leading space "\u2581": three bytes for the text's one.
+    spelled = runner_module._token_bytes
+    monkeypatch.setattr(
+        runner_module,
+        "_token_bytes",
+        lambda tokenizer, token: spelled(tokenizer, token).replace(b" ", "\u2581".encode()),
+    )
+    runner = runner_module.load(SETTINGS)
+
+    chunks, finished = collect(
+        runner.stream(make_job("alpha beta gamma delta", logprobs=True, stop=("gamma delta",)), never)
+    )
+
+    assert [(c.text, [lp.token.decode() for lp in c.logprobs]) for c in chunks[:2]] == [
+        ("alpha", ["alpha"]),
+        (" beta", ["\u2581beta"]),
+    ]
+    assert "".join(c.text for c in chunks) == "alpha beta "
+    assert sum(c.tokens for c in chunks) == finished.completion_tokens == 4
+    assert [lp.token.decode() for c in chunks for lp in c.logprobs] == ["alpha", "\u2581beta", "\u2581gamma"]
+
+
 def test_an_answer_cut_inside_a_character_ends_before_it_and_still_counts_its_tokens(engine: Seen) -> None:
     runner = runner_module.load(SETTINGS)
 
