@@ -157,7 +157,11 @@ class CatalogEntry(models.Model):
         return f"its sampling defaults: {problem}" if problem else None
 
     def capabilities(self) -> dict[str, bool]:
-        return {name: bool(getattr(self, name)) for name in CAPABILITIES}
+        """What the model can do, as clients are told and requests are held to. Images only on a gateway model: the
+        node's runners read text (``clean`` refuses the flag on a model they serve; one set around it means nothing)."""
+        offered = {name: bool(getattr(self, name)) for name in CAPABILITIES}
+        offered["image_input"] = offered["image_input"] and not self.served_here
+        return offered
 
     def clean(self) -> None:
         if not isinstance(self.runner_settings, dict):

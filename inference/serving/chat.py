@@ -49,25 +49,18 @@ def _text(content: str | list[Any] | None) -> str:
     return "".join(getattr(part, "text", None) or getattr(part, "refusal", "") or "" for part in content)
 
 
-def _user_content(message: wire.UserMessage, index: int) -> str | list[dict[str, Any]]:
-    """Text, or with images the text and images in the chat template's form."""
+def _user_content(message: wire.UserMessage, index: int) -> str:
+    """The message's text. The node's runners read text only (images were refused with the model's capabilities)."""
     if isinstance(message.content, str):
         return message.content
-    parts: list[dict[str, Any]] = []
     for part_index, part in enumerate(message.content):
-        if isinstance(part, wire.AudioPart | wire.FilePart):
+        if isinstance(part, wire.AudioPart | wire.FilePart | wire.ImagePart):
             raise invalid_request(
                 f"{part.type} content is not supported.",
                 param=f"messages.{index}.content.{part_index}",
                 code="unsupported_content",
             )
-        if isinstance(part, wire.ImagePart):
-            parts.append({"type": "image", "url": part.image_url.url})
-        else:
-            parts.append({"type": "text", "text": part.text})
-    if any(part["type"] == "image" for part in parts):
-        return parts
-    return "".join(part["text"] for part in parts)
+    return "".join(part.text for part in message.content if isinstance(part, wire.TextPart))
 
 
 def messages(request: wire.ChatCompletionRequest) -> list[Message]:

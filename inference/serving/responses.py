@@ -89,44 +89,27 @@ _INPUT_PARTS = (
 )
 
 
-def _message_content(item: wire.EasyInputMessage, where: str) -> str | list[dict[str, Any]]:
-    """Text, or with images a user message's text and images in the chat template's form."""
+def _message_content(item: wire.EasyInputMessage, where: str) -> str:
+    """The message's text. The node's runners read text only (images were refused with the model's capabilities)."""
     if isinstance(item.content, str):
         return item.content
-    parts: list[dict[str, Any]] = []
+    texts: list[str] = []
     allowed, supported = _ASSISTANT_PARTS if item.role == "assistant" else _INPUT_PARTS
     for index, part in enumerate(item.content):
-        at = _at(where, f"content.{index}")
         if part.type not in allowed:
             raise invalid_request(
                 f"Invalid value: '{part.type}'. Supported values are: {supported}.",
                 param=_at(where, f"content.{index}.type"),
                 code="invalid_value",
             )
-        if isinstance(part, wire.InputImage):
-            if item.role != "user":
-                raise invalid_request(
-                    f"input_image content is only allowed in user messages, not in {item.role} messages.",
-                    param=at,
-                    code="invalid_value",
-                )
-            if part.image_url is None:
-                # Named at the file_id the client sent, when it sent one: that is what cannot be served.
-                given = "image_url" if part.file_id is None else "file_id"
-                raise invalid_request(
-                    "input_image needs an image_url: images by file_id need the Files API, "
-                    "which this node does not serve.",
-                    param=_at(where, f"content.{index}.{given}"),
-                    code="unsupported_content",
-                )
-            parts.append({"type": "image", "url": part.image_url})
-        elif isinstance(part, wire.InputFile | wire.InputAudio):
-            raise invalid_request(f"{part.type} content is not supported.", param=at, code="unsupported_content")
-        else:
-            parts.append({"type": "text", "text": _part_text(part)})
-    if any(p["type"] == "image" for p in parts):
-        return parts
-    return "".join(p["text"] for p in parts)
+        if isinstance(part, wire.InputImage | wire.InputFile | wire.InputAudio):
+            raise invalid_request(
+                f"{part.type} content is not supported.",
+                param=_at(where, f"content.{index}"),
+                code="unsupported_content",
+            )
+        texts.append(_part_text(part))
+    return "".join(texts)
 
 
 def _output_text(item: wire.FunctionCallOutput, where: str) -> str:
