@@ -216,17 +216,14 @@ class ChatTool(WireModel):
     type: Literal["function"]
     function: FunctionDefinition
 
-    @model_validator(mode="before")
+    @field_validator("type", mode="before")
     @classmethod
-    def _only_functions(cls, value: Any) -> Any:
-        """A kind of tool OpenAI knows (``custom``) is refused as unsupported, not as a malformed function; any other
-        type is an invalid value."""
-        kind = value.get("type") if isinstance(value, dict) else None
+    def _only_functions(cls, kind: Any) -> Any:
+        """A kind of tool OpenAI knows (``custom``) is refused as unsupported, naming its type as Responses does, not
+        as a malformed function; any other type is an invalid value."""
         if kind == "custom":
-            raise PydanticCustomError(
-                UNSUPPORTED, "the {kind} tool is not supported; only function tools", {"kind": kind[:40]}
-            )
-        return value
+            raise PydanticCustomError(UNSUPPORTED, "the custom tool is not supported; only function tools")
+        return kind
 
 
 class NamedToolChoiceFunction(WireModel):

@@ -660,7 +660,7 @@ async def test_a_custom_tool_is_refused_as_unsupported(api: API) -> None:
     response = await api.post(CHAT, body(tools=[{"type": "custom", "custom": {"name": "grep"}}]))
     assert response.status_code == 400
     error = response.json()["error"]
-    assert (error["code"], error["param"]) == ("unsupported_parameter", "tools.0")
+    assert (error["code"], error["param"]) == ("unsupported_parameter", "tools.0.type")  # as Responses names it
     assert "custom tool is not supported" in error["message"]
 
 
