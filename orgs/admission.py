@@ -173,6 +173,10 @@ async def limits_for(organization_id: int, model_pk: int | None) -> Limits:
         return cached[1]
     limits = await db_task(_load_limits)(organization_id, model_pk)
     _limits_cache[key] = (now, limits)
+    if limits.unlimited and not settings.DISTRIBUTED:
+        # Removed from another process (``set_limit``, a shell), where ``limits_changed`` could not reach this one's
+        # counts: they are dropped as it reads the limit gone, so one set again counts from then on.
+        memory_store.forget(f"{organization_id}:{model_pk or 0}")
     return limits
 
 

@@ -221,6 +221,22 @@ async def test_a_limit_set_again_after_the_organization_had_none_counts_from_the
     assert (await api.post(CHAT, ask())).status_code == 429
 
 
+async def test_a_limit_removed_and_set_again_from_another_process_counts_from_then_on(api: API) -> None:
+    row = await limit(requests_per_minute=2)
+    for _ in range(2):
+        assert (await api.post(CHAT, ask())).status_code == 200
+    # Saved by another process (set_limit, a shell): no signal here, and this one reads it as its cached copy expires.
+    await Limit.objects.filter(pk=row.pk).aupdate(requests_per_minute=None)
+    admission.clear_limits_cache()
+    assert (await api.post(CHAT, ask())).status_code == 200  # unlimited
+
+    await Limit.objects.filter(pk=row.pk).aupdate(requests_per_minute=1)
+    admission.clear_limits_cache()
+
+    assert (await api.post(CHAT, ask())).status_code == 200
+    assert (await api.post(CHAT, ask())).status_code == 429
+
+
 async def test_a_model_left_unlimited_beside_another_models_limit_counts_from_then_on_once_limited_again(
     api: API, catalog_model: CatalogEntry
 ) -> None:
