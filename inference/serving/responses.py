@@ -361,10 +361,11 @@ class _OpenCall:
 
 # A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
 # carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
-# trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce)
-# is ``invalid_prompt``.
+# trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce, a key
+# revoked or expired while it ran; OpenAI's codes have none for a key) is ``invalid_prompt``.
 _RESPONSE_ERROR_CODES = {
     "rate_limited": "rate_limit_exceeded",
+    "invalid_api_key": "invalid_prompt",
     "conversation_too_large": "invalid_prompt",
     "previous_response_not_found": "invalid_prompt",
     **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),

@@ -1430,6 +1430,7 @@ async def test_a_failure_mid_stream_ends_with_response_failed_and_is_recorded(
     [
         ("constraint_too_costly", "invalid_prompt"),
         ("context_length_exceeded", "invalid_prompt"),
+        ("invalid_api_key", "invalid_prompt"),  # its key revoked or expired mid-stream: trying again cannot help
         ("worker_lost", "server_error"),
     ],
 )
