@@ -595,7 +595,7 @@ def _readable_pattern(pattern: str) -> str:
     pattern = _unsafe_as_escapes(pattern)
     written: list[str] = []
     in_set = negated = False
-    index = 0
+    set_start = index = 0
     while index < len(pattern):
         char = pattern[index]
         if char != "\\" and not in_set and (group := _GROUP_OPENING.match(pattern, index)):
@@ -626,12 +626,15 @@ def _readable_pattern(pattern: str) -> str:
             if char == "[" and not in_set:
                 in_set, negated = True, pattern.startswith("^", index + 1)
                 written.append("[^" if negated else "[")
+                set_start = len(written)
                 index += 2 if negated else 1
                 continue
             if char == "]" and in_set:
                 in_set = False
                 if negated:  # what JSON writes escaped is no member of a string's set
                     written.append(_JSON_UNSAFE)
+                else:  # nor of its ranges: [ -~] holds a quote and a backslash
+                    written[set_start:] = [_without_json_unsafe("".join(written[set_start:]))]
             written.append(char)
             index += 1
             continue
@@ -670,6 +673,54 @@ def _readable_pattern(pattern: str) -> str:
         else:  # a character that would mean something else unescaped: itself
             written.append(_code(ord(escaped)) if in_set else f"[{_code(ord(escaped))}]")
     return "".join(written)
+
+
+# A set's members as the grammar writes them: a character's code, or the character itself.
+_SET_MEMBER = re.compile(r"\\x[0-9A-F]{2}|\\u[0-9A-F]{4}|\\U[0-9A-F]{8}|.", re.DOTALL)
+# What JSON writes escaped, as ranges of codes.
+_JSON_UNSAFE_CODES = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
+
+
+def _without_json_unsafe(members: str) -> str:
+    """A set's members (as the grammar writes them) less what JSON writes escaped, which a range between two
+    characters of its own may span."""
+    tokens = _SET_MEMBER.findall(members)
+    written: list[str] = []
+    index = 0
+    while index < len(tokens):
+        if index + 2 < len(tokens) and tokens[index + 1] == "-":
+            low, high = _member_code(tokens[index]), _member_code(tokens[index + 2])
+            if low > high:
+                raise ValueError(f"its pattern's range {chr(low)}-{chr(high)} is out of order")
+            pieces = list(_cut(low, high))
+            if pieces == [(low, high)]:
+                written.extend(tokens[index : index + 3])
+            else:
+                written.extend(_range(*piece) for piece in pieces)
+            index += 3
+        else:
+            written.append(tokens[index])
+            index += 1
+    return "".join(written)
+
+
+def _member_code(token: str) -> int:
+    return int(token[2:], 16) if len(token) > 1 else ord(token)
+
+
+def _cut(low: int, high: int) -> Iterator[tuple[int, int]]:
+    """``low``-``high`` less what JSON writes escaped, as ranges."""
+    for unsafe_low, unsafe_high in _JSON_UNSAFE_CODES:
+        if low <= unsafe_high and unsafe_low <= high:
+            if low < unsafe_low:
+                yield low, unsafe_low - 1
+            low = unsafe_high + 1
+    if low <= high:
+        yield low, high
+
+
+def _range(low: int, high: int) -> str:
+    return _code(low) if low == high else f"{_code(low)}-{_code(high)}"
 
 
 # The openings of groups other than plain ones: non-capturing, named, lookaround (a lone "(?" is none of them).

@@ -742,7 +742,8 @@ def _constraint_problem(constraint: Constraint | None) -> str | None:
 # xgrammar's JSON-schema conversion misjudges numeric bounds (0.1.34): a maximum of 150 admits 151 to 159, -180 to 180
 # admits 181, a minimum of 5 alone admits 3, a number from 0 to 1 admits 1.5, and a minimum of -12 refuses -1. And it
 # holds a string's JSON text to its pattern, not the string: a "." or a negated set admits a raw quote or tab (output
-# that is not JSON), and a quote or line feed the pattern asks for comes raw, unescaped.
+# that is not JSON), as does a range over the quote ([ -~]), and a quote or line feed the pattern asks for comes raw,
+# unescaped.
 _EXACT: Final = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern")
 
 

@@ -216,9 +216,19 @@ def test_a_negated_set_in_a_pattern_holds_nothing_json_writes_escaped(vocab: Any
     assert not accepts(vocab, schema, '"b\\c"')
 
 
+def test_a_range_in_a_pattern_holds_no_quote_or_backslash_json_would_write_escaped(vocab: Any) -> None:
+    # Printable ASCII spans both: the model could end the string early, or begin an escape it never finished.
+    schema = {"type": "string", "pattern": "^[ -~]+$"}
+
+    assert accepts(vocab, schema, '"a b!#[]~"')
+    assert not accepts(vocab, schema, '"b"c"')
+    assert not accepts(vocab, schema, '"b\\c"')
+
+
 @pytest.mark.parametrize(
     ("pattern", "named"),
     [
+        (r"^[z-a]$", "range z-a is out of order"),
         (r"^\bword$", r"\b"),
         (r"^(a)\1$", r"\1"),
         (r"^\p{L}+$", r"\p"),

@@ -928,6 +928,7 @@ def test_a_keyword_xgrammar_leaves_out_is_refused_by_name(
         ({"type": "string", "pattern": "^.+$"}, '"a"b"'),
         ({"type": "string", "pattern": '^"[a-z]"$'}, '""a""'),
         ({"type": "string", "pattern": "^a\nb$"}, '"a\nb"'),
+        ({"type": "string", "pattern": "^[ -~]+$"}, '"a"b"'),
         (
             {"type": "object", "properties": {"q": {"type": "string", "pattern": "^[^a]+$"}}, "required": ["q"]},
             '{"q": "b\tc"}',
@@ -935,7 +936,8 @@ def test_a_keyword_xgrammar_leaves_out_is_refused_by_name(
     ],
     ids=[
         *("maximum", "minimum-alone", "range", "number-range", "in-an-object"),
-        *("a-pattern-dot", "a-pattern-quote", "a-pattern-line-feed", "a-pattern-negated-set-in-an-object"),
+        *("a-pattern-dot", "a-pattern-quote", "a-pattern-line-feed", "a-pattern-range-over-the-quote"),
+        "a-pattern-negated-set-in-an-object",
     ],
 )
 def test_bounds_and_patterns_xgrammar_misjudges_are_held_exactly(
