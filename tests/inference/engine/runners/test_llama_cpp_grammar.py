@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import random
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -1106,3 +1107,94 @@ def test_seeds_that_differ_only_in_their_high_bits_draw_apart() -> None:
 
     assert all(llama_cpp.seed_32(one) != llama_cpp.seed_32(other) for one, other in pairs)
     assert all(0 <= llama_cpp.seed_32(seed) < 0xFFFFFFFF for pair in pairs for seed in pair)
+
+
+@pytest.fixture(scope="module")
+def pieces(vocab: Any) -> list[bytes]:
+    return [llama_cpp.piece(vocab, token) for token in range(lib.llama_vocab_n_tokens(vocab.vocab))]
+
+
+def wander(vocab: Any, pieces: list[bytes], schema: dict[str, Any], seed: int, most: int = 160) -> bytes | None:
+    """Text written by a model that picks any token the schema's grammar allows, at random, leaning towards a quote
+    or a closing bracket after a while so that most walks end: what the grammar lets through, or None for a walk
+    that did not end within ``most`` tokens."""
+    size, end = len(pieces), lib.llama_vocab_eos(vocab.vocab)
+    grammar = grammar_for(Constraint(kind="json_schema", schema=schema)).encode()
+    sampler = lib.llama_sampler_init_grammar(vocab.vocab, grammar, b"root")
+    data = (lib.llama_token_data * size)()
+    view = np.ctypeslib.as_array(data)
+    candidates = lib.llama_token_data_array(data=data, size=size, selected=-1, sorted=False)
+    draw = random.Random(seed)
+    text = b""
+    try:
+        for step in range(most):
+            view["id"], view["logit"], view["p"] = np.arange(size), 0.0, 0.0
+            lib.llama_sampler_apply(sampler, ctypes.byref(candidates))
+            allowed = view["id"][np.isfinite(view["logit"])].tolist()
+            assert allowed, f"the grammar allows nothing after {text!r}"
+            if end in allowed and (step > 20 or draw.random() < 0.3):
+                return text
+            closing = [token for token in allowed if token != end and any(c in pieces[token] for c in b'"}]')]
+            if step > 40 and closing and draw.random() < 0.7:
+                allowed = closing
+            token = draw.choice([token for token in allowed if token != end] or allowed)
+            if token == end:
+                return text
+            text += pieces[token]
+            lib.llama_sampler_accept(sampler, token)
+        return None
+    finally:
+        lib.llama_sampler_free(sampler)
+
+
+SCHEMAS_TO_WANDER = [
+    {"type": "string", "pattern": "^[ -~]+$"},
+    {"type": "string", "pattern": "^[^a]{2,5}$"},
+    {"type": "string", "pattern": "^.{1,8}$"},
+    {"type": "string", "pattern": "^(a|b\\\\c)+$"},
+    {"type": "string", "pattern": '^a"b$'},
+    {"type": "string", "pattern": "^x\\.y\\/z$"},
+    {"type": "string", "pattern": "ab"},
+    {"type": "string", "pattern": "^\\d+(\\.\\d+)?$"},
+    {"type": "string", "pattern": "^(?:\\+?1[-. ]?)?\\(?\\d{3}\\)?[-. ]?\\d{3}[-. ]?\\d{4}$"},
+    {"type": "string", "pattern": "^[\\]\\[]+$"},
+    *({"type": "string", "format": fmt} for fmt in ("date-time", "date", "time", "duration", "email", "ipv4", "uuid")),
+    {"type": "string", "minLength": 3, "maxLength": 5},
+    {"enum": ['a"b', "c\\d", "é\n"]},
+    {"const": "x\ty\u2028"},
+    {"type": "integer", "minimum": -180, "maximum": 180},
+    {"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 100},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": ["string", "null"], "maxLength": 4},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {'a"b': {"type": "string", "maxLength": 3}, "é": {"type": "integer"}},
+        "required": ['a"b'],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "string", "pattern": "^[ -~]$"}, {"type": "integer", "minimum": 10}]},
+    {
+        "$defs": {
+            "N": {
+                "type": "object",
+                "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/N"}, "maxItems": 2}},
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/N",
+    },
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS_TO_WANDER, ids=lambda schema: json.dumps(schema)[:60])
+def test_whatever_a_grammar_lets_a_model_write_is_json_that_holds_to_the_schema(
+    vocab: Any, pieces: list[bytes], schema: dict
+) -> None:
+    # The model is a random walk through what the grammar allows, so every corner of it gets its turn.
+    written = [text for seed in range(3) if (text := wander(vocab, pieces, schema, seed)) is not None]
+
+    assert written, "no walk ended"
+    for text in written:
+        value = json.loads(text.decode(errors="replace"))
+        jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
