@@ -15,6 +15,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, TypeAdapter, mod
 from pydantic_core import PydanticCustomError
 
 from .errors import (
+    REQUEST_FAULT_CODES,
     APIError,
     ParamNames,
     invalid_request,
@@ -816,6 +817,24 @@ def refusal_delta_event(at: ContentRef, delta: str) -> dict[str, Any]:
 
 def refusal_done_event(at: ContentRef, refusal: str) -> dict[str, Any]:
     return {"type": "response.refusal.done", **at, "refusal": refusal}
+
+
+# A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
+# carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
+# trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce, a key
+# revoked or expired while it ran; OpenAI's codes have none for a key) is ``invalid_prompt``.
+_FAILED_RESPONSE_CODES = {
+    "rate_limited": "rate_limit_exceeded",
+    "invalid_api_key": "invalid_prompt",
+    "conversation_too_large": "invalid_prompt",
+    "previous_response_not_found": "invalid_prompt",
+    **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),
+}
+
+
+def failed_response_code(error_code: str | None) -> str:
+    """A failed Response's ``error.code`` for the API's error code that ended it (None: a fault of the server's)."""
+    return _FAILED_RESPONSE_CODES.get(error_code or "", "server_error")
 
 
 def error_event(*, code: str, message: str, param: str | None = None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from multidict import CIMultiDictProxy
 from inference.engine.catalog import find_enabled_model
 from inference.engine.generation import Failed
 from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
+from inference.openai import responses as wire_responses
 from inference.openai.chat import GatewayChatRequest
 from inference.openai.errors import (
     ERROR_TYPES,
@@ -726,17 +727,20 @@ class StreamRelay:
         if self.terminal is not RESPONSE_END:
             return _sse_error(error)
         self._sequence += 1
-        return _responses_error(error, self._sequence) + self._response_failed(error.message)
+        return _responses_error(error, self._sequence) + self._response_failed(error.message, error.code)
 
-    def _response_failed(self, message: str) -> bytes:
+    def _response_failed(self, message: str, error_code: str | None = None) -> bytes:
         """``response.failed`` for a Responses stream the gateway ends, as the node ends its own: the Response the
         upstream began, failed (nothing when it began none, or its own ending went out)."""
         if self._response is None or self._closed:
             return b""
         self._closed = True
         self._sequence += 1
-        response = {**self._response, "status": "failed", "error": {"code": "server_error", "message": message}}
-        event = {"type": "response.failed", "response": response, "sequence_number": self._sequence}
+        error = {"code": wire_responses.failed_response_code(error_code), "message": message}
+        event = {
+            **wire_responses.lifecycle_event("failed", {**self._response, "status": "failed", "error": error}),
+            "sequence_number": self._sequence,
+        }
         return b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
 
     def _time_limit(self) -> bytes:
@@ -1057,10 +1061,7 @@ def _sse_parts(event: bytes) -> tuple[list[bytes], bytes | None]:
 
 def _responses_error(error: APIError, sequence: int) -> bytes:
     event = {
-        "type": "error",
-        "code": error.code,
-        "message": error.message,
-        "param": error.param,
+        **wire_responses.error_event(code=error.code, message=error.message, param=error.param),
         "sequence_number": sequence,
     }
     return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

@@ -41,7 +41,7 @@ from inference.engine.generation import (
 from inference.engine.prompting import Message
 from inference.models import CatalogEntry
 from inference.openai import responses as wire
-from inference.openai.errors import REQUEST_FAULT_CODES, APIError, invalid_request, unsupported_parameter
+from inference.openai.errors import APIError, invalid_request, unsupported_parameter
 from inference.openai.shared import (
     LogprobItems,
     delta_logprob_objects,
@@ -359,19 +359,6 @@ class _OpenCall:
         )
 
 
-# A failed Response's ``error.code`` is one of OpenAI's ``ResponseErrorCode``s; the ``error`` event before it
-# carries the API's own code. ``server_error`` tells a client to try again: what the same request cannot get by
-# trying again (a prompt past the context, a stored conversation that is full, a schema too costly to enforce, a key
-# revoked or expired while it ran; OpenAI's codes have none for a key) is ``invalid_prompt``.
-_RESPONSE_ERROR_CODES = {
-    "rate_limited": "rate_limit_exceeded",
-    "invalid_api_key": "invalid_prompt",
-    "conversation_too_large": "invalid_prompt",
-    "previous_response_not_found": "invalid_prompt",
-    **dict.fromkeys(REQUEST_FAULT_CODES, "invalid_prompt"),
-}
-
-
 class ResponseEncoder:
     """Turns generation events into Responses stream events and keeps the Response they add up to.
 
@@ -549,8 +536,8 @@ class ResponseEncoder:
         events = self._close("incomplete")
         if error_code is not None:
             events.append(wire.error_event(code=error_code, message=message))
-        code = _RESPONSE_ERROR_CODES.get(error_code or "", "server_error")
-        self.response = self._response("failed", error={"code": code, "message": message}, usage=usage)
+        error = {"code": wire.failed_response_code(error_code), "message": message}
+        self.response = self._response("failed", error=error, usage=usage)
         events.append(wire.lifecycle_event("failed", self.response))
         return self.numbered(events)
 

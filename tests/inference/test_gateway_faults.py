@@ -1151,7 +1151,10 @@ async def test_a_stream_whose_key_is_revoked_ends_with_invalid_api_key_and_close
     await APIKey.objects.filter(organization_id=gw.organization_id).aupdate(revoked_at=timezone.now())
     await asyncio.wait_for(reading, 10)
 
-    assert stream_error(b"".join(sent).decode(), path)["code"] == "invalid_api_key"
+    text = b"".join(sent).decode()
+    assert stream_error(text, path)["code"] == "invalid_api_key"
+    if path == RESPONSES:  # as the node's own: no code that asks for a retry the key cannot get
+        assert last_event(text)["response"]["error"]["code"] == "invalid_prompt"
     assert (await gw.record(response)).error_code == "invalid_api_key"
     assert await until(lambda: gw.upstream.hung_up == before + 1)
 
