@@ -1,4 +1,4 @@
-"""The agent runtime's wire format: what its contract (``seeds/004``) adds to OpenAI's Responses API.
+"""The agent runtime's wire format: what its API reference adds to OpenAI's Responses API.
 
 OpenAI's own shapes (input items, output items, stream events) are ``inference.openai.responses``;
 here are the request as the runtime takes it, the ``agent_runtime:function_call`` item of a tool the

@@ -68,7 +68,7 @@ class Handler(ASGIHandler):
             except (asyncio.CancelledError, RequestAborted):
                 pass
         if not responder.cancelled() and responder.exception() is None:
-            responder.result().close()  # type: ignore[attr-defined]
+            responder.result().close()
         body_file.close()
 
 

@@ -47,7 +47,7 @@ def _options(retry: Any) -> dict[str, Any]:
     }
 
 
-class _Redis(aioredis.Redis):  # type: ignore[misc]  # redis-py's asyncio client is untyped here
+class _Redis(aioredis.Redis):  # redis-py's asyncio client is untyped here
     """A command that never swallows its task's cancellation. With a socket timeout, redis-py sends a command through
     ``asyncio.wait_for``, which on Python 3.11 returns the inner result when the task is cancelled in the step the
     send completes: a request whose client hung up just then (a job being queued, a limit being charged) went on as

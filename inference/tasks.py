@@ -1,4 +1,5 @@
-"""Celery tasks: thin interfaces over the dispatch services, and the worker's start-up hook."""
+"""Celery tasks: thin interfaces over the dispatch services, and the worker's hooks: its models loaded at start,
+its queues announced while it serves, its jobs ended on a stop."""
 
 from __future__ import annotations
 

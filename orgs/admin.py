@@ -58,7 +58,7 @@ class ReadableAutocompletes(BaseModelAdmin):
         return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
 
-class LimitInlineFormSet(BaseInlineFormSet):  # type: ignore[type-arg]
+class LimitInlineFormSet(BaseInlineFormSet):
     """The rows of one organization's limits, checked together: each row alone cannot see the others, and the
     database's constraint would refuse the save only after the form was accepted (a server error)."""
 
@@ -102,7 +102,7 @@ class APIKeyInline(admin.TabularInline):
         return False
 
 
-class OrganizationForm(forms.ModelForm):  # type: ignore[type-arg]
+class OrganizationForm(forms.ModelForm):
     class Meta:
         model = Organization
         fields = "__all__"
@@ -187,7 +187,7 @@ KEYS_MADE = "b3os_keys_made"
 KEYS_MADE_KEPT = 20
 
 
-class APIKeyForm(forms.ModelForm):  # type: ignore[type-arg]
+class APIKeyForm(forms.ModelForm):
     # One per add form: the same form sent again (a reload of the page that showed the secret) makes no second key.
     once = forms.CharField(widget=forms.HiddenInput, required=False, initial=lambda: secrets.token_urlsafe(16))
 
@@ -247,7 +247,7 @@ class APIKeyAdmin(ModelAdmin):
             return
         key, raw = APIKey.generate(organization=obj.organization, name=obj.name, expires_at=obj.expires_at)
         obj.pk, obj.prefix, obj.hashed_key, obj.created = key.pk, key.prefix, key.hashed_key, key.created
-        obj.raw_key = raw  # type: ignore[attr-defined]  # for response_add, this request only
+        obj.raw_key = raw  # for response_add, this request only
         if once := form.cleaned_data.get("once"):
             made = list(request.session.get(KEYS_MADE, {}).items())[-(KEYS_MADE_KEPT - 1) :]
             request.session[KEYS_MADE] = {**dict(made), once: key.pk}
@@ -272,7 +272,7 @@ class APIKeyAdmin(ModelAdmin):
             "opts": self.opts,
             "title": "API key created",
             "key": obj,
-            "raw_key": obj.raw_key,  # type: ignore[attr-defined]
+            "raw_key": obj.raw_key,
         }
         response = TemplateResponse(request, "admin/orgs/apikey/created.html", context)
         add_never_cache_headers(response)

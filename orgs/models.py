@@ -29,7 +29,7 @@ def _random_text(length: int) -> str:
 LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 
-class ChangeTrackingQuerySet(models.QuerySet):  # type: ignore[type-arg]
+class ChangeTrackingQuerySet(models.QuerySet):
     """Bulk updates and deletes invalidate remembered keys too (the admin's revoke action is one)."""
 
     def update(self, **kwargs: object) -> int:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,11 +383,3 @@ def node_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     server = start_server(tmp_path_factory.mktemp("live"))
     yield server
     stop_server(server)
-
-
-@pytest.fixture
-async def aclient(node_server: LiveServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        base_url=node_server.url, headers={"Authorization": f"Bearer {node_server.key}"}, timeout=120
-    ) as client:
-        yield client

@@ -60,7 +60,7 @@ class AsyncAPIView(APIView):
         allowed: list[str] = super().allowed_methods
         return [*allowed, "HEAD"] if "GET" in allowed and "HEAD" not in allowed else allowed
 
-    async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:  # type: ignore[override]
+    async def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         self.args, self.kwargs = args, kwargs
         drf_request = self.initialize_request(request, *args, **kwargs)
         self.request = drf_request
@@ -121,7 +121,7 @@ class AsyncAPIView(APIView):
             response["X-Accel-Buffering"] = "no"
             # Django closes only its own wrapper of the stream: the server closes the stream itself once it is sent
             # or abandoned (``config.asgi``), so its slot and its usage are settled then, not by the garbage collector.
-            response.source = result.stream  # type: ignore[attr-defined]
+            response.source = result.stream
         else:
             response = HttpResponse(orjson.dumps(result.body), content_type="application/json")
         for name, value in result.headers.items():

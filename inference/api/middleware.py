@@ -187,7 +187,7 @@ class api_envelope:  # noqa: N801 (Django middleware naming)
         if disallowed is None and is_browser_path(path):
             return await self.get_response(request)
         started = time.perf_counter()
-        context = request.api_context = RequestContext(request_id=request_id_of(request))  # type: ignore[attr-defined]
+        context = request.api_context = RequestContext(request_id=request_id_of(request))
         token = _request_id.set(context.request_id)
         streaming = False
         try:

@@ -17,7 +17,7 @@ DEFAULT_DAYS = 14
 
 
 class KeyChoiceField(forms.ModelChoiceField):
-    def label_from_instance(self, obj: APIKey) -> str:  # type: ignore[override]
+    def label_from_instance(self, obj: APIKey) -> str:
         return f"{obj.organization.slug} / {obj}"
 
 

@@ -1,8 +1,9 @@
 """Agent instances, a tenant's client, and the checks every agent event stream must pass.
 
-``check_stream`` holds the seed's contract (``seeds/004``): ordering, items, their events, citations,
+``check_stream`` holds the agent API reference's contract: ordering, items, their events, citations,
 refusals, failures; events OpenAI's spec has are validated against it, ``agent_runtime:function_call``
-items by hand. ``SeedClient`` is a client written from the seed's checklist, fed the events shuffled.
+items by hand. ``SeedClient`` is a client written from the reference's client checklist, fed the events
+shuffled.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def validate_event(spec: OpenAISpec, event: dict[str, Any]) -> None:
 
 
 def check_agent_call(added: dict[str, Any], done: dict[str, Any], events: list[dict[str, Any]]) -> None:
-    """The seed's ``agent_runtime:function_call``: its arguments when it starts (whole JSON, unless the budget cut
+    """The reference's ``agent_runtime:function_call``: its arguments when it starts (whole JSON, unless the budget cut
     the call short); its output, or its error; and an empty ``content``, for the SDKs that read it as a message."""
     keys = {"id", "type", "status", "call_id", "name", "arguments", "output", "error", "content"}
     assert set(added) == set(done) == keys
@@ -228,7 +229,7 @@ def check_stream(spec: OpenAISpec, events: list[dict[str, Any]]) -> dict[str, An
     return response
 
 
-# --- a client written from the seed's checklist ------------------------------------------------------------
+# --- a client written from the reference's client checklist -----------------------------------------------------------
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """POST /v1/responses on the real CPU model: conversations, server tools, citations, guardrails, external tools,
-failures. Every stream is checked against the seed's contract and OpenAI's spec (``conftest.check_stream``) and
-read back by a client written from the seed's checklist.
+failures. Every stream is checked against the agent API reference's contract and OpenAI's spec
+(``conftest.check_stream``) and read back by a client written from its client checklist.
 
 SmolLM2-135M is slow under grammar-constrained decoding, so answers are short and tool calls are forced only
 where a test needs the model itself to call one.

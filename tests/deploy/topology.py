@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PROCFILE = DEPLOY / "Procfile"
 HONCHO = str(Path(sys.executable).parent / "honcho")
-MODEL_QUEUE = "model.b3os.smollm2-135m-instruct"
 # The gateway models the topology's traffic asks the fake upstream for: a plain one, and one that streams slowly.
 GATEWAY_MODEL = "upstream/gpt-x"
 GATEWAY_MODELS = (GATEWAY_MODEL, "trickle")
@@ -306,7 +305,7 @@ class Topology:
         import psycopg
 
         with psycopg.connect(self.postgres.url, connect_timeout=5) as connection:
-            return connection.execute(query, params).fetchall()  # type: ignore[arg-type]
+            return connection.execute(query, params).fetchall()
 
 
 def sum_samples(samples: Mapping[str, float], name: str, **labels: str) -> float:

@@ -243,7 +243,7 @@ def _log_callback() -> Any:
 
     last = logging.DEBUG
 
-    @lib.llama_log_callback  # type: ignore[untyped-decorator]
+    @lib.llama_log_callback
     def write(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         nonlocal last
         last = last if level == 5 else _GGML_LOG_LEVELS.get(level, logging.ERROR)
@@ -806,7 +806,7 @@ def _converter_class() -> type[Any]:
     """llama.cpp's JSON-schema-to-grammar converter, with its ``$ref``s and literals made to mean what they say."""
     from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, RESERVED_NAMES, SchemaConverter
 
-    class Converter(SchemaConverter):  # type: ignore[misc]  # the library is untyped
+    class Converter(SchemaConverter):  # the library is untyped
         def __init__(self, **options: Any) -> None:
             super().__init__(**options)
             self._ref_rules: dict[str, str] = {}

@@ -569,7 +569,8 @@ def _discard(engine: _Engine) -> None:
 
 
 def shutdown_all() -> None:
-    """Shut every engine of this process down (worker shutdown, tests)."""
+    """Shut every engine of this process down, so that the next load builds a new one (the library shuts its
+    engines down itself at exit)."""
     with _ENGINES_LOCK:
         engines = list(_ENGINES.values())
         _ENGINES.clear()
@@ -752,9 +753,9 @@ def _exact_grammar(schema: str) -> str | None:
     """For a JSON schema (as JSON) with numeric bounds or a pattern, the grammar the CPU runner builds for it, which
     spells each bounded number out digit by digit and holds it exactly, and holds a string's value to its pattern
     with what JSON escapes escaped, for xgrammar to compile as EBNF (its dialect is llama.cpp's); None for a schema
-    without either, or one that grammar cannot express (then xgrammar converts the schema itself, as before: a
-    pattern's is refused first, ``_pattern_problem``). The same tools and formats come with every request of a
-    conversation, hence the cache."""
+    without either, or one that grammar cannot express (then xgrammar converts the schema itself; a schema with a
+    pattern it cannot hold is refused first, ``_pattern_problem``). The same tools and formats come with every
+    request of a conversation, hence the cache."""
     parsed = json.loads(schema)
     if not any(keyword in node for node in subschemas(parsed) for keyword in _EXACT):
         return None

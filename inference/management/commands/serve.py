@@ -230,9 +230,9 @@ class Command(BaseCommand):
             self.check_runners()
             if not no_warm_up:
                 dispatch.warm_up_embedded()
-        http_protocol.WebRequest = _HTTPOnlyRequest  # type: ignore[misc]
+        http_protocol.WebRequest = _HTTPOnlyRequest
         # Connections with a deadline for reading each request, and malformed ones refused in the API's error shape.
-        daphne_server.HTTPFactory = APIHTTPFactory  # type: ignore[misc]
+        daphne_server.HTTPFactory = APIHTTPFactory
         twisted_http._parseContentType = media_type  # type: ignore[assignment]  # same contract
         # Twisted's table lacks some statuses the API answers with (429): their status line would read
         # "Unknown Status".
