@@ -254,7 +254,10 @@ def aggregate_records(records: QuerySet[UsageRecord]) -> list[UsageRow]:
         if (code := error_code_of(item["status"], item["error_code"])) is not None:
             tally.errors += item["n"]
             tally.error_codes[code] += item["n"]
-    for item in records.values(*_DIMENSIONS, bucket=_bucket("total_ms")).annotate(n=Count("id")):
+    # Latency is an answer's: a refusal (a limit's 429, a bad request's 400) takes no time worth reporting, and a
+    # day of them would pull the percentiles to nothing.
+    answered = records.filter(status__lt=400)
+    for item in answered.values(*_DIMENSIONS, bucket=_bucket("total_ms")).annotate(n=Count("id")):
         tallies[tuple(item[d] for d in _DIMENSIONS)].total_ms_histogram[int(item["bucket"])] += item["n"]
     with_ttft = records.filter(time_to_first_token_ms__isnull=False)
     for item in with_ttft.values(*_DIMENSIONS, bucket=_bucket("time_to_first_token_ms")).annotate(n=Count("id")):

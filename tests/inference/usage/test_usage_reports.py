@@ -115,7 +115,8 @@ def test_a_past_day_rolls_up_into_one_row_per_organization_key_and_model(
     row = UsageDailyRollup.objects.get(organization__slug="acme", model=MODEL_A)
     assert (row.reasoning_tokens, row.cached_tokens) == (5, 40)
     assert row.time_to_first_token_count == 2 and row.time_to_first_token_ms_sum == 100
-    assert sum(row.total_ms_histogram.values()) == 3 and sum(row.time_to_first_token_histogram.values()) == 2
+    # The refusal is no answer: its time is left out of the latency.
+    assert sum(row.total_ms_histogram.values()) == 2 and sum(row.time_to_first_token_histogram.values()) == 2
 
 
 def test_rolling_up_again_recounts_a_day_instead_of_adding_to_it(record: Record) -> None:
@@ -230,6 +231,19 @@ def test_percentiles_are_within_a_bucket_of_the_exact_values(record: Record) -> 
     assert tally.latency_p95 == pytest.approx(950, rel=0.05)
     assert tally.ttft_p50 == pytest.approx(50, rel=0.05)
     assert tally.ttft_p95 == pytest.approx(95, rel=0.05)
+
+
+def test_latency_is_the_answers_not_the_refusals(record: Record) -> None:
+    for ms in (400, 500, 600):
+        record(day=days_ago(1), total_ms=ms)
+    for _ in range(10):
+        record(day=days_ago(1), status=429, error_code="rate_limited", total_ms=0)
+    record(day=days_ago(1), status=400, error_code="invalid_value", total_ms=1)
+
+    tally = reports.total(reports.usage_rows(reports.UsageFilter(start=days_ago(1), end=today())))
+
+    assert (tally.requests, tally.errors) == (14, 11)
+    assert tally.latency_p50 == pytest.approx(500, rel=0.05)
 
 
 def test_a_day_rolled_up_while_a_report_reads_it_counts_once(record: Record, monkeypatch: pytest.MonkeyPatch) -> None:
