@@ -25,6 +25,7 @@ from inference.serving.caller import (
     Caller,
     Result,
     admit_request,
+    charge_within,
     check_output_limit,
     least_charge,
     meter_for,
@@ -446,7 +447,7 @@ async def create_response(*, params: AgentResponseRequest, caller: Caller) -> Re
     # guardrails refused runs no model: it counts as a request, and charges no tokens.
     tokens = 0 if turn.refused else first.prompt_tokens + first.job.sampling.max_tokens
     grant = await admit_request(caller, meter, model_pk=agent.entry.pk, tokens=tokens)
-    turn.charge = grant.charge_within
+    turn.charge = charge_within(grant, meter)
     stream = Metered(turn.events(), grant=grant, meter=meter, outcome=lambda _: turn.outcome(started=meter.started))
     return Result(headers=grant.headers, stream=stream, route=ROUTE)
 

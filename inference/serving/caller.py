@@ -110,6 +110,20 @@ def _refused(meter: Meter, exc: LimitExceeded) -> None:
     record_error(meter, None, exc)
 
 
+def charge_within(grant: Grant, meter: Meter) -> Callable[[int], Awaitable[None]]:
+    """``grant.charge_within`` for an admitted request's later work (an agent's next step), its refusal counted as
+    admission's are; the request records its own ending."""
+
+    async def charge(tokens: int) -> None:
+        try:
+            await grant.charge_within(tokens)
+        except LimitExceeded as exc:
+            metrics.rejected(model=meter.model, organization=meter.organization, limit=exc.limit)
+            raise
+
+    return charge
+
+
 async def precheck_request(caller: Caller, meter: Meter, *, model_pk: int | None, tokens: int) -> None:
     """Refuses, with the same accounting as admission, a request that cannot be admitted even at ``tokens`` (a
     lower bound of its charge), before the work of rendering and counting it."""

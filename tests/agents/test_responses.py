@@ -1546,11 +1546,18 @@ async def test_a_step_that_would_pass_tokens_per_minute_fails_the_response_inste
     # Room for the first step alone: the second, whatever query the model writes this time, cannot fit.
     await limit_tokens(organization, tokens_per_minute := admitted + 1)
     clear_limits_cache()  # the new limit at once, not within the seconds the old one is remembered
+    refused = {"model": MODEL_ID, "organization": organization.slug}
+    refusals = METRICS.get_sample_value("b3os_rejected_requests_total", {**refused, "limit": "tokens_per_minute"})
 
     events, response = await tenant.stream(**body)
 
     assert (events[-1]["type"], response["error"]["code"]) == ("response.failed", "rate_limit_exceeded")
     assert events[-2]["type"] == "error" and events[-2]["code"] == "rate_limited"
+    # Counted as a refusal, as admission's are.
+    assert (
+        METRICS.get_sample_value("b3os_rejected_requests_total", {**refused, "limit": "tokens_per_minute"})
+        == (refusals or 0) + 1
+    )
     # The failed response says what it counts, as its usage record does.
     (failed,) = [record for record in await records(endpoint="agents.responses") if record.error_code]
     assert (response["usage"]["input_tokens"], response["usage"]["output_tokens"]) == (
