@@ -525,6 +525,9 @@ def _property_count(node: dict[str, Any], root: Any) -> int:
 
 
 _COUNTED = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
+# A count as ECMA-262 writes one; it reads other braces ({,5}, {2, 3}) as the characters, where the grammar's
+# converter would take them for counts.
+_ECMA_COUNT = re.compile(r"\{\d+(,\d*)?\}")
 
 
 def _pattern_size(pattern: str, limits: SchemaLimits) -> tuple[str | None, int]:
@@ -606,6 +609,11 @@ def _readable_pattern(pattern: str) -> str:
             index = group.end()
             continue
         if char != "\\" and not in_set and (counted := _COUNTED.match(pattern, index)):
+            if not _ECMA_COUNT.fullmatch(counted.group()):
+                raise ValueError(
+                    f"its pattern's {counted.group()} is no count in JSON Schema's regular expressions (ECMA-262): "
+                    "write {m}, {m,} or {m,n}, or \\{ for the character"
+                )
             written.append(counted.group())
             index = counted.end() + (pattern.startswith("?", counted.end()))  # lazy or not, the same strings
             continue

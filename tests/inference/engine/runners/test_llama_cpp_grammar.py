@@ -230,6 +230,8 @@ def test_a_range_in_a_pattern_holds_no_quote_or_backslash_json_would_write_escap
     ("pattern", "named"),
     [
         (r"^[z-a]$", "range z-a is out of order"),
+        (r"^a{,5}$", "{,5} is no count"),
+        (r"^a{2, 3}$", "{2, 3} is no count"),
         (r"^\bword$", r"\b"),
         (r"^(a)\1$", r"\1"),
         (r"^\p{L}+$", r"\p"),
