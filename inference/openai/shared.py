@@ -211,6 +211,8 @@ def _in_openai_words(kind: str, error: Any, param: str) -> APIError | None:
         if kind == "list_type" and tuple(error["loc"])[-1:] == ("list",):  # text or parts (``text_or_list``)
             items = {"input": "input items", "stop": "strings"}.get(param, "objects")
             expected = f"one of a string or array of {items}"
+        elif param == "tool_choice":  # a mode's name, or a tool's object
+            expected = "one of a string or an object"
         return invalid_type(param, expected, given)
     if kind in _BOUNDS and isinstance(given, int | float) and not isinstance(given, bool):
         key, words, end, sign = _BOUNDS[kind]

@@ -844,6 +844,16 @@ async def test_a_bad_stop_is_refused_in_openais_words(api: API, stop: Any, code:
     assert (error["param"], error["code"], error["message"]) == (param, code, message)
 
 
+@pytest.mark.parametrize("given", [5, ["auto"], True], ids=["a number", "an array", "a boolean"])
+async def test_a_tool_choice_of_the_wrong_type_is_told_it_takes_a_string_or_an_object(api: API, given: Any) -> None:
+    response = await api.post(CHAT, body(tool_choice=given))
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tool_choice", "invalid_type")
+    assert error["message"].startswith("Invalid type for 'tool_choice': expected one of a string or an object, but")
+
+
 async def test_openais_prompt_caching_hints_are_accepted_and_change_nothing(api: API, openai_spec: OpenAISpec) -> None:
     plain = await complete(api, openai_spec, max_tokens=4)
     hinted = await complete(
