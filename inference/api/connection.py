@@ -11,6 +11,7 @@ a body is bounded while it arrives, or a client declaring or sending gigabytes w
 
 from __future__ import annotations
 
+import re
 import time
 from http import HTTPStatus
 from typing import Any
@@ -100,6 +101,15 @@ class APIChannel(HTTPChannel):
             self._between_requests = False
             self._request_started = time.perf_counter()
             super().resetTimeout()
+
+    def checkPersistence(self, request: Any, version: bytes) -> bool:  # noqa: N802 (Twisted's name)
+        # Connection is a list (RFC 9110 7.6.1), commas between its options, in any number of fields: Twisted reads
+        # the first field's words between spaces, and kept open a connection asked to close as "keep-alive, close".
+        if fields := request.requestHeaders.getRawHeaders(b"Connection"):
+            options = [option for field in fields for option in re.split(rb"[\s,]+", field) if option]
+            request.requestHeaders.setRawHeaders(b"Connection", [b" ".join(options)])
+        persistent: bool = super().checkPersistence(request, version)
+        return persistent
 
     def requestDone(self, request: Any) -> None:  # noqa: N802 (Twisted's name)
         self._between_requests = True

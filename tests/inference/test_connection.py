@@ -167,6 +167,19 @@ def test_the_next_request_on_a_kept_alive_connection_gets_a_deadline_of_its_own(
         assert answer(sock).status == 200
 
 
+@pytest.mark.parametrize("options", ["keep-alive, close", "close,keep-alive", "keep-alive\r\nConnection: close"])
+def test_a_connection_asked_to_close_among_other_options_is_closed_after_its_answer(
+    served: Served, options: str
+) -> None:
+    with served.connect() as sock:
+        sock.sendall(served.head("GET", "/v1/infer/models", extra=f"Connection: {options}\r\n"))
+        response = answer(sock)
+        assert response.status == 200 and response.getheader("Connection") == "close"
+        response.read()
+        sock.settimeout(DEADLINE / 2)  # closed at once, not at the idle deadline
+        assert sock.recv(1) == b""
+
+
 def test_a_stream_that_runs_past_the_deadline_is_not_cut(served: Served) -> None:
     question = {**QUESTION, "model": "trickle", "stream": True, "metadata": {"chunks": "8", "interval": "0.5"}}
     started = time.monotonic()
