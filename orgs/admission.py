@@ -651,6 +651,20 @@ def _refusal(
     return LimitExceeded(limit=limit, retry_after=retry, detail=detail, headers=_headers(limits, decision))
 
 
+async def _take_back(
+    store: RedisStore, admitting: asyncio.Future[Decision], key: str, slot: str, tokens: int, at: float
+) -> None:
+    """An admission whose request left before it knew the answer, taken out of the windows once Redis has given it:
+    no usage record would count it."""
+    try:
+        if (await admitting).admitted:
+            await store.withdraw(key, slot, tokens, at)
+    except REDIS_ERRORS as exc:  # the slot expires all the same; the windows keep the request for their minute
+        logger.warning(
+            "a request that left during its admission was left in the windows: %s: %s", type(exc).__name__, exc
+        )
+
+
 def _never_admitted(limits: Limits, limit: str, tokens: int) -> bool:
     """Whether ``limit`` refuses the request whatever the window holds: no wait would admit it."""
     if limit == "tokens_per_minute":
@@ -670,10 +684,13 @@ async def admit(*, organization_id: int, model_pk: int | None, tokens: int) -> G
     store = _store()
     now = clock()
     if isinstance(store, RedisStore):
+        # Redis answers whatever happens to this request meanwhile: cut off mid-call, a connection of the pool would
+        # be left with an answer nobody reads.
+        admitting = asyncio.ensure_future(store.try_admit(key, limits, tokens, slot, now))
         try:
-            decision = await store.try_admit(key, limits, tokens, slot, now)
-        except asyncio.CancelledError:  # the client left while Redis admitted it, or not: the slot is not held
-            _keep(asyncio.get_running_loop().create_task(store.release(key, slot)))
+            decision = await asyncio.shield(admitting)
+        except asyncio.CancelledError:  # the client left while Redis admitted it, or not
+            _keep(asyncio.get_running_loop().create_task(_take_back(store, admitting, key, slot, tokens, now)))
             raise
     else:
         decision = store.try_admit(key, limits, tokens, slot, now)

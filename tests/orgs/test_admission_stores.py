@@ -257,3 +257,42 @@ async def test_an_organization_left_without_limits_has_its_counts_dropped_and_no
     assert not (await call(store.try_admit("17:0", one_a_minute, 0, "slot", NOW + 1))).admitted
     if settings.DISTRIBUTED:
         redis_clients.sync_client().close()
+
+
+async def test_an_admission_whose_request_leaves_while_redis_answers_is_taken_back_out_of_the_windows(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Cut off at any point of its call to Redis, the request leaves no usage record: nor may it leave a charge.
+    server, settings.REDIS_URL = start_redis(tmp_path)
+    settings.DISTRIBUTED = True
+    redis_clients._async_clients.clear()
+    monkeypatch.setattr(admission, "_redis_store", None)
+    limits = admission.Limits(requests_per_minute=100, tokens_per_minute=10_000)
+
+    async def limited(organization_id: int, model_pk: int | None) -> admission.Limits:
+        return limits
+
+    monkeypatch.setattr(admission, "limits_for", limited)
+    try:
+        await redis_clients.async_client().ping()  # its connection made, as a serving process's is
+        answered = cancelled = 0
+        for steps in range(1, 12):
+            admitting = asyncio.ensure_future(admission.admit(organization_id=1, model_pk=None, tokens=40))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            admitting.cancel()
+            try:
+                (await admitting).release()  # answered before the cancellation came: its request goes on
+                answered += 1
+            except asyncio.CancelledError:
+                cancelled += 1
+        while admission._releasing:
+            await asyncio.gather(*admission._releasing)
+
+        after = await admission.RedisStore().try_admit("1:0", limits, 0, "probe", time.time())
+        assert cancelled, "every admission was answered before its cancellation: none was cut off"
+        assert (100 - after.remaining_requests - 1, 10_000 - after.remaining_tokens) == (answered, answered * 40)
+    finally:
+        await redis_clients.async_client().aclose()
+        redis_clients._async_clients.clear()
+        server.terminate()
