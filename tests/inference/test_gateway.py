@@ -526,6 +526,7 @@ def test_a_request_whose_answer_does_not_begin_in_time_is_a_json_504(setup: Setu
 
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "timeout"
+    assert response.headers["Server-Timing"].startswith("total;dur=")
     assert time.monotonic() - started < 12
     # Its usage is recorded as the 504 the client got, under the id it was given, not as the client's hang-up.
     assert setup.usage(response.headers["x-request-id"])[:3] == ("node", 504, "timeout")

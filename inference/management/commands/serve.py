@@ -56,6 +56,7 @@ class _HTTPOnlyRequest(http_protocol.WebRequest):
         headers = [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode())]
         if request_id := getattr(self, "request_id", None):
             headers.append((b"x-request-id", request_id.encode()))
+        headers.append((b"Server-Timing", f"total;dur={self.duration() * 1000:.3f}".encode()))  # as every answer
         if self.path:  # as ``send_disconnect``, saying why, before finishing the response sends the plain one
             self.application_queue.put_nowait({"type": "http.disconnect", "reason": RESPONSE_TIMED_OUT})
         self.handle_reply({"type": "http.response.start", "status": 504, "headers": headers})
