@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from django.core.checks import Tags
-from django.core.management.base import BaseCommand
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
 
 
 class OperatorCommand(BaseCommand):
@@ -12,3 +13,13 @@ class OperatorCommand(BaseCommand):
     ``check`` and ``serve`` run them."""
 
     requires_system_checks = [Tags.compatibility, Tags.models]
+
+
+def refused(error: ValidationError, *, about: str = "") -> CommandError:
+    """A value the admin's forms would refuse, as one line naming each field (``name: Ensure this value has at most
+    200 characters``), after ``about`` (what was refused) when given."""
+    if hasattr(error, "error_dict"):
+        said = "; ".join(f"{field}: {' '.join(messages)}" for field, messages in error.message_dict.items())
+    else:
+        said = " ".join(error.messages)
+    return CommandError(f"{about}: {said}" if about else said)

@@ -6,7 +6,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError, CommandParser
 from django.db import transaction
 
-from core.commands import OperatorCommand
+from core.commands import OperatorCommand, refused
 from inference.engine.entries import serving_warning
 from inference.models import GATEWAY, GATEWAY_PARAMETERS, CatalogEntry
 
@@ -67,8 +67,7 @@ class Command(OperatorCommand):
             try:
                 entry.full_clean()
             except ValidationError as exc:
-                problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in exc.message_dict.items())
-                raise CommandError(f"{model}: {problems}") from None
+                raise refused(exc, about=model) from None
             entries.append(entry)
         with transaction.atomic():
             for entry in entries:

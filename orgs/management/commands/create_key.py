@@ -5,11 +5,9 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError, CommandParser
 
-from core.commands import OperatorCommand
+from core.commands import OperatorCommand, refused
 from orgs.models import Organization
 from orgs.services import create_api_key
-
-from ._problems import refused
 
 
 class Command(OperatorCommand):

@@ -5,10 +5,8 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandParser
 
-from core.commands import OperatorCommand
+from core.commands import OperatorCommand, refused
 from orgs.services import create_organization
-
-from ._problems import refused
 
 
 class Command(OperatorCommand):

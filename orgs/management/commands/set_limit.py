@@ -6,12 +6,10 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import CommandError, CommandParser
 
-from core.commands import OperatorCommand
+from core.commands import OperatorCommand, refused
 from inference.models import CatalogEntry
 from orgs.models import Limit, Organization
 from orgs.services import set_limit
-
-from ._problems import refused
 
 
 def _limit(value: str) -> int | None:
