@@ -199,6 +199,14 @@ class Transcript:
         return responses.conversation(self.items, instructions=system or None)
 
 
+def _is_json(text: str) -> bool:
+    try:
+        parse_json(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _text(content: Any) -> str:
     """A message's text as the model reads it: its text parts run together, as the prompt joins them (a term
     split across parts is still seen whole)."""
@@ -620,6 +628,11 @@ class AgentTurn:
             index, opened = self.encoder.open_item(agent_call_item(**call, status="in_progress"))
             cut = "The call was cut short by the output token budget (max_output_tokens), so it was not run."
             return [*opened, *self.encoder.close_item(index, agent_call_item(**call, status="failed", error=cut))]
+        if isinstance(piece, ToolCallPiece) and not piece.complete and not _is_json(piece.arguments):
+            # Nor is a call of the client's whose arguments the budget cut before they were JSON (one closed early
+            # is a valid call, sent incomplete): the protocol has a client run every function_call, and this one
+            # cannot be. The response ends incomplete, its tokens counted.
+            return []
         outcome.external_call |= isinstance(piece, ToolCallPiece)
         return self.encoder.feed(piece)
 

@@ -1064,6 +1064,29 @@ async def test_an_output_guardrail_also_reads_the_reasoning(
 # --- external tools ------------------------------------------------------------------------------------
 
 
+async def test_a_client_call_the_budget_cut_short_is_not_sent_for_the_client_to_run(
+    tenant: Tenant, plain_agent: AgentInstance
+) -> None:
+    # The protocol has the client run every function_call: one with cut arguments would be run as it is (and the
+    # openai SDK's stream helper, parsing a strict tool's arguments, raised on it).
+    strict = {**WEATHER, "strict": True, "parameters": {**WEATHER["parameters"], "additionalProperties": False}}
+    events, response = await tenant.stream(
+        model=plain_agent.instance_id,
+        input="What is the weather in Eugene, Oregon?",
+        tools=[strict],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=16,
+    )
+
+    assert events[-1]["type"] == "response.completed"
+    assert (response["status"], response["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert [item["type"] for item in response["output"]] == ["message"]
+    assert SeedClient().read(events).to_run == []
+    assert response["usage"]["output_tokens"] == 16
+
+
+
+
 @pytest.mark.database
 async def test_an_external_function_call_ends_the_response_and_its_output_continues_the_conversation(
     tenant: Tenant, plain_agent: AgentInstance

@@ -137,6 +137,46 @@ async def test_a_forced_call_whose_required_name_is_long_is_closed_in_time(
     assert finish_reason in ("tool_calls", "length")
 
 
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"type": "string"}, "fmt": {"type": "string", "enum": ["12h", "24h"]}},
+    "required": ["tz", "fmt"],
+}
+# An optional part whose own properties are required: needed only once the model writes it.
+WEATHER_WITH_EXTRAS = {
+    **WEATHER,
+    "properties": {
+        **WEATHER["properties"],
+        "extra": {
+            "type": "object",
+            "properties": {"units": {"type": "string"}, "hours": {"type": "integer"}},
+            "required": ["units", "hours"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "others"),
+    [(WEATHER, [("get_time", TIME)]), (WEATHER_WITH_EXTRAS, [])],
+    ids=["another-tools-required-properties", "an-optional-objects-required-properties"],
+)
+async def test_a_forced_call_that_fits_its_budget_is_not_closed_for_names_it_never_needs(
+    api: API, openai_spec: OpenAISpec, schema: dict[str, Any], others: list[tuple[str, dict[str, Any]]]
+) -> None:
+    # Closing counted every name any part of the call's schema requires, and began a dozen tokens early.
+    body = chat_body(0, stream=False, choice="required", schema=schema, max_tokens=32, temperature=0)
+    body["tools"] += [{"type": "function", "function": {"name": name, "parameters": p}} for name, p in others]
+
+    function, _, finish_reason = await chat_call(api, openai_spec, body)
+
+    assert (function["name"], json.loads(function["arguments"]), finish_reason) == (
+        "get_weather",
+        {"city": "Eugene"},
+        "tool_calls",
+    )
+
+
 @pytest.mark.parametrize("stop", ['"', ":", "city", "{"])
 async def test_a_stop_sequence_never_cuts_a_forced_call(api: API, openai_spec: OpenAISpec, stop: str) -> None:
     body = chat_body(0, stream=False, choice="required", max_tokens=40, stop=stop)

@@ -38,7 +38,7 @@ import string
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import machinery
 from pathlib import Path
@@ -1491,43 +1491,91 @@ def seed_32(seed: int) -> int:
     return (mixed ^ (mixed >> 31)) % 0xFFFFFFFF
 
 
-def _required(schema: Any, found: set[str] | None = None) -> set[str]:
-    """The names of the properties a schema requires anywhere in it (a bounded schema: its size is checked first)."""
-    found = set() if found is None else found
-    if isinstance(schema, dict):
-        if isinstance(names := schema.get("required"), list):
-            found.update(name for name in names if isinstance(name, str))
-        for value in schema.values():
-            _required(value, found)
-    elif isinstance(schema, list):
-        for value in schema:
-            _required(value, found)
-    return found
+@dataclass(frozen=True, slots=True)
+class Needed:
+    """What a value of a schema must name: the properties it requires, and those its required properties require in
+    turn (an optional property's own are not needed); for one of several calls, the function it calls."""
+
+    names: frozenset[str]
+    call: str | None = None
+
+
+def needed(schema: Any) -> list[Needed]:
+    """What a value of ``schema`` must name, as one ``Needed`` per alternative of a root ``anyOf`` (a call of one of
+    several tools) or one for the whole (a bounded schema: its size is checked first)."""
+    done: dict[int, frozenset[str]] = {}
+
+    def names(node: Any) -> frozenset[str]:
+        if not isinstance(node, dict) or id(node) in done:
+            return done.get(id(node), frozenset())
+        done[id(node)] = frozenset()  # a schema that refers to itself needs nothing more where it does
+        found: set[str] = set()
+        if isinstance(ref := node.get("$ref"), str):
+            found |= names(schema_at(schema, ref))
+        parts = node.get("allOf")
+        for part in parts if isinstance(parts, list) else ():
+            found |= names(part)
+        branches = node.get("anyOf") or node.get("oneOf")
+        if isinstance(branches, list) and branches:  # what every branch needs, whichever is written
+            found |= frozenset.intersection(*(names(branch) for branch in branches))
+        listed = node.get("required")
+        required = [name for name in listed if isinstance(name, str)] if isinstance(listed, list) else []
+        properties: dict[str, Any] = node["properties"] if isinstance(node.get("properties"), dict) else {}
+        found.update(required)
+        for name in required:
+            found |= names(properties.get(name))
+        if isinstance(least := node.get("minItems"), int) and least > 0:
+            found |= names(node.get("items"))
+        done[id(node)] = frozenset(found)
+        return done[id(node)]
+
+    branches = schema.get("anyOf") if isinstance(schema, dict) else None
+    if isinstance(branches, list) and branches:
+        return [Needed(names(branch), _called(branch)) for branch in branches]
+    return [Needed(names(schema), _called(schema))]
+
+
+def _called(schema: Any) -> str | None:
+    """The function a call's schema (``{"name": {"const": …}, "arguments": …}``) calls, if it is one."""
+    name = schema.get("properties", {}).get("name") if isinstance(schema, dict) else None
+    called = name.get("const") if isinstance(name, dict) else None
+    return called if isinstance(called, str) else None
 
 
 class JsonTail:
     """How far a JSON text written so far is from whole, as far as its strings and brackets go, and which of the
     properties it must hold it has not named yet."""
 
-    def __init__(self, required: Iterable[str] = (), cost: Callable[[str], int] = lambda name: 0) -> None:
+    def __init__(self, needs: Sequence[Needed] = (), cost: Callable[[str], int] = lambda name: 0) -> None:
         self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
         self.scan = JsonScan()
-        # Each required name, as the text may write it (its characters as they are, or escaped), and the tokens
-        # writing it with an empty value takes (``cost`` of its JSON string, spelled the longer way).
-        spellings = {name: {json.dumps(name, ensure_ascii=False), json.dumps(name)} for name in required}
-        self.unnamed = {name: (spelled, max(map(cost, spelled))) for name, spelled in spellings.items()}
+        # Each alternative: the function it calls as the text writes it, and each name it needs, as the text may
+        # write it (its characters as they are, or escaped), with the tokens writing it with an empty value takes
+        # (``cost`` of its JSON string, spelled the longer way).
+        self.alternatives = [
+            (
+                None if need.call is None else json.dumps(need.call, ensure_ascii=False),
+                {name: self._spelled(name, cost) for name in need.names},
+            )
+            for need in needs
+        ]
         self.text = ""
+
+    @staticmethod
+    def _spelled(name: str, cost: Callable[[str], int]) -> tuple[set[str], int]:
+        spellings = {json.dumps(name, ensure_ascii=False), json.dumps(name)}
+        return spellings, max(map(cost, spellings))
 
     def missing(self) -> int:
         """The tokens the required properties the text has not named take to write (a name met in a string counts:
-        a guess, cheap)."""
-        if self.unnamed:
-            self.unnamed = {
-                name: (spellings, cost)
-                for name, (spellings, cost) in self.unnamed.items()
-                if not any(spelling in self.text for spelling in spellings)
-            }
-        return sum(cost for _, cost in self.unnamed.values())
+        a guess, cheap): of the call the text names, or the cheapest while it names none."""
+        if not self.alternatives:
+            return 0
+        for _, unnamed in self.alternatives:
+            for name in [name for name, (spellings, _) in unnamed.items() if any(s in self.text for s in spellings)]:
+                del unnamed[name]
+        named = [unnamed for call, unnamed in self.alternatives if call is not None and call in self.text]
+        return min(sum(cost for _, cost in unnamed.values()) for unnamed in named or (u for _, u in self.alternatives))
 
     def feed(self, text: str) -> None:
         self.text += text
@@ -1764,9 +1812,7 @@ class _Sequence:
         constraint = job.constraint
         self.tail = None
         if constraint and constraint.close_before_limit:
-            self.tail = JsonTail(
-                _required(constraint.schema), lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST
-            )
+            self.tail = JsonTail(needed(constraint.schema), lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST)
         # Whether closing it changed what the model wrote (then it was cut short, not finished).
         self.steered = False
 
