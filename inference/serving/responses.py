@@ -145,7 +145,7 @@ class _Conversation:
             message = {"role": "assistant", "content": content}
             self.messages.append(message)
         if self.reasoning:
-            message.setdefault("reasoning_content", "".join(self.reasoning))
+            message.setdefault("reasoning_content", "\n\n".join(self.reasoning))
             self.reasoning = []
         return message
 
@@ -223,6 +223,8 @@ def conversation(
             if item.role == "assistant":
                 state.assistant(content, join=False)
             else:
+                # Reasoning that no answer followed (a response cut short while it thought) ended with its turn.
+                state.reasoning = []
                 state.messages.append({"role": item.role, "content": content})
         elif isinstance(item, wire.FunctionCall):
             state.function_call(item, where)
@@ -230,7 +232,8 @@ def conversation(
             state.function_call_output(item, where)
         elif isinstance(item, wire.ReasoningItem):
             # Only readable reasoning can go back to the model; encrypted_content from elsewhere cannot.
-            state.reasoning.extend(part.text for part in item.content or ())
+            if text := "".join(part.text for part in item.content or ()):
+                state.reasoning.append(text)
         else:
             raise _refuse_item(item, where)
     state.unanswered()

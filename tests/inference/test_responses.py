@@ -398,6 +398,30 @@ def test_it_folds_input_items_into_the_chat_templates_messages() -> None:
     ]
 
 
+def test_reasoning_goes_with_the_answer_of_its_own_turn_only() -> None:
+    def thought(text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}
+    params = ResponseCreateRequest.model_validate(
+        {
+            "model": MODEL_ID,
+            "input": [
+                {"role": "user", "content": "First?"},
+                thought("Cut off while thinking about the first"),  # a response the budget ended mid-thought
+                {"role": "user", "content": "Second?"},
+                thought("One thought."),
+                thought("Another."),
+                answer,
+            ],
+        }
+    )
+
+    folded = responses.conversation(responses.input_items(params), instructions=None)
+
+    assert folded[-1] == {"role": "assistant", "content": "Done.", "reasoning_content": "One thought.\n\nAnother."}
+
+
 async def test_it_refuses_an_orphan_function_call_output(api: API) -> None:
     body = {
         "model": MODEL_ID,
