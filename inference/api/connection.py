@@ -11,10 +11,12 @@ a body is bounded while it arrives, or a client declaring or sending gigabytes w
 
 from __future__ import annotations
 
+import html
 import re
 import time
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from daphne.http_protocol import HTTPFactory
@@ -24,6 +26,7 @@ from twisted.web.http import HTTPChannel
 
 from inference.openai.errors import APIError, body_too_large, not_json
 
+from .errors import is_browser_path
 from .middleware import new_request_id
 
 
@@ -179,11 +182,16 @@ class APIChannel(HTTPChannel):
         self._refused = True
         self.setTimeout(None)
         self.dataReceived = self.lineReceived = self.rawDataReceived = _drop  # type: ignore[method-assign]
-        body = orjson.dumps(error.body())
+        phrase = HTTPStatus(error.status).phrase
+        if is_browser_path(urlsplit(getattr(self, "_path", b"")).path.decode("latin-1")):
+            # A person at the admin (an upload past the bound) reads a page, as Django's own errors are there.
+            content_type, body = "text/html; charset=utf-8", _page(error, phrase)
+        else:
+            content_type, body = "application/json", orjson.dumps(error.body())
         took = (time.perf_counter() - self._request_started) * 1000
         head = (
-            f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+            f"HTTP/1.1 {error.status} {phrase}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
             f"X-Request-Id: {new_request_id()}\r\nServer-Timing: total;dur={took:.3f}\r\n\r\n"
         )
         transport: Any = self.transport  # a zope interface, whose methods mypy cannot call
@@ -194,6 +202,11 @@ class APIChannel(HTTPChannel):
             self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
         else:
             transport.loseConnection()
+
+
+def _page(error: APIError, phrase: str) -> bytes:
+    title = f"{error.status} {phrase}"
+    return f"<!doctype html><title>{title}</title><h1>{title}</h1><p>{html.escape(error.message)}</p>".encode()
 
 
 def _drop(data: bytes) -> None:

@@ -267,6 +267,16 @@ def test_a_declared_length_past_the_bound_is_a_413_before_any_of_the_body_is_sen
         assert closed(sock)
 
 
+def test_an_upload_past_the_bound_at_the_admin_is_a_page_for_the_person_there(served: Served) -> None:
+    head = served.head("POST", "/admin/agents/document/add/").replace(b"Content-Length: 0", b"Content-Length: 9000000")
+    with served.connect() as sock:
+        sock.sendall(head)
+        response = answer(sock)
+        page = response.read().decode()
+    assert response.status == 413 and response.getheader("Content-Type") == "text/html; charset=utf-8"
+    assert "<h1>413 Request Entity Too Large</h1>" in page and "bytes" in page
+
+
 def test_a_declared_length_of_thousands_of_digits_is_a_413_too(served: Served) -> None:
     head = served.head("POST", CHAT).replace(b"Content-Length: 0", b"Content-Length: " + b"9" * 5000)
     with served.connect() as sock:
