@@ -631,7 +631,8 @@ class AgentTurn:
         if isinstance(piece, ToolCallPiece) and not piece.complete and not _is_json(piece.arguments):
             # Nor is a call of the client's whose arguments the budget cut before they were JSON (one closed early
             # is a valid call, sent incomplete): the protocol has a client run every function_call, and this one
-            # cannot be. The response ends incomplete, its tokens counted.
+            # cannot be. The turn ends with it all the same, incomplete, its tokens counted.
+            outcome.external_call = True
             return []
         outcome.external_call |= isinstance(piece, ToolCallPiece)
         return self.encoder.feed(piece)

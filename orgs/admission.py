@@ -657,12 +657,14 @@ async def _take_back(
     """An admission whose request left before it knew the answer, taken out of the windows once Redis has given it:
     no usage record would count it."""
     try:
-        if (await admitting).admitted:
-            await store.withdraw(key, slot, tokens, at)
-    except REDIS_ERRORS as exc:  # the slot expires all the same; the windows keep the request for their minute
+        if not (await admitting).admitted:
+            return
+        await store.withdraw(key, slot, tokens, at)
+    except Exception as exc:  # noqa: BLE001  (Redis's errors, or the script's: nobody else reads them)
         logger.warning(
             "a request that left during its admission was left in the windows: %s: %s", type(exc).__name__, exc
         )
+        await store.release(key, slot)  # its slot at least, which release retries while Redis is away
 
 
 def _never_admitted(limits: Limits, limit: str, tokens: int) -> bool:

@@ -254,9 +254,10 @@ def aggregate_records(records: QuerySet[UsageRecord]) -> list[UsageRow]:
         if (code := error_code_of(item["status"], item["error_code"])) is not None:
             tally.errors += item["n"]
             tally.error_codes[code] += item["n"]
-    # Latency is an answer's: a refusal (a limit's 429, a bad request's 400) takes no time worth reporting, and a
-    # day of them would pull the percentiles to nothing.
-    answered = records.filter(status__lt=400)
+    # Latency is of what was asked for: a refusal (a limit's 429, a bad request's 400) takes no time worth reporting,
+    # and a day of them would pull the percentiles to nothing. A failure's time (a 504, an upstream's 502) and a
+    # client's hang-up (499) stay in.
+    answered = records.exclude(status__gte=400, status__lt=499)
     for item in answered.values(*_DIMENSIONS, bucket=_bucket("total_ms")).annotate(n=Count("id")):
         tallies[tuple(item[d] for d in _DIMENSIONS)].total_ms_histogram[int(item["bucket"])] += item["n"]
     with_ttft = records.filter(time_to_first_token_ms__isnull=False)

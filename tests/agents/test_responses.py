@@ -1085,8 +1085,6 @@ async def test_a_client_call_the_budget_cut_short_is_not_sent_for_the_client_to_
     assert response["usage"]["output_tokens"] == 16
 
 
-
-
 @pytest.mark.database
 async def test_an_external_function_call_ends_the_response_and_its_output_continues_the_conversation(
     tenant: Tenant, plain_agent: AgentInstance

@@ -639,10 +639,9 @@ def _readable_pattern(pattern: str) -> str:
                 continue
             if char == "]" and in_set:
                 in_set = False
+                written[set_start:] = [_set_members(written[set_start:], negated=negated)]
                 if negated:  # what JSON writes escaped is no member of a string's set
                     written.append(_JSON_UNSAFE)
-                else:  # nor of its ranges: [ -~] holds a quote and a backslash
-                    written[set_start:] = [_without_json_unsafe("".join(written[set_start:]))]
             written.append(char)
             index += 1
             continue
@@ -683,33 +682,43 @@ def _readable_pattern(pattern: str) -> str:
     return "".join(written)
 
 
-# A set's members as the grammar writes them: a character's code, or the character itself.
-_SET_MEMBER = re.compile(r"\\x[0-9A-F]{2}|\\u[0-9A-F]{4}|\\U[0-9A-F]{8}|.", re.DOTALL)
+# A character of a set as the grammar writes it: its code, or itself.
+_CHARACTER = re.compile(r"\\x[0-9A-F]{2}|\\u[0-9A-F]{4}|\\U[0-9A-F]{8}|.", re.DOTALL)
+_CLASSES = frozenset(_ESCAPED_SETS.values())
 # What JSON writes escaped, as ranges of codes.
 _JSON_UNSAFE_CODES = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
 
 
-def _without_json_unsafe(members: str) -> str:
-    """A set's members (as the grammar writes them) less what JSON writes escaped, which a range between two
-    characters of its own may span."""
-    tokens = _SET_MEMBER.findall(members)
+def _set_members(entries: list[str], *, negated: bool) -> str:
+    """A set's members as the grammar writes them, from the entries the pattern's reading wrote for it (each a
+    character, its code, a class's members, or nothing for a character left out): a range between two characters is
+    held to its order and, in a set that is not negated, cut around what JSON writes escaped, which it may span
+    (``[ -~]`` holds a quote and a backslash); a ``-`` that joins no two characters (beside a class: ``[\\w-.]``) is
+    the character, as ECMA-262 reads it."""
+    entries = [entry for entry in entries if entry]
     written: list[str] = []
     index = 0
-    while index < len(tokens):
-        if index + 2 < len(tokens) and tokens[index + 1] == "-":
-            low, high = _member_code(tokens[index]), _member_code(tokens[index + 2])
+    while index < len(entries):
+        ranged = index + 2 < len(entries) and entries[index + 1] == "-"
+        if ranged and _is_character(entries[index], entries[index + 2]):
+            low, high = _member_code(entries[index]), _member_code(entries[index + 2])
             if low > high:
                 raise ValueError(f"its pattern's range {chr(low)}-{chr(high)} is out of order")
-            pieces = list(_cut(low, high))
+            pieces = [(low, high)] if negated else list(_cut(low, high))
             if pieces == [(low, high)]:
-                written.extend(tokens[index : index + 3])
+                written.extend(entries[index : index + 3])
             else:
                 written.extend(_range(*piece) for piece in pieces)
             index += 3
-        else:
-            written.append(tokens[index])
-            index += 1
+            continue
+        entry = entries[index]
+        written.append("\\x2D" if entry == "-" and 0 < index < len(entries) - 1 else entry)
+        index += 1
     return "".join(written)
+
+
+def _is_character(*entries: str) -> bool:
+    return all(entry not in _CLASSES and _CHARACTER.fullmatch(entry) for entry in entries)
 
 
 def _member_code(token: str) -> int:
@@ -1542,6 +1551,10 @@ def _called(schema: Any) -> str | None:
     return called if isinstance(called, str) else None
 
 
+# The function a call names, as its JSON string.
+_CALLED = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 class JsonTail:
     """How far a JSON text written so far is from whole, as far as its strings and brackets go, and which of the
     properties it must hold it has not named yet."""
@@ -1574,7 +1587,9 @@ class JsonTail:
         for _, unnamed in self.alternatives:
             for name in [name for name, (spellings, _) in unnamed.items() if any(s in self.text for s in spellings)]:
                 del unnamed[name]
-        named = [unnamed for call, unnamed in self.alternatives if call is not None and call in self.text]
+        # The call's name comes first in it: a name met later is an argument's.
+        called = found.group(1) if (found := _CALLED.search(self.text)) is not None else None
+        named = [unnamed for call, unnamed in self.alternatives if call is not None and call == called]
         return min(sum(cost for _, cost in unnamed.values()) for unnamed in named or (u for _, u in self.alternatives))
 
     def feed(self, text: str) -> None:

@@ -233,17 +233,20 @@ def test_percentiles_are_within_a_bucket_of_the_exact_values(record: Record) -> 
     assert tally.ttft_p95 == pytest.approx(95, rel=0.05)
 
 
-def test_latency_is_the_answers_not_the_refusals(record: Record) -> None:
+def test_latency_leaves_refusals_out_and_keeps_failures_in(record: Record) -> None:
     for ms in (400, 500, 600):
         record(day=days_ago(1), total_ms=ms)
     for _ in range(10):
         record(day=days_ago(1), status=429, error_code="rate_limited", total_ms=0)
     record(day=days_ago(1), status=400, error_code="invalid_value", total_ms=1)
+    for _ in range(2):  # a failure's time is the failure's: an upstream that hangs shows
+        record(day=days_ago(1), status=504, error_code="upstream_timeout", total_ms=60_000)
 
     tally = reports.total(reports.usage_rows(reports.UsageFilter(start=days_ago(1), end=today())))
 
-    assert (tally.requests, tally.errors) == (14, 11)
-    assert tally.latency_p50 == pytest.approx(500, rel=0.05)
+    assert (tally.requests, tally.errors) == (16, 13)
+    assert tally.latency_p50 == pytest.approx(600, rel=0.05)
+    assert tally.latency_p95 == pytest.approx(60_000, rel=0.05)
 
 
 def test_a_day_rolled_up_while_a_report_reads_it_counts_once(record: Record, monkeypatch: pytest.MonkeyPatch) -> None:

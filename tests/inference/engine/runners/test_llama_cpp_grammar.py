@@ -227,9 +227,26 @@ def test_a_range_in_a_pattern_holds_no_quote_or_backslash_json_would_write_escap
 
 
 @pytest.mark.parametrize(
+    ("pattern", "matching", "not_matching"),
+    [
+        (r"^[\w-.]+$", ["a-b.c_9"], ["a/b", "a b"]),
+        (r"^[a-\d]$", ["a", "-", "5"], ["b"]),
+        (r"^[\s-~]$", [" ", "-", "~"], ["a"]),
+    ],
+    ids=["a-class-then-a-hyphen", "a-hyphen-then-a-class", "a-space-class-then-a-hyphen"],
+)
+def test_a_hyphen_beside_a_class_in_a_set_is_the_character_as_ecma_262_reads_it(
+    vocab: Any, pattern: str, matching: list[str], not_matching: list[str]
+) -> None:
+    # It was read as a range from the class's last character: out of order (refused), or spanning others.
+    assert_enforced(vocab, pattern, matching, not_matching)
+
+
+@pytest.mark.parametrize(
     ("pattern", "named"),
     [
         (r"^[z-a]$", "range z-a is out of order"),
+        (r"^[^z-a]$", "range z-a is out of order"),
         (r"^a{,5}$", "{,5} is no count"),
         (r"^a{2, 3}$", "{2, 3} is no count"),
         (r"^\bword$", r"\b"),
@@ -1200,3 +1217,47 @@ def test_whatever_a_grammar_lets_a_model_write_is_json_that_holds_to_the_schema(
     for text in written:
         value = json.loads(text.decode(errors="replace"))
         jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+LOOKUP = {
+    "type": "object",
+    "properties": {name: {"type": "string"} for name in "qrs"},
+    "required": ["q", "r", "s"],
+}
+GET = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("written", "missing"),
+    [
+        ("", {"name", "arguments", "a"}),  # no function named yet: the cheapest call's
+        ('{"name": "lookup", "arguments": {"q": "get"', {"r", "s"}),  # "get" is an argument, not the call's name
+        ('{"name": "get", "arguments": {', {"a"}),
+    ],
+    ids=["none-named", "a-function-named-as-an-argument", "the-other-function"],
+)
+def test_closing_a_call_in_time_counts_the_names_the_function_it_calls_needs(written: str, missing: set[str]) -> None:
+    tail = llama_cpp.JsonTail(
+        llama_cpp.needed(
+            call_schema(FunctionTool("lookup", None, LOOKUP, False), FunctionTool("get", None, GET, False))
+        ),
+        cost=lambda spelled: 1,
+    )
+    tail.feed("<tool_call>\n" + written)
+
+    assert tail.missing() == len(missing)
+
+
+def test_an_optional_objects_required_properties_are_needed_only_when_it_is() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "extra": {"type": "object", "properties": {"units": {"type": "string"}}, "required": ["units"]},
+            "list": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/Item"}},
+        },
+        "required": ["city", "list"],
+        "$defs": {"Item": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+    }
+
+    assert llama_cpp.needed(schema) == [llama_cpp.Needed(frozenset({"city", "list", "id"}))]
