@@ -363,6 +363,7 @@ def _context_length_exceeded(exc: ContextLengthExceeded, names: ParamNames) -> A
         f"This model's maximum context length is {exc.context_length} tokens. However, you requested "
         f"{exc.prompt_tokens + exc.requested_output} tokens ({exc.prompt_tokens} in the {prompt}, "
         f"{exc.requested_output} in the {answer}). Please reduce the length of the {prompt} or {answer}.",
-        param=names.output_limit,
+        # OpenAI's chat names the messages here; a Response, whose input fits, names the output limit to lower.
+        param=prompt if prompt == "messages" else names.output_limit,
         code="context_length_exceeded",
     )

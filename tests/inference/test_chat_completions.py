@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -1116,8 +1117,14 @@ async def test_asking_for_more_output_than_the_context_allows_is_refused(api: AP
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
     response = await api.post(CHAT, body(max_tokens=120))
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "context_length_exceeded"
-    assert response.json()["error"]["param"] == "max_tokens"
+    error = response.json()["error"]
+    # As OpenAI's: the messages named, the message telling both parts.
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert re.fullmatch(
+        r"This model's maximum context length is 128 tokens\. However, you requested \d+ tokens \(\d+ in the "
+        r"messages, 120 in the completion\)\. Please reduce the length of the messages or completion\.",
+        error["message"],
+    )
 
 
 async def test_a_prompt_longer_than_the_context_is_named_as_the_messages_with_max_completion_tokens_too(
@@ -1132,14 +1139,15 @@ async def test_a_prompt_longer_than_the_context_is_named_as_the_messages_with_ma
     assert response.json()["error"]["param"] == "messages"
 
 
-async def test_asking_for_more_completion_tokens_than_the_context_allows_names_max_completion_tokens(
+async def test_asking_for_more_completion_tokens_than_the_context_allows_is_refused_alike(
     api: API, catalog_model: CatalogEntry
 ) -> None:
     await CatalogEntry.objects.filter(pk=catalog_model.pk).aupdate(context_length=128)
     response = await api.post(CHAT, body(max_tokens=None, max_completion_tokens=120))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
-    assert response.json()["error"]["param"] == "max_completion_tokens"
+    assert response.json()["error"]["param"] == "messages"
+    assert "120 in the completion" in response.json()["error"]["message"]
 
 
 async def test_each_completion_leaves_one_usage_record(api: API, openai_spec: OpenAISpec) -> None:
