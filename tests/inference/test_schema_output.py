@@ -225,3 +225,18 @@ async def test_a_format_comes_back_as_a_value_of_that_format_whatever_the_questi
     assert choice["finish_reason"] == "stop", choice
     answer = json.loads(choice["message"]["content"])
     jsonschema.validate(answer, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+async def test_a_value_that_ends_as_the_budget_does_is_finished_not_cut(api: API) -> None:
+    # The openai SDK's parse() refuses an answer that ended for its length: a whole value must not say so.
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    free = (await api.post(CHAT, chat_with_schema(schema))).json()
+    written = free["usage"]["completion_tokens"]
+    assert free["choices"][0]["finish_reason"] == "stop"
+
+    exact = (await api.post(CHAT, {**chat_with_schema(schema), "max_tokens": written})).json()
+    short = (await api.post(CHAT, {**chat_with_schema(schema), "max_tokens": written - 1})).json()
+
+    assert exact["choices"][0]["message"]["content"] == free["choices"][0]["message"]["content"]
+    assert (exact["choices"][0]["finish_reason"], exact["usage"]["completion_tokens"]) == ("stop", written)
+    assert short["choices"][0]["finish_reason"] == "length"

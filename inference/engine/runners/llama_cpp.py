@@ -1466,6 +1466,10 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(self._single))
         return bool(np.isfinite(self._single_data[0].logit))
 
+    def would_end(self, ends: frozenset[int]) -> bool:
+        """Whether the grammar would take the end of the output now (its value is whole)."""
+        return bool(self._grammar) and any(self._allowed(token) for token in ends)
+
     def next(self, logits: np.ndarray, *, closing: Closing | None = None) -> int:
         """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows."""
         if closing is not None and self._grammar:
@@ -1830,6 +1834,8 @@ class _Sequence:
             self.tail = JsonTail(needed(constraint.schema), lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST)
         # Whether closing it changed what the model wrote (then it was cut short, not finished).
         self.steered = False
+        # Whether the output is one JSON value (a schema's, an object, a forced call), not text that may hold one.
+        self.whole_value = constraint is not None and constraint.kind in ("json_schema", "json_object")
 
     @property
     def gone(self) -> bool:
@@ -1875,7 +1881,10 @@ class _Sequence:
             self._send_through(ready)
             self.sent_at = now
         if self.produced >= self.max_tokens:
-            return self.finish("length")
+            # A JSON value the grammar holds whole as the budget runs out is finished, as it would have been one
+            # token later (OpenAI's SDKs refuse to parse an answer that ended for its length).
+            whole = self.whole_value and not self.steered and self.sampler.would_end(self.vocabulary.ends)
+            return self.finish("stop" if whole else "length")
         self.next_token = token
         return False
 
