@@ -79,6 +79,20 @@ class LimitInlineFormSet(BaseInlineFormSet):
         if problem := _one_limit_per_scope(scopes):
             raise ValidationError(problem)
 
+    def save_existing_objects(self, commit: bool = True) -> list[Limit]:
+        # Django saves the rows in their order, each alone: a row moved to a model whose row is deleted, or two rows
+        # swapping models, met the database's one-row-per-model constraint half-way (a server error). Rows deleted
+        # go first, and rows moved to another model leave their model before any takes it.
+        if commit:
+            deleted = {form.instance.pk for form in self.deleted_forms if form.instance.pk is not None}
+            moved = [
+                form.instance.pk
+                for form in self.initial_forms
+                if form.instance.pk is not None and form.instance.pk not in deleted and "model" in form.changed_data
+            ]
+            Limit.objects.filter(pk__in=[*deleted, *moved]).delete()  # a moved row is saved again, as it now is
+        return super().save_existing_objects(commit)
+
 
 class LimitInline(ReadableAutocompletes, admin.TabularInline):
     model = Limit

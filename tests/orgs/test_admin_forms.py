@@ -116,6 +116,27 @@ def test_a_default_limit_can_become_a_models_limit_while_a_new_default_is_added(
     assert sorted(Limit.objects.values_list("model", flat=True), key=str) == [catalog_model.pk, None]
 
 
+@pytest.mark.parametrize("how", ["onto-a-deleted-row", "a-swap"])
+def test_rows_that_trade_models_in_one_save_are_saved_not_a_server_error(
+    staff_client: Client, organization: Organization, catalog_model: CatalogEntry, how: str
+) -> None:
+    default = Limit.objects.create(organization=organization, requests_per_minute=5)
+    models = Limit.objects.create(organization=organization, model=catalog_model, requests_per_minute=7)
+    data = organization_form(organization, [], shown=[default, models])
+    data["limits-0-requests_per_minute"], data["limits-1-requests_per_minute"] = "5", "7"
+    data["limits-0-model"] = str(catalog_model.pk)  # the default row becomes the model's
+    if how == "a-swap":
+        data["limits-1-model"] = ""  # and the model's the default
+    else:
+        data["limits-1-DELETE"] = "on"
+
+    response = staff_client.post(f"/admin/orgs/organization/{organization.pk}/change/", data)
+
+    assert response.status_code == 302, errors(response.content)
+    saved = {row.model_id: row.requests_per_minute for row in Limit.objects.filter(organization=organization)}
+    assert saved == ({catalog_model.pk: 5, None: 7} if how == "a-swap" else {catalog_model.pk: 5})
+
+
 def test_a_models_limit_row_with_no_limit_is_saved_with_a_warning_that_it_leaves_the_model_unlimited(
     staff_client: Client, organization: Organization, catalog_model: CatalogEntry
 ) -> None:
