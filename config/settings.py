@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 
 import dj_database_url
 
+from core.upstreams import upstream_url_problem
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("B3OS_VAR_DIR", BASE_DIR / "var"))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
@@ -435,13 +437,11 @@ AGENT_CONVERSATION_MAX_BYTES = _int("AGENT_CONVERSATION_MAX_BYTES", 8 * 1024 * 1
 AGENT_GUARDRAIL_TIMEOUT_MS = _int("AGENT_GUARDRAIL_TIMEOUT_MS", 100, least=1, code="config.E032")
 
 GATEWAY_BASE_URL = os.environ.get("GATEWAY_BASE_URL", "").strip()
-if GATEWAY_BASE_URL and (
-    urlparse(GATEWAY_BASE_URL).scheme not in {"http", "https"} or not urlparse(GATEWAY_BASE_URL).hostname
-):
+if GATEWAY_BASE_URL and (_upstream_problem := upstream_url_problem(GATEWAY_BASE_URL)):
     CONFIG_PROBLEMS.append(
         (
             "config.E041",
-            f"GATEWAY_BASE_URL={GATEWAY_BASE_URL!r} is not an http(s) URL.",
+            f"GATEWAY_BASE_URL cannot be an upstream's base URL: {_upstream_problem}.",
             "Use the upstream's API root, such as https://api.openai.com/v1, or leave it unset.",
         )
     )

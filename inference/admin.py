@@ -36,6 +36,13 @@ class CatalogEntryForm(forms.ModelForm):
         entered = self.cleaned_data.get("upstream_api_key") or ""
         return entered or (self.instance.upstream_api_key if self.instance.pk else "")
 
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean()
+        if cleaned.get("clear_upstream_api_key") and self.data.get("upstream_api_key"):
+            # Which one was meant cannot be told: the key typed would be dropped without a word.
+            self.add_error("upstream_api_key", "Type a new key, or remove the stored one, not both.")
+        return cleaned
+
     def _post_clean(self) -> None:
         # The entry as it would be saved, checked as its runner would load it once the row's own checks pass.
         super()._post_clean()

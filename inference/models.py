@@ -8,6 +8,8 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
+from core.upstreams import upstream_url_problem
+
 GATEWAY = "gateway"
 RUNNER_CHOICES = [
     ("llama_cpp", "CPU: llama-cpp-python (GGUF)"),
@@ -32,6 +34,11 @@ _MODEL_ID = re.compile(MODEL_ID)
 
 def is_model_id(value: object) -> bool:
     return isinstance(value, str) and len(value) <= 200 and _MODEL_ID.match(value) is not None
+
+
+def validate_upstream_url(url: str) -> None:
+    if url and (problem := upstream_url_problem(url)):
+        raise ValidationError(f"This URL cannot be an upstream's base URL: {problem}.")
 
 
 class HTTPSURLField(models.URLField):
@@ -110,6 +117,7 @@ class CatalogEntry(models.Model):
     enabled = models.BooleanField(default=True)
     upstream_base_url = HTTPSURLField(
         blank=True,
+        validators=[validate_upstream_url],
         help_text="Proxy this model to an OpenAI-compatible upstream (e.g. https://host/v1) instead of a local runner; "
         'requests with "route": "gateway" go there.',
     )

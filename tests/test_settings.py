@@ -153,6 +153,8 @@ def test_the_example_secret_key_is_refused_by_the_checks(tmp_path: Path) -> None
     [
         ({"GATEWAY_BASE_URL": "notaurl"}, "config.E041"),
         ({"GATEWAY_BASE_URL": "ftp://upstream.example/v1"}, "config.E041"),
+        ({"GATEWAY_BASE_URL": "https://user:pw@upstream.example/v1"}, "config.E041"),
+        ({"GATEWAY_BASE_URL": "https://upstream.example/v1?api-version=1"}, "config.E041"),
         ({"ALLOWED_HOSTS": ""}, "config.E007"),
         ({"ALLOWED_HOSTS": " , "}, "config.E007"),
     ],

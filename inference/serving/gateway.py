@@ -37,6 +37,7 @@ import orjson
 from django.conf import settings
 from multidict import CIMultiDictProxy
 
+from core.upstreams import upstream_url_problem
 from inference.engine.catalog import find_enabled_model
 from inference.engine.generation import Failed
 from inference.models import MODEL_ID_RULE, CatalogEntry, is_model_id
@@ -130,6 +131,14 @@ class Upstream:
 def upstream_for(entry: CatalogEntry) -> Upstream:
     model = entry.upstream_model or entry.public_id
     if entry.upstream_base_url:
+        if problem := upstream_url_problem(entry.upstream_base_url):  # saved before the catalog checked it
+            logger.error("the catalog's upstream of %s cannot be used: its base URL %s", entry.public_id, problem)
+            raise APIError(
+                f"The gateway model {entry.public_id!r} is misconfigured on this node: tell its operator.",
+                code="gateway_not_configured",
+                status=503,
+                type="server_error",
+            )
         return Upstream(entry.upstream_base_url, entry.upstream_api_key, model, entry)
     if not settings.GATEWAY_BASE_URL:
         raise APIError(

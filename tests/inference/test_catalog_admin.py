@@ -66,6 +66,41 @@ def test_the_upstream_key_is_kept_but_never_shown(staff_client: Client) -> None:
     assert entry.upstream_api_key == ""
 
 
+def test_a_new_key_typed_beside_removing_the_stored_one_is_refused_not_dropped(staff_client: Client) -> None:
+    entry = CatalogEntry.objects.create(public_id="proxied/model", upstream_api_key="sk-upstream-secret")
+    url = f"/admin/inference/catalogentry/{entry.pk}/change/"
+
+    page = staff_client.post(url, form_data(entry, upstream_api_key="sk-new", clear_upstream_api_key="on"))
+
+    assert page.status_code == 200 and b"Type a new key, or remove the stored one, not both." in page.content
+    entry.refresh_from_db()
+    assert entry.upstream_api_key == "sk-upstream-secret"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("https://user:secret@upstream.example/v1", "it holds credentials"),
+        ("https://upstream.example/openai/deployments/x?api-version=2024-10-21", "it has a query or a fragment"),
+        ("https://upstream.example/v1#part", "it has a query or a fragment"),
+        ("ftp://upstream.example/v1", "it is not an http(s) URL"),
+        ("https://upstream.example:99999/v1", "it cannot be read as a URL"),
+    ],
+)
+def test_an_upstream_url_the_gateway_could_not_use_as_given_is_refused_by_the_form(
+    staff_client: Client, url: str, says: str
+) -> None:
+    entry = CatalogEntry.objects.create(public_id="proxied/model", upstream_base_url="https://upstream.example/v1")
+
+    page = staff_client.post(
+        f"/admin/inference/catalogentry/{entry.pk}/change/", form_data(entry, upstream_base_url=url)
+    )
+
+    assert page.status_code == 200 and says in html.unescape(page.content.decode())
+    entry.refresh_from_db()
+    assert entry.upstream_base_url == "https://upstream.example/v1"
+
+
 def test_a_user_who_may_only_view_the_catalog_is_told_a_key_is_stored_never_the_key() -> None:
     entry = CatalogEntry.objects.create(public_id="proxied/model", upstream_api_key="sk-upstream-secret")
     viewer = get_user_model().objects.create_user("viewer", password="a-long-password", is_staff=True)

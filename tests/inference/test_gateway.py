@@ -295,6 +295,25 @@ async def test_without_a_configured_gateway_the_route_is_refused(api: API, setti
     assert response.json()["error"]["code"] == "gateway_not_configured"
 
 
+@pytest.mark.django_db(transaction=True)
+async def test_an_upstream_url_saved_before_the_catalog_checked_it_is_refused_not_a_server_error(
+    api: API, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp refuses a URL with credentials beside a key (a 500), and would log the password of one without.
+    await CatalogEntry.objects.acreate(
+        public_id="upstream/gpt-x",
+        runner="gateway",
+        upstream_base_url="https://user:s3cret@upstream.example/v1",
+        upstream_api_key="sk-x",
+    )
+
+    response = await api.post("/v1/infer/chat/completions", chat())
+
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "gateway_not_configured"
+    assert "it holds credentials" in caplog.text and "s3cret" not in caplog.text
+
+
 # --- which models, and what of them, the operator offers -----------------------------------------------------
 
 
