@@ -5,6 +5,9 @@ from config import openapi
 from inference.api import operations
 from inference.reporting import views as reporting
 
+# The node has no site of its own to view (its root answers API clients): no "View site" link in the admin.
+admin.site.site_url = None
+
 urlpatterns = [
     # Before the admin's own URLs, which would otherwise answer 404 for this path.
     path("admin/usage/report/", admin.site.admin_view(reporting.usage_report), name="usage-report"),

@@ -293,7 +293,11 @@ class APIKeyAdmin(ModelAdmin):
         return response
 
     def has_delete_permission(self, request: HttpRequest, obj: APIKey | None = None) -> bool:
-        return False
+        """A key is revoked, not deleted, once it has been used: its usage names it. One never used (made by mistake,
+        or with an organization that never used the API, deleted with it) may go."""
+        if obj is None or obj.usage_records.exists() or obj.usage_rollups.exists():
+            return False
+        return super().has_delete_permission(request, obj)
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:

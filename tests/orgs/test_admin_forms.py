@@ -253,10 +253,28 @@ def test_an_organization_that_has_used_the_api_is_deactivated_not_deleted(
     assert Organization.objects.filter(pk=organization.pk).exists() and UsageRecord.objects.count() == 1
 
 
-def test_an_organization_made_by_mistake_can_still_be_deleted(staff_client: Client, organization: Organization) -> None:
+@pytest.mark.parametrize("keys", [0, 2])
+def test_an_organization_made_by_mistake_can_still_be_deleted_with_its_unused_keys(
+    staff_client: Client, organization: Organization, keys: int
+) -> None:
+    for number in range(keys):
+        APIKey.generate(organization=organization, name=f"key {number}")
+
     response = staff_client.post(f"/admin/orgs/organization/{organization.pk}/delete/", {"post": "yes"})
 
-    assert response.status_code == 302 and not Organization.objects.exists()
+    assert response.status_code == 302 and not Organization.objects.exists() and not APIKey.objects.exists()
+
+
+def test_a_key_that_was_used_is_revoked_not_deleted(staff_client: Client, organization: Organization) -> None:
+    key, _ = APIKey.generate(organization=organization, name="used")
+    UsageRecord.objects.create(
+        organization=organization, api_key=key, model=MODEL_ID, endpoint="chat.completions", status=200,
+        request_id="req_1", created=timezone.now(),
+    )  # fmt: skip
+
+    response = staff_client.post(f"/admin/orgs/apikey/{key.pk}/delete/", {"post": "yes"})
+
+    assert response.status_code == 403 and APIKey.objects.filter(pk=key.pk).exists()
 
 
 @pytest.mark.parametrize(
@@ -493,3 +511,9 @@ def test_a_refused_admin_page_is_logged_on_one_line_without_a_traceback(
 
     (refused,) = [record for record in caplog.records if record.name == "django.request"]
     assert refused.levelname == "WARNING" and "Forbidden" in refused.getMessage() and refused.exc_info is None
+
+
+def test_the_admin_offers_no_view_site_link_to_a_root_that_answers_api_clients(staff_client: Client) -> None:
+    page = staff_client.get("/admin/").content.decode()
+
+    assert "View site" not in page
