@@ -32,17 +32,49 @@ class AgentInstanceForm(forms.ModelForm):
         ]
 
 
+# A document longer than this is shown, not edited, on its instance's page: its text would be posted back whole with
+# every save of the page, past the body's bound once a few such documents are there.
+EDITABLE_TEXT_MAX = 64 * 1024
+
+
+class DocumentText(forms.CharField):
+    """A document's text as a browser posts it back: its line breaks as they were (a textarea sends CRLF), and its
+    spaces kept, so that a page saved untouched leaves the document as it was."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "strip": False})
+
+    def to_python(self, value: Any) -> str:
+        text: str = super().to_python(value)
+        return text.replace("\r\n", "\n")
+
+
+class Preview(forms.Textarea):
+    """A long text shown as its start, read-only: the rest is not sent to the browser, nor back."""
+
+    def format_value(self, value: Any) -> str | None:
+        text = super().format_value(value) or ""
+        if len(text) <= EDITABLE_TEXT_MAX:
+            return text
+        return f"{text[:2000]}\n\n[… {len(text):,} characters in all: upload a file to replace them]"
+
+
 class DocumentForm(forms.ModelForm):
     upload = forms.FileField(required=False, help_text="A UTF-8 text or Markdown file: replaces the text.")
 
     class Meta:
         model = Document
         fields = ["title", "url", "text", "upload"]
+        field_classes = {"text": DocumentText}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["text"].required = False
-        self.fields["text"].widget = forms.Textarea(attrs={"rows": 4, "cols": 60})
+        text = self.fields["text"]
+        text.required = False
+        text.widget = forms.Textarea(attrs={"rows": 4, "cols": 60})
+        if self.instance.pk is not None and len(self.instance.text) > EDITABLE_TEXT_MAX:
+            text.disabled = True  # kept as saved unless a file replaces it
+            text.widget = Preview(attrs={"rows": 4, "cols": 60})
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
@@ -52,6 +84,9 @@ class DocumentForm(forms.ModelForm):
                 data["text"] = upload.read().decode("utf-8")
             except UnicodeDecodeError:
                 self.add_error("upload", "The file is not UTF-8 text.")
+            else:
+                if "\x00" in data["text"]:
+                    self.add_error("upload", "The file holds a NUL character, which no text document does.")
         if not (data.get("text") or "").strip() and not self.errors:
             self.add_error("text", "Give the document's text, or upload it.")
         return data

@@ -206,6 +206,41 @@ def test_a_document_can_be_uploaded_as_a_text_file() -> None:
     assert not empty.is_valid() and "text" in empty.errors
 
 
+def test_a_document_saved_back_untouched_from_a_browser_keeps_its_text_as_it_was(
+    make_instance: Callable[..., AgentInstance],
+) -> None:
+    text = "  an indented first line\nline two\n\n"
+    document = make_instance("acme.agent").documents.create(title="Belt", url="https://docs.example.com/b", text=text)
+    posted = {"title": "Belt", "url": "https://docs.example.com/b", "text": text.replace("\n", "\r\n")}  # as sent
+
+    form = DocumentForm(data=posted, instance=document)
+
+    assert form.is_valid(), form.errors
+    assert not form.has_changed() and form.cleaned_data["text"] == text
+
+
+def test_a_long_document_is_shown_not_posted_back_with_every_save_of_its_instance(
+    make_instance: Callable[..., AgentInstance],
+) -> None:
+    # Each was posted whole: a few megabytes of documents made any save of the page pass the body's bound.
+    text = "Replace the belt every 2000 hours. " * 4000
+    document = make_instance("acme.agent").documents.create(title="Belt", url="https://docs.example.com/b", text=text)
+
+    form = DocumentForm(data={"title": "Belt", "url": "https://docs.example.com/b"}, instance=document)
+
+    assert form.is_valid(), form.errors
+    assert form.cleaned_data["text"] == text and "upload a file to replace them" in str(form["text"])
+    assert len(str(form["text"])) < 3000
+
+
+def test_an_uploaded_file_holding_a_nul_character_is_refused_by_name() -> None:
+    upload = SimpleUploadedFile("belt.md", b"Belt\x00")
+
+    form = DocumentForm(data={"title": "Belt", "url": "https://docs.example.com/belt"}, files={"upload": upload})
+
+    assert not form.is_valid() and "NUL character" in str(form.errors["upload"])
+
+
 def test_operators_see_a_stored_turn_with_its_tool_run_and_its_feedback(
     staff: Client, make_instance: Callable[..., AgentInstance], organization: Organization
 ) -> None:
