@@ -1127,9 +1127,43 @@ def _misread(schema: dict[str, Any]) -> str | None:
         return _TRUE_OR_FALSE
     if "prefixItems" in schema and "items" in schema:
         return "its 'prefixItems' beside 'items' cannot be enforced by this model's grammar: write one of them"
+    if isinstance(prefix := schema.get("prefixItems"), list):  # the grammar writes them all, and no more
+        for keyword, outside in (("minItems", lambda n: n > len(prefix)), ("maxItems", lambda n: n < len(prefix))):
+            if isinstance(count := schema.get(keyword), int) and outside(count):
+                return (
+                    f"its {keyword!r} of {count} beside its {len(prefix)} 'prefixItems' cannot be enforced by this "
+                    "model's grammar, which writes every prefix item and no other"
+                )
+    extra = schema.get("additionalProperties")
+    if isinstance(properties, dict) and extra not in (None, False):
+        listed = schema.get("required")
+        if any(name not in (listed if isinstance(listed, list) else ()) for name in properties):
+            return (
+                "its 'additionalProperties' beside optional properties cannot be enforced by this model's grammar: "
+                "make every property required, or additionalProperties false"
+            )
     parts = schema.get("allOf")
     if isinstance(parts, list) and not all(isinstance(part, dict) and _an_object(part) for part in parts):
         return "its 'allOf' can be enforced by this model's grammar only of objects"
+    if isinstance(parts, list) and (problem := _merge_problem(parts)):
+        return problem
+    return None
+
+
+def _merge_problem(parts: list[Any]) -> str | None:
+    """Why the converter's merge of an ``allOf``'s objects (every property of every part, each required, and no
+    other) would not be what the parts say together, or None."""
+    named: set[str] = set()
+    for part in parts:
+        if part.get("additionalProperties") not in (None, True):
+            return "its 'allOf' of objects with 'additionalProperties' cannot be enforced by this model's grammar"
+        properties = part.get("properties") if isinstance(part.get("properties"), dict) else {}
+        if shared := sorted(named & properties.keys()):
+            return (
+                f"its 'allOf' names the property {shared[0]!r} in two of its parts, which this model's grammar "
+                "cannot hold to both: write it in one"
+            )
+        named |= properties.keys()
     return None
 
 
@@ -1268,6 +1302,8 @@ def _same_length(low: str, high: str) -> list[str]:
         return [" ".join(f'"{d}"' for d in low)]
     if len(low) == 1:
         return [f"[{low}-{high}]"]
+    if set(low[1:]) == {"0"} and set(high[1:]) == {"9"}:  # every number of the span: one alternative, not 2**digits
+        return [" ".join([f"[{low[0]}-{high[0]}]", *["[0-9]"] * (len(low) - 1)])]
     if low[0] == high[0]:
         return [f'"{low[0]}" {rest}' for rest in _same_length(low[1:], high[1:])]
     width = len(low) - 1

@@ -1261,3 +1261,66 @@ def test_an_optional_objects_required_properties_are_needed_only_when_it_is() ->
     }
 
     assert llama_cpp.needed(schema) == [llama_cpp.Needed(frozenset({"city", "list", "id"}))]
+
+
+OPTIONAL_AND_MORE = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "additionalProperties": {"type": "string"},
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        (OPTIONAL_AND_MORE, "its 'additionalProperties' beside optional properties"),
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "string"}}},
+                    {"type": "object", "properties": {"b": {"type": "string"}}, "additionalProperties": False},
+                ]
+            },
+            "its 'allOf' of objects with 'additionalProperties'",
+        ),
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "string"}}},
+                    {"type": "object", "properties": {"a": {"type": "integer"}}},
+                ]
+            },
+            "names the property 'a' in two of its parts",
+        ),
+        (
+            {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}], "minItems": 4},
+            "its 'minItems' of 4 beside its 2 'prefixItems'",
+        ),
+    ],
+    ids=["optional-properties-and-more", "allOf-closing-a-part", "allOf-naming-one-twice", "prefixItems-and-more"],
+)
+def test_what_the_converter_would_write_as_other_than_json_or_the_schema_is_refused_by_name(
+    vocab: Any, schema: dict[str, Any], says: str
+) -> None:
+    # The converter wrote {"a":1"b":"x"} (no comma) for the first; the others let values through that break them.
+    assert says in (schema_problem(schema, vocab=vocab) or "")
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": 0, "maximum": 2**31 - 1},
+        {"minimum": -(2**31), "maximum": 2**31 - 1},
+        {"minimum": 0, "maximum": 2**53 - 1},
+    ],
+    ids=["int32-positive", "int32", "js-safe"],
+)
+def test_an_integer_between_common_machine_bounds_is_enforced_not_refused_for_its_size(
+    vocab: Any, bounds: dict[str, int]
+) -> None:
+    # Every digit of the span was split in two: 2,047 alternatives for ten digits, past the bound, and refused.
+    schema = {"type": "integer", **bounds}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, str(bounds["maximum"])) and accepts(vocab, schema, str(bounds["minimum"]))
+    assert not accepts(vocab, schema, str(bounds["maximum"] + 1))
