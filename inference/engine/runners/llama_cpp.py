@@ -1120,12 +1120,14 @@ def _misread(schema: dict[str, Any]) -> str | None:
         absent = [name for name in required if name not in properties] if isinstance(required, list) else []
         if absent and not composed:
             return f"its required property {absent[0]!r} is not among its properties"
-    if isinstance(schema.get("items"), bool) or any(
+    # A closed tuple (prefixItems and no other item) is what the grammar writes of prefixItems alone.
+    closed_tuple = "prefixItems" in schema and schema.get("items") is False
+    if (isinstance(schema.get("items"), bool) and not closed_tuple) or any(
         isinstance(parts, list) and any(isinstance(part, bool) for part in parts)
         for parts in (schema.get(keyword) for keyword in _SUBSCHEMA_LISTS)
     ):
         return _TRUE_OR_FALSE
-    if "prefixItems" in schema and "items" in schema:
+    if "prefixItems" in schema and "items" in schema and not closed_tuple:
         return "its 'prefixItems' beside 'items' cannot be enforced by this model's grammar: write one of them"
     if isinstance(prefix := schema.get("prefixItems"), list):  # the grammar writes them all, and no more
         for keyword, outside in (("minItems", lambda n: n > len(prefix)), ("maxItems", lambda n: n < len(prefix))):

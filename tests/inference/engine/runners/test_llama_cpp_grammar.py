@@ -1324,3 +1324,12 @@ def test_an_integer_between_common_machine_bounds_is_enforced_not_refused_for_it
     assert schema_problem(schema, vocab=vocab) is None
     assert accepts(vocab, schema, str(bounds["maximum"])) and accepts(vocab, schema, str(bounds["minimum"]))
     assert not accepts(vocab, schema, str(bounds["maximum"] + 1))
+
+
+def test_a_closed_tuple_is_enforced_as_its_prefix_items_and_no_other(vocab: Any) -> None:
+    # "items": false beside prefixItems was refused, with a hint ("write {}") that meant the opposite.
+    schema = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}
+
+    assert schema_problem(schema, vocab=vocab) is None
+    assert accepts(vocab, schema, '[1, "a"]')
+    assert not accepts(vocab, schema, '[1, "a", 2]') and not accepts(vocab, schema, "[1]")
