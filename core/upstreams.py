@@ -3,9 +3,11 @@ endpoint's path (``chat/completions``). Read by the settings and the catalog ali
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import urlsplit
 
 
+@functools.lru_cache(maxsize=256)  # asked on every gateway request, of a few URLs
 def upstream_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be an upstream's base URL, or None."""
     try:
