@@ -871,7 +871,12 @@ def _converter_class() -> type[Any]:
                     # enum, a maxLength, a format) left out: one branch a type, each with them all (a keyword of
                     # another type's holds nothing there).
                     rest = {key: value for key, value in schema.items() if key != "type"}
-                    return str(super().visit({"anyOf": [{**rest, "type": one} for one in kind]}, name))
+                    branches = [{**rest, "type": one} for one in kind]
+                    for branch in branches:
+                        if branch["type"] not in ("integer", "number"):
+                            for bound in _BOUNDS & branch.keys():  # a null's minimum
+                                del branch[bound]
+                    return str(super().visit({"anyOf": branches}, name))
                 if kind == "string" and isinstance(fmt := schema.get("format"), str) and fmt in _FORMAT_PATTERNS:
                     # The converter writes a few formats loosely (a 31st of February) and leaves the others out: each
                     # is its pattern instead (keyword_problem refused what it stands beside).
@@ -975,9 +980,9 @@ def _unenforceable(schema: dict[str, Any]) -> str | None:
             return f"its {keyword!r} cannot be enforced by this model's grammar"
     if schema.get("uniqueItems") is True:
         return "its 'uniqueItems' cannot be enforced by this model's grammar"
-    if _BOUNDS & schema.keys() and schema.get("type") not in ("integer", "number"):
+    if _BOUNDS & schema.keys() and not _types(schema) & {"integer", "number"}:
         bound = sorted(_BOUNDS & schema.keys())[0]
-        return f"its {bound!r} can be enforced by this model's grammar where the type is one integer or number"
+        return f"its {bound!r} can be enforced by this model's grammar where the type is integer or number"
     return _misread(schema)
 
 

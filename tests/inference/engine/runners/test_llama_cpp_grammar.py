@@ -436,7 +436,7 @@ def test_a_bounded_numbers_fraction_holds_at_most_sixteen_digits_as_llama_cpps_o
             {"type": "number", "minimum": 0.5},
             "'minimum' of 0.5 can be enforced by this model's grammar only as a whole",
         ),
-        ({"type": ["number", "null"], "minimum": 0}, "where the type is one integer or number"),
+        ({"type": ["string", "null"], "minimum": 0}, "where the type is integer or number"),
         ({"type": "integer", "multipleOf": 5}, "'multipleOf' cannot be enforced"),
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
         ({"type": "array", "contains": {"const": 5}}, "'contains' cannot be enforced"),
@@ -506,15 +506,19 @@ def test_a_keyword_the_grammar_cannot_enforce_is_named_rather_than_left_out(sche
         {"type": ["string", "null"], "maxLength": 2},
         {"type": ["string", "null"], "enum": ["ab", None]},
         {"type": ["integer", "string"], "const": 3},
+        {"type": ["integer", "null"], "minimum": 3, "maximum": 4},
+        {"type": ["number", "null"], "exclusiveMaximum": 4},
+        {"type": ["string", "integer"], "maxLength": 2, "minimum": 4},
     ],
-    ids=["maxLength", "enum", "const"],
+    ids=["maxLength", "enum", "const", "nullable-integer-bounds", "nullable-number-bound", "bounds-of-one-type"],
 )
 def test_a_list_of_types_keeps_its_other_keywords(vocab: Any, schema: dict[str, Any]) -> None:
-    # The converter read the types alone: a maxLength, an enum or a const beside them was left out.
+    # The converter read the types alone: a maxLength, an enum or a const beside them was left out. A bound holds
+    # nothing on a value of another type (null), and was refused where the type was a list.
     wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"]}
     valid = jsonschema.Draft202012Validator(wrapped).is_valid
 
-    for value in ["ab", "abc", None, 3, 4, "x"]:
+    for value in ["ab", "abc", None, 3, 4, 5, 3.5, "x"]:
         assert accepts(vocab, wrapped, json.dumps({"v": value})) == valid({"v": value}), value
 
 
