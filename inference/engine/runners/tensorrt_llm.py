@@ -55,7 +55,7 @@ from .base import (
     prompt_pieces,
     subschemas,
 )
-from .llama_cpp import grammar_for
+from .grammar import grammar_for
 from .schema_ends import endless_problem
 
 logger = logging.getLogger(__name__)

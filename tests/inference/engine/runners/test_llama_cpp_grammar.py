@@ -1,5 +1,5 @@
-"""The CPU runner's grammars: JSON Schema features the llama.cpp converter reads differently, made to mean what
-they say."""
+"""The grammars built from JSON schemas, and the CPU runner sampling under them: JSON Schema features the llama.cpp
+converter reads differently, made to mean what they say."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from llama_cpp import llama_cpp as lib
 from inference.engine.decoding import FunctionTool, ToolChoice, plan_decoding
 from inference.engine.runners import llama_cpp
 from inference.engine.runners.base import Constraint
-from inference.engine.runners.llama_cpp import grammar_for, schema_problem
+from inference.engine.runners.grammar import SchemaTooLarge, grammar_for, schema_problem
 from tests.conftest import DEFAULT_MODEL
 
 
@@ -1028,7 +1028,7 @@ def test_a_schema_past_the_bounds_is_refused_with_what_is_too_large(schema: dict
 
 
 def test_the_worker_refuses_to_build_a_grammar_past_the_bounds_too() -> None:
-    with pytest.raises(llama_cpp.SchemaTooLarge, match="maxLength 20000"):
+    with pytest.raises(SchemaTooLarge, match="maxLength 20000"):
         grammar_for(Constraint(kind="json_schema", schema=string_of_at_most(20_000)))
 
 
@@ -1067,7 +1067,7 @@ def test_a_checked_schema_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None
         built.append(constraint)
         return grammar_for(constraint, *args)
 
-    monkeypatch.setattr(llama_cpp, "grammar_for", build)
+    monkeypatch.setattr("inference.engine.runners.grammar.grammar_for", build)
     for _ in range(21):
         assert schema_problem(schema) is None
 
