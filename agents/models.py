@@ -12,6 +12,10 @@ from django.db import models
 from django.utils import timezone
 
 from agents.tools.registry import REGISTRY
+from inference.engine.exceptions import ContextLengthExceeded
+from inference.engine.execution import get_renderer
+from inference.engine.prompting import render_prompt
+from inference.engine.runners.base import RunnerError
 from inference.models import HTTPSURLField
 
 INSTANCE_ID = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*$"
@@ -91,6 +95,33 @@ class AgentInstance(models.Model):
             raise ValidationError({"first_step": "Searching first needs the knowledge_search tool."})
         if self.first_step == FirstStep.TOOL and not self.tools:
             raise ValidationError({"first_step": "Calling a tool first needs at least one server tool."})
+        if self.instructions and self.model_id is not None and (problem := _instructions_problem(self)):
+            raise ValidationError({"instructions": problem})
+
+
+def _instructions_problem(instance: AgentInstance) -> str | None:
+    """Why the instructions leave no room on the catalog model for a conversation, or None (also when the model's
+    tokenizer cannot be loaded here: the catalog entry's own checks say why)."""
+    entry = instance.model
+    try:
+        prompt = render_prompt(
+            renderer=get_renderer(entry.runner, entry.runner_settings),
+            messages=[{"role": "system", "content": instance.instructions}, {"role": "user", "content": ""}],
+            tools=(),
+            describe_tools=False,
+            context_length=entry.context_length,
+        )
+        tokens, at_least = prompt.tokens, False
+    except ContextLengthExceeded as exc:
+        tokens, at_least = exc.prompt_tokens, exc.at_least
+    except RunnerError:
+        return None
+    if tokens < entry.context_length:
+        return None
+    return (
+        f"These instructions take {'at least ' if at_least else ''}{tokens} tokens of the "
+        f"catalog model {entry}'s context of {entry.context_length}: no conversation would fit beside them."
+    )
 
 
 class Document(models.Model):

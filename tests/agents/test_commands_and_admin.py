@@ -180,6 +180,19 @@ def test_an_instance_is_refused_an_answer_budget_of_no_tokens(make_instance: Cal
     assert make_instance("e.agent", max_output_tokens=1).max_output_tokens == 1
 
 
+@pytest.mark.parametrize("repeats", [1700, 20_000])
+def test_an_instance_is_refused_instructions_that_leave_no_room_for_a_conversation(
+    make_instance: Callable[..., AgentInstance], catalog_model: CatalogEntry, repeats: int
+) -> None:
+    # Every turn of such an instance failed with context_length_exceeded, blaming the client's input.
+    from django.core.exceptions import ValidationError
+
+    assert catalog_model.context_length == 8192
+    with pytest.raises(ValidationError, match="tokens of the catalog model .* context of 8192: no conversation would"):
+        make_instance("f.agent", instructions="Answer in plain English. " * repeats)
+    assert make_instance("g.agent", instructions="Answer in plain English. " * 1000).full_clean() is None
+
+
 def test_a_guardrail_with_a_broken_regular_expression_is_refused(make_instance: Callable[..., AgentInstance]) -> None:
     from django.core.exceptions import ValidationError
 
