@@ -73,6 +73,8 @@ PROPERTY_COST = 3
 # GRAMMAR_SLICE, until a slice holds a token the grammar allows (``_Sampler._draw_allowed``).
 LIKELIEST = 512
 GRAMMAR_SLICE = 2048
+# A token under a grammar that would make the output other than UTF-8 is drawn again, this many times at most.
+UTF8_DRAWS = 16
 # A grammar that takes longer than this to check for one token ends its job: every sequence waits for it.
 GRAMMAR_CHECK_MAX_SECONDS = 1.0
 # How many prompt tokens one step reads at most, besides the generating sequences' tokens: a longer
@@ -264,14 +266,21 @@ class _Sampler:
     The token is first drawn freely and checked against the grammar alone; only when the grammar refuses
     it is the vocabulary masked and the token drawn again. Output is the same as masking first: a token
     the grammar accepts, drawn from the grammar-masked distribution when the free draw was refused.
+
+    Under a grammar the output's bytes are also kept UTF-8: llama.cpp's grammars read the bytes of an encoded
+    surrogate, an overlong form or a code past U+10FFFF as a character, which the text holds as U+FFFD, one or
+    more of them (a string's ``maxLength`` or pattern broken). A token that would write such bytes is drawn again
+    without it.
     """
 
-    def __init__(self, model: Any, sampling: Sampling, grammar: Any) -> None:
+    def __init__(self, model: Any, sampling: Sampling, grammar: Any, pieces: Sequence[bytes]) -> None:
         from llama_cpp import _internals
         from llama_cpp import llama_cpp as lib
 
         self._lib = lib
         self._grammar = grammar
+        self._pieces = pieces
+        self._partial = b""  # the first bytes of a character still to come
         self._greedy = sampling.temperature == 0
         self._chain = _internals.LlamaSampler()
         self._penalized = bool(sampling.frequency_penalty or sampling.presence_penalty)
@@ -367,9 +376,28 @@ class _Sampler:
             token = self._draw(logits, masked=False)
             if self._grammar and not self._allowed(token):
                 token = self._draw(logits, masked=True)
+            if self._grammar and not self._keeps_utf8(token):
+                token = self._draw_utf8(logits, token)
         if self._grammar:
             self._lib.llama_sampler_accept(self._grammar, token)
+            self._partial = _utf8_tail(self._partial + self._pieces[token]) or b""
         self._lib.llama_sampler_accept(self._chain.sampler, token)
+        return token
+
+    def _keeps_utf8(self, token: int) -> bool:
+        """Whether the output stays UTF-8 (or the start of a character still to come) with ``token``'s bytes."""
+        return _utf8_tail(self._partial + self._pieces[token]) is not None
+
+    def _draw_utf8(self, logits: np.ndarray, refused: int) -> int:
+        """A token the grammar allows that keeps the output UTF-8, ``refused`` left out: a few draws at most (after a
+        character's first byte, most of the byte tokens the grammar allows are its continuation)."""
+        logits = logits.copy()
+        token = refused
+        for _ in range(UTF8_DRAWS):
+            logits[token] = -np.inf
+            token = self._draw(logits, masked=True)
+            if self._keeps_utf8(token):
+                break
         return token
 
     def _closing(self, logits: np.ndarray, closing: Closing) -> int:
@@ -378,6 +406,18 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
         token, self.departed = closing.choose(candidates.candidates_data.logit)
         return token
+
+
+def _utf8_tail(data: bytes) -> bytes | None:
+    """The first bytes of a character that ``data`` ends with (none when it ends whole), or None when ``data`` is not
+    UTF-8 (Python's decoder holds each byte to the ranges of Unicode's table of well-formed sequences)."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        if exc.reason == "unexpected end of data" and exc.end == len(data):
+            return data[exc.start :]
+        return None
+    return b""
 
 
 _64_BITS = (1 << 64) - 1
@@ -1009,7 +1049,7 @@ class LlamaCppRunner:
             grammar = self._lib.llama_sampler_init_grammar(self._model.vocab, text.encode("utf-8"), b"root")
             if not grammar:
                 raise RunnerError("the output constraint could not be compiled to a grammar", code="invalid_constraint")
-        sampler = _Sampler(self._model, job.sampling, grammar)
+        sampler = _Sampler(self._model, job.sampling, grammar, self.vocabulary.pieces)
         max_tokens = min(job.sampling.max_tokens, context - len(prompt))
         interval = self.settings.stream_interval
         return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, interval, deliver)

@@ -876,7 +876,9 @@ def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written
     grammar = lib.llama_sampler_init_grammar(
         vocabulary.model.vocab, grammar_for(Constraint("json_schema", schema)).encode(), b"root"
     )
-    sampler = llama_cpp._Sampler(vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar)
+    sampler = llama_cpp._Sampler(
+        vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar, vocabulary.pieces
+    )
     tail = llama_cpp.JsonTail()
     bracey = np.array(
         [float(bool(p.strip()) and not p.strip().strip(b"}]")) * 50 + float(b'{"' in p) * 25 for p in vocabulary.pieces]
@@ -941,10 +943,13 @@ def test_a_forced_call_is_closed_in_a_few_tokens_from_wherever_its_budget_ran_lo
 # --- what checking the vocabulary against a grammar costs -------------------------------------------------------
 
 
-def sampler_for(vocabulary: llama_cpp.Vocabulary, schema: dict[str, Any]) -> llama_cpp._Sampler:
+def sampler_for(
+    vocabulary: llama_cpp.Vocabulary, schema: dict[str, Any], temperature: float = 0.7, seed: int = 1
+) -> llama_cpp._Sampler:
     grammar = grammar_for(Constraint("json_schema", schema)).encode()
     compiled = lib.llama_sampler_init_grammar(vocabulary.model.vocab, grammar, b"root")
-    return llama_cpp._Sampler(vocabulary.model, llama_cpp.Sampling(max_tokens=8, temperature=0.7, seed=1), compiled)
+    sampling = llama_cpp.Sampling(max_tokens=8, temperature=temperature, seed=seed)
+    return llama_cpp._Sampler(vocabulary.model, sampling, compiled, vocabulary.pieces)
 
 
 def quotes_least_likely(vocabulary: llama_cpp.Vocabulary) -> np.ndarray:
@@ -962,6 +967,56 @@ def test_sampling_under_a_grammar_finds_an_allowed_token_far_down_the_vocabulary
         sampler.close()
 
     assert vocabulary.pieces[token].lstrip().startswith(b'"')
+
+
+def test_under_a_grammar_a_token_that_would_write_no_character_utf8_allows_is_drawn_again(
+    vocabulary: llama_cpp.Vocabulary,
+) -> None:
+    # The grammar reads ED A0 as the start of U+D800, a surrogate: the text held U+FFFD in its place.
+    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
+    sampler = sampler_for(vocabulary, {"type": "string", "maxLength": 1}, temperature=0)
+    written = []
+    try:
+        for favoured in ([ord('"')], [0xED], [0xA0, 0x9F], [0x80]):
+            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
+            for rank, value in enumerate(favoured):
+                logits[byte[value]] = 30.0 - rank
+            written.append(vocabulary.pieces[sampler.next(logits)])
+    finally:
+        sampler.close()
+
+    assert written == [b'"', b"\xed", b"\x9f", b"\x80"]
+    assert b"".join(written).decode() == '"\ud7c0'
+
+
+def test_under_a_grammar_the_output_stays_utf8_whatever_bytes_the_model_favours(
+    vocabulary: llama_cpp.Vocabulary,
+) -> None:
+    # Overlong forms (E0 80 80), surrogates (ED A0 80) and codes past U+10FFFF (F4 90 80 80) each passed as a
+    # character: a model that favours the first bytes they start with, then any byte that may follow a first one.
+    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
+    firsts = [byte[value] for value in (0xE0, 0xED, 0xF0, 0xF4)]
+    following = [byte[value] for value in range(0x80, 0xC0)]
+    quote = byte[ord('"')]
+    for seed in range(8):
+        draw = np.random.default_rng(seed)
+        sampler = sampler_for(vocabulary, {"type": "string", "maxLength": 3}, seed=seed)
+        text = b""
+        try:
+            for step in range(16):
+                logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
+                logits[firsts] = draw.normal(12.0, 1.0, len(firsts))
+                logits[following] = draw.normal(10.0, 1.0, len(following))
+                logits[quote] = 30.0 if step == 0 else 0.0
+                token = sampler.next(logits)
+                if vocabulary.is_end(token):
+                    break
+                text += vocabulary.pieces[token]
+        finally:
+            sampler.close()
+
+        value = json.loads(text.decode())  # no U+FFFD in place of bytes that are no character
+        assert isinstance(value, str) and len(value) <= 3, text
 
 
 def test_a_grammar_too_costly_to_check_ends_its_job_instead_of_holding_every_stream(
