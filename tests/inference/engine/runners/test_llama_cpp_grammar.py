@@ -63,6 +63,32 @@ def test_a_json_string_never_holds_a_raw_control_character(vocab: Any) -> None:
     assert not accepts(vocab, CITY, '{"city": "Eugene,\tOregon"}')
 
 
+@pytest.mark.parametrize(
+    "escaped",
+    [
+        r"\ud83d\ude00x",
+        r"\uD83D\uDE00\u00e9",
+        r"\ud7ffx",
+        r"\ue000x",
+        r"\ud83d\ude00",
+        r"\ud83d\ude00xy",
+        r"\ud800x",
+        r"\ude00x",
+        r"\ud83dx",
+        r"\ude00\ud83d",
+    ],
+)
+def test_a_character_past_u_ffff_escaped_is_one_character_and_a_surrogate_escaped_alone_is_none(
+    vocab: Any, escaped: str
+) -> None:
+    # An escaped pair counted as two characters (one emoji met minLength 2), and a lone half was written.
+    schema = {"type": "object", "properties": {"v": {"type": "string", "minLength": 2, "maxLength": 2}}}
+    value = json.loads(f'"{escaped}"')
+    whole = all(not 0xD800 <= ord(char) <= 0xDFFF for char in value)
+
+    assert accepts(vocab, schema, f'{{"v": "{escaped}"}}') == (whole and len(value) == 2)
+
+
 def test_an_unanchored_pattern_allows_other_text_around_its_match_but_never_a_quote(vocab: Any) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "pattern": "Eugene"}}, "required": ["city"]}
 
