@@ -137,6 +137,39 @@ async def test_a_forced_call_whose_required_name_is_long_is_closed_in_time(
     assert finish_reason in ("tool_calls", "length")
 
 
+ORDER = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "qty": {"type": "integer"}},
+                "required": ["name", "qty"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("max_tokens", range(20, 63, 6))
+async def test_a_forced_call_whose_list_items_require_properties_is_closed_in_time(
+    api: API, openai_spec: OpenAISpec, max_tokens: int
+) -> None:
+    # Closing counted the names of the items' objects nowhere (a list may be empty), and a name the first item wrote
+    # as written for the next: arguments such as {"items": [{"name": "a", "qty": 1}, {"name":", ","qty" :-
+    body = chat_body(0, stream=False, choice="required", schema=ORDER, max_tokens=max_tokens, temperature=0)
+    body["messages"] = [{"role": "user", "content": "Order many items."}]
+
+    function, _, finish_reason = await chat_call(api, openai_spec, body)
+
+    jsonschema.validate(json.loads(function["arguments"]), ORDER)
+    assert finish_reason in ("tool_calls", "length")
+
+
 TIME = {
     "type": "object",
     "properties": {"tz": {"type": "string"}, "fmt": {"type": "string", "enum": ["12h", "24h"]}},

@@ -24,6 +24,7 @@ import bisect
 import codecs
 import collections
 import contextlib
+import copy
 import ctypes
 import functools
 import json
@@ -37,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import machinery
 from pathlib import Path
 from typing import Any
@@ -368,8 +369,17 @@ class _Sampler:
         """Whether the grammar would take the end of the output now (its value is whole)."""
         return bool(self._grammar) and any(self._allowed(token) for token in ends)
 
-    def next(self, logits: np.ndarray, *, closing: Closing | None = None) -> int:
-        """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows."""
+    def next(
+        self,
+        logits: np.ndarray,
+        *,
+        closing: Closing | None = None,
+        overreaching: Callable[[int], Closing | None] | None = None,
+    ) -> int:
+        """The next token; with ``closing``, the shortest way to a whole JSON value the grammar allows. A token drawn
+        that ``overreaching`` answers with a ``Closing`` for (it would begin more than the budget can finish) is
+        replaced by that closing's."""
+        self.departed = False
         if closing is not None and self._grammar:
             token = self._closing(logits, closing)
         else:
@@ -378,6 +388,8 @@ class _Sampler:
                 token = self._draw(logits, masked=True)
             if self._grammar and not self._keeps_utf8(token):
                 token = self._draw_utf8(logits, token)
+            if self._grammar and overreaching is not None and (closing := overreaching(token)) is not None:
+                token = self._closing(logits, closing)
         if self._grammar:
             self._lib.llama_sampler_accept(self._grammar, token)
             self._partial = _utf8_tail(self._partial + self._pieces[token]) or b""
@@ -433,111 +445,242 @@ def seed_32(seed: int) -> int:
     return (mixed ^ (mixed >> 31)) % 0xFFFFFFFF
 
 
-@dataclass(frozen=True, slots=True)
-class Needed:
-    """What a value of a schema must name: the properties it requires, and those its required properties require in
-    turn (an optional property's own are not needed); for one of several calls, the function it calls."""
+# The most alternatives (``anyOf`` and ``oneOf`` branches, across ``allOf`` parts) followed for one open value, and
+# the most schemas looked at to find them.
+SHAPES_MOST = 64
+SHAPES_VISITS = 512
 
-    names: frozenset[str]
-    call: str | None = None
+Shape = tuple[dict[str, Any], ...]
 
 
-def needed(schema: Any) -> list[Needed]:
-    """What a value of ``schema`` must name, as one ``Needed`` per alternative of a root ``anyOf`` (a call of one of
-    several tools) or one for the whole (a bounded schema: its size is checked first)."""
-    done: dict[int, frozenset[str]] = {}
+def _shapes(node: Any, root: Any) -> list[Shape]:
+    """The alternatives a value of ``node`` may take, each as the schema objects it must meet together: ``$ref``s
+    followed, ``allOf`` parts joined, ``anyOf`` and ``oneOf`` branches apart. A ``$ref`` back to a schema being
+    followed adds no alternative (its value nests inside), and at most ``SHAPES_VISITS`` schemas are followed."""
+    return _expanded(node, root, frozenset(), [SHAPES_VISITS]) or [()]
 
-    def names(node: Any) -> frozenset[str]:
-        if not isinstance(node, dict) or id(node) in done:
-            return done.get(id(node), frozenset())
-        done[id(node)] = frozenset()  # a schema that refers to itself needs nothing more where it does
-        found: set[str] = set()
-        if isinstance(ref := node.get("$ref"), str):
-            found |= names(schema_at(schema, ref))
-        parts = node.get("allOf")
-        for part in parts if isinstance(parts, list) else ():
-            found |= names(part)
-        branches = node.get("anyOf") or node.get("oneOf")
-        if isinstance(branches, list) and branches:  # what every branch needs, whichever is written
-            found |= frozenset.intersection(*(names(branch) for branch in branches))
-        listed = node.get("required")
-        required = [name for name in listed if isinstance(name, str)] if isinstance(listed, list) else []
-        properties: dict[str, Any] = node["properties"] if isinstance(node.get("properties"), dict) else {}
-        found.update(required)
-        for name in required:
-            found |= names(properties.get(name))
-        if isinstance(least := node.get("minItems"), int) and least > 0:
-            found |= names(node.get("items"))
-        done[id(node)] = frozenset(found)
-        return done[id(node)]
 
-    branches = schema.get("anyOf") if isinstance(schema, dict) else None
+def _expanded(node: Any, root: Any, path: frozenset[int], visits: list[int]) -> list[Shape]:
+    if not isinstance(node, dict):
+        return [()]
+    if id(node) in path or visits[0] <= 0:
+        return []
+    visits[0] -= 1
+    path |= {id(node)}
+    shapes: list[Shape] = [(node,)]
+    if isinstance(ref := node.get("$ref"), str):
+        shapes = _joined(shapes, _expanded(schema_at(root, ref), root, path, visits))
+    parts = node.get("allOf")
+    for part in parts if isinstance(parts, list) else ():
+        shapes = _joined(shapes, _expanded(part, root, path, visits))
+    branches = node.get("anyOf") or node.get("oneOf")
     if isinstance(branches, list) and branches:
-        return [Needed(names(branch), _called(branch)) for branch in branches]
-    return [Needed(names(schema), _called(schema))]
+        shapes = _joined(shapes, [shape for branch in branches for shape in _expanded(branch, root, path, visits)])
+    return shapes
 
 
-def _called(schema: Any) -> str | None:
-    """The function a call's schema (``{"name": {"const": …}, "arguments": …}``) calls, if it is one."""
-    name = schema.get("properties", {}).get("name") if isinstance(schema, dict) else None
-    called = name.get("const") if isinstance(name, dict) else None
-    return called if isinstance(called, str) else None
+def _joined(shapes: list[Shape], more: list[Shape]) -> list[Shape]:
+    return [(*shape, *other) for shape in shapes for other in more][:SHAPES_MOST]
 
 
-# The function a call names, as its JSON string.
-_CALLED = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+def _required(shape: Shape) -> list[str]:
+    names: dict[str, None] = {}
+    for part in shape:
+        if isinstance(listed := part.get("required"), list):
+            names.update((name, None) for name in listed if isinstance(name, str))
+    return list(names)
+
+
+def _property(shape: Shape, name: str) -> Any:
+    """The schema of an object's property ``name`` (of an unnamed one: its ``additionalProperties``)."""
+    for part in shape:
+        if isinstance(properties := part.get("properties"), dict) and name in properties:
+            return properties[name]
+    return next((extra for part in shape if isinstance(extra := part.get("additionalProperties"), dict)), None)
+
+
+def _item(shape: Shape, index: int) -> Any:
+    """The schema of an array's item at ``index``."""
+    for part in shape:
+        if isinstance(prefix := part.get("prefixItems"), list) and index < len(prefix):
+            return prefix[index]
+    return next((items for part in shape if isinstance(items := part.get("items"), dict)), None)
+
+
+def _least_items(shape: Shape) -> int:
+    return max((least for part in shape if isinstance(least := part.get("minItems"), int)), default=0)
+
+
+def _of_type(shape: Shape, kind: str) -> bool:
+    """Whether ``shape`` lets a value be of the JSON type ``kind`` (a nullable object's null branch does not)."""
+    for part in shape:
+        named = part.get("type")
+        if isinstance(named, str) and named != kind or isinstance(named, list) and kind not in named:
+            return False
+    return True
+
+
+def _admits(node: Any, root: Any, value: Any) -> bool:
+    """Whether a value's ``const`` or ``enum`` lets ``value`` be it (a call's ``name``: which function it calls)."""
+    for shape in _shapes(node, root):
+        if all(
+            ("const" not in part or part["const"] == value)
+            and (not isinstance(part.get("enum"), list) or value in part["enum"])
+            for part in shape
+        ):
+            return True
+    return False
+
+
+class _Open:
+    """An object or array open in the text, with the alternatives of its schema still possible."""
+
+    def __init__(self, array: bool, shapes: list[Shape]) -> None:
+        self.array = array
+        self.shapes = shapes
+        self.keys: set[str] = set()  # an object's properties named so far
+        self.key: str | None = None  # the property whose value is being written
+        self.awaiting = True  # an object's key, or an array's next item, is still to come
+        self.comma = False  # a comma asks for that key or item
+        self.count = 0  # an array's items begun
+        self.string = ""  # the string being read, as written
 
 
 class JsonTail:
-    """How far a JSON text written so far is from whole, as far as its strings and brackets go, and which of the
-    properties it must hold it has not named yet."""
+    """How far a JSON text written so far is from whole: its open strings and brackets, and what its schema still
+    requires it to write, followed as the text is written (the properties each open object must still name, with
+    what their values must name in turn; an array's items short of its ``minItems``)."""
 
-    def __init__(self, needs: Sequence[Needed] = (), cost: Callable[[str], int] = lambda name: 0) -> None:
+    def __init__(self, schema: Any = None, cost: Callable[[str], int] = lambda name: 0) -> None:
         self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
         self.scan = JsonScan()
-        # Each alternative: the function it calls as the text writes it, and each name it needs, as the text may
-        # write it (its characters as they are, or escaped), with the tokens writing it with an empty value takes
-        # (``cost`` of its JSON string, spelled the longer way).
-        self.alternatives = [
-            (
-                None if need.call is None else json.dumps(need.call, ensure_ascii=False),
-                {name: self._spelled(name, cost) for name in need.names},
-            )
-            for need in needs
-        ]
-        self.text = ""
-
-    @staticmethod
-    def _spelled(name: str, cost: Callable[[str], int]) -> tuple[set[str], int]:
-        spellings = {json.dumps(name, ensure_ascii=False), json.dumps(name)}
-        return spellings, max(map(cost, spellings))
-
-    def missing(self) -> int:
-        """The tokens the required properties the text has not named take to write (a name met in a string counts:
-        a guess, cheap): of the call the text names, or the cheapest while it names none."""
-        if not self.alternatives:
-            return 0
-        for _, unnamed in self.alternatives:
-            for name in [name for name, (spellings, _) in unnamed.items() if any(s in self.text for s in spellings)]:
-                del unnamed[name]
-        # The call's name comes first in it: a name met later is an argument's.
-        called = found.group(1) if (found := _CALLED.search(self.text)) is not None else None
-        named = [unnamed for call, unnamed in self.alternatives if call is not None and call == called]
-        return min(sum(cost for _, cost in unnamed.values()) for unnamed in named or (u for _, u in self.alternatives))
+        self._root = schema
+        self._cost = cost
+        self._opened: list[_Open] = []
+        self._name_costs: dict[str, int] = {}
+        self._costs: dict[int, int] = {}
 
     def feed(self, text: str) -> None:
-        self.text += text
         for char in text:
-            if (move := self.scan.read(char)) > 0:
+            inside = self.scan.in_string
+            move = self.scan.read(char)
+            current = self._opened[-1] if self._opened else None
+            if inside:
+                if self.scan.in_string:
+                    if current is not None:
+                        current.string += char
+                elif current is not None:
+                    self._string_read(current)
+                continue
+            if current is not None and current.array and current.awaiting and not char.isspace() and char not in ",]":
+                current.count, current.awaiting, current.comma = current.count + 1, False, False  # an item begins
+            if move > 0:
                 self.open.append("}" if char == "{" else "]")
-            elif move < 0 and self.open:
-                self.open.pop()
+                kind = "array" if char == "[" else "object"
+                shapes = self._child_shapes(current)
+                self._opened.append(_Open(kind == "array", [s for s in shapes if _of_type(s, kind)] or shapes))
+            elif move < 0:
+                if self.open:
+                    self.open.pop()
+                if self._opened:
+                    self._opened.pop()
+            elif current is not None and char == ",":
+                current.awaiting = current.comma = True
+            elif current is not None and char == '"':
+                current.string = ""
+
+    def _string_read(self, current: _Open) -> None:
+        try:
+            value = json.loads(f'"{current.string}"')
+        except ValueError:
+            value = current.string
+        if not current.array and current.awaiting:  # a property's name
+            current.key, current.awaiting, current.comma = value, False, False
+            current.keys.add(value)
+            return
+        if not current.array and current.key is not None:  # its value: the alternatives it leaves
+            key = current.key
+            admitting = [s for s in current.shapes if _admits(_property(s, key), self._root, value)]
+            current.shapes = admitting or current.shapes
+
+    def _child_shapes(self, parent: _Open | None) -> list[Shape]:
+        if parent is None:
+            return _shapes(self._root, self._root)
+        nodes = {}
+        for shape in parent.shapes:
+            node = _item(shape, parent.count - 1) if parent.array else _property(shape, parent.key or "")
+            nodes[id(node)] = node
+        return [shape for node in nodes.values() for shape in _shapes(node, self._root)][:SHAPES_MOST] or [()]
+
+    def missing(self) -> int:
+        """The tokens what the schema still requires takes to write at the least: each property an open object
+        must still name, with an empty value, and in turn what that value must name; an array's items short of its
+        ``minItems``, or asked for by a comma; and what the value still to be opened must name (a text that has not
+        begun its value)."""
+        if self._root is None:
+            return 0
+        if not self._opened:
+            return self._value_cost(self._root)
+        return sum(min(self._still(opened, shape) for shape in opened.shapes) for opened in self._opened)
+
+    def _still(self, opened: _Open, shape: Shape) -> int:
+        if opened.array:
+            items = max(_least_items(shape) - opened.count, int(opened.comma))
+            return items * self._value_cost(_item(shape, opened.count))
+        required = sum(self._property_cost(shape, name) for name in _required(shape) if name not in opened.keys)
+        if required or not opened.comma:
+            return required
+        # A comma after the last required property asks for one more: the cheapest the schema names.
+        properties = [part.get("properties") for part in shape]
+        named = {name for found in properties if isinstance(found, dict) for name in found} - opened.keys
+        return min((self._property_cost(shape, name) for name in named), default=PROPERTY_COST + 1)
+
+    def _property_cost(self, shape: Shape, name: str) -> int:
+        """The tokens the property ``name`` takes at the least: its name with an empty value, and what its value
+        must name in turn."""
+        return self._name_cost(name) + self._value_cost(_property(shape, name))
+
+    def _name_cost(self, name: str) -> int:
+        """The tokens writing the property ``name`` with an empty value takes, spelled the longer way (its characters
+        as they are, or escaped)."""
+        if name not in self._name_costs:
+            spellings = {json.dumps(name, ensure_ascii=False), json.dumps(name)}
+            self._name_costs[name] = max(map(self._cost, spellings))
+        return self._name_costs[name]
+
+    def _value_cost(self, node: Any) -> int:
+        """What a value of ``node`` must name takes at the least, wherever it is written: the properties it requires,
+        what their values require in turn (an optional property's own are not needed), its ``minItems`` items'; of
+        alternatives, the cheapest."""
+        if not isinstance(node, dict):
+            return 0
+        if id(node) not in self._costs:
+            self._costs[id(node)] = 0  # a schema that refers to itself needs nothing more where it does
+            self._costs[id(node)] = min(map(self._shape_cost, _shapes(node, self._root)))
+        return self._costs[id(node)]
+
+    def _shape_cost(self, shape: Shape) -> int:
+        required = sum(self._property_cost(shape, name) for name in _required(shape))
+        return required + _least_items(shape) * self._value_cost(_item(shape, 0))
 
     def closers(self) -> str:
         """The quotes and brackets that close every open string, array and object, in order."""
         if self.scan.escaped:  # an escape needs its letter before the string can close
             return ""
         return ('"' if self.scan.in_string else "") + "".join(reversed(self.open))
+
+    def needs(self, after: str = "") -> int:
+        """The tokens closing the text takes at the most (``after`` more of it): one per closing quote and bracket,
+        ``CLOSING_SLACK`` more, and what the schema still requires."""
+        tail = self
+        if after:
+            tail = copy.copy(self)
+            tail.open, tail.scan = list(self.open), replace(self.scan)
+            tail._opened = [copy.copy(opened) for opened in self._opened]
+            for opened in tail._opened:
+                opened.keys = set(opened.keys)
+            tail.feed(after)
+        return len(tail.closers()) + CLOSING_SLACK + tail.missing()
 
 
 @dataclass(frozen=True)
@@ -760,7 +903,7 @@ class _Sequence:
         constraint = job.constraint
         self.tail = None
         if constraint and constraint.close_before_limit:
-            self.tail = JsonTail(needed(constraint.schema), lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST)
+            self.tail = JsonTail(constraint.schema, lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST)
         # Whether closing it changed what the model wrote (then it was cut short, not finished).
         self.steered = False
         # Whether the output is one JSON value (a schema's, an object, a forced call), not text that may hold one.
@@ -776,14 +919,14 @@ class _Sequence:
 
     def advance(self, logits: np.ndarray, now: float) -> bool:
         """Takes the next token from ``logits`` at time ``now``; true when the sequence is finished."""
-        closing = None
+        closing = overreaching = None
         if self.tail is not None:
-            closers = self.tail.closers()
-            if self.max_tokens - self.produced <= len(closers) + CLOSING_SLACK + self.tail.missing():
-                in_string = self.tail.scan.in_string
-                closing = Closing(self.vocabulary.closing, closers, self.vocabulary.pieces, in_string)
-        token = self.sampler.next(logits, closing=closing)
-        self.steered = self.steered or (closing is not None and self.sampler.departed)
+            if self.max_tokens - self.produced <= self.tail.needs():
+                closing = self._closing()
+            else:
+                overreaching = self._overreaching
+        token = self.sampler.next(logits, closing=closing, overreaching=overreaching)
+        self.steered = self.steered or self.sampler.departed
         if self.vocabulary.is_end(token):
             # A value closed early is cut short, unless the model would have written it so anyway.
             return self.finish("length" if self.steered else "stop")
@@ -816,6 +959,20 @@ class _Sequence:
             return self.finish("stop" if whole else "length")
         self.next_token = token
         return False
+
+    def _closing(self) -> Closing:
+        assert self.tail is not None
+        vocabulary = self.vocabulary
+        return Closing(vocabulary.closing, self.tail.closers(), vocabulary.pieces, self.tail.scan.in_string)
+
+    def _overreaching(self, token: int) -> Closing | None:
+        """Closing instead of ``token`` when the token begins what the budget left after it cannot finish (an item of
+        a list, or an object, whose required properties take more tokens than are left)."""
+        assert self.tail is not None
+        text = self.vocabulary.pieces[token].decode("utf-8", errors="ignore")
+        if self.max_tokens - self.produced - 1 < self.tail.needs(after=text):
+            return self._closing()
+        return None
 
     def _send_through(self, ready: int) -> None:
         """Sends the pending tokens whose text ends within its first ``ready`` characters (the rest may still

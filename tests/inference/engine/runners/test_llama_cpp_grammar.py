@@ -1323,9 +1323,7 @@ GET = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["
 )
 def test_closing_a_call_in_time_counts_the_names_the_function_it_calls_needs(written: str, missing: set[str]) -> None:
     tail = llama_cpp.JsonTail(
-        llama_cpp.needed(
-            call_schema(FunctionTool("lookup", None, LOOKUP, False), FunctionTool("get", None, GET, False))
-        ),
+        call_schema(FunctionTool("lookup", None, LOOKUP, False), FunctionTool("get", None, GET, False)),
         cost=lambda spelled: 1,
     )
     tail.feed("<tool_call>\n" + written)
@@ -1333,19 +1331,71 @@ def test_closing_a_call_in_time_counts_the_names_the_function_it_calls_needs(wri
     assert tail.missing() == len(missing)
 
 
-def test_an_optional_objects_required_properties_are_needed_only_when_it_is() -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string"},
-            "extra": {"type": "object", "properties": {"units": {"type": "string"}}, "required": ["units"]},
-            "list": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/Item"}},
-        },
-        "required": ["city", "list"],
-        "$defs": {"Item": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
-    }
+ORDER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "extra": {"type": "object", "properties": {"units": {"type": "string"}}, "required": ["units"]},
+        "list": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/Item"}},
+        "more": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+        "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+    },
+    "required": ["city", "list", "more", "next"],
+    "$defs": {
+        "Item": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "qty": {"type": "integer"}},
+            "required": ["id", "qty"],
+        }
+    },
+}
 
-    assert llama_cpp.needed(schema) == [llama_cpp.Needed(frozenset({"city", "list", "id"}))]
+
+@pytest.mark.parametrize(
+    ("written", "missing"),
+    [
+        ("", {"city", "list", "id", "qty", "more", "next"}),  # an optional object's own are not needed
+        ('{"city": "x", "extra": {', {"units", "list", "id", "qty", "more", "next"}),  # until it is opened
+        ('{"city": "x", "list": [{"id": 1, "qty": 2}], "more": [{"id": 1, "qty": 2}, {', {"id", "qty", "next"}),
+        (
+            '{"city": "x", "list": [{"id": 1, "qty": 2}], "more": [{"id": 1, "qty": 2}], "next": {',
+            {*ORDER["required"], "id", "qty"},
+        ),
+        ('{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [{"id": 1, "qty"', {"more", "next"}),
+        ('{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [', {"id", "qty", "more", "next"}),
+        ('{"city": "x", "list": [{"id": 1, "qty": 2},', {"id", "qty", "more", "next"}),
+        ('{"city": "x", "list": [], "more": [], "next": null,', {"extra", "units"}),
+    ],
+    ids=[
+        "none-written",
+        "an-optional-object-opened",
+        "an-item-past-minitems",
+        "recursion",
+        "an-item-inside-a-nested-model",
+        "minitems",
+        "a-comma-asks-for-an-item",
+        "a-comma-asks-for-a-property",
+    ],
+)
+def test_what_is_still_needed_is_what_the_open_objects_of_the_text_require(written: str, missing: set[str]) -> None:
+    # An item past minItems, or a nested model, opened late needed nothing, a name written by an earlier object
+    # counted as written in every later one, and a comma asked for nothing: a forced call began closing too late.
+    tail = llama_cpp.JsonTail(ORDER, cost=lambda spelled: 1)
+    tail.feed(written)
+
+    assert tail.missing() == len(missing)
+
+
+def test_following_a_schemas_alternatives_stays_bounded_however_its_refs_branch_and_loop() -> None:
+    # Each definition two ways to the next: 2**40 paths to the object at the end, followed for every token.
+    definitions = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}] * 2} for i in range(40)}
+    definitions["D40"] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema = {"$defs": definitions, "anyOf": [{"$ref": "#/$defs/D0"}, {"$ref": "#"}]}
+    tail = llama_cpp.JsonTail(schema, cost=lambda spelled: 1)
+
+    assert tail.missing() == 1
+    tail.feed('{"a": 1')
+    assert tail.missing() == 0
 
 
 OPTIONAL_AND_MORE = {
