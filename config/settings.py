@@ -380,7 +380,7 @@ _int("CPU_RUNNER_THREADS", 0, least=1, code="config.E051", hint="Use 1 or more t
 
 # What one request may ask of the CPU runner's grammars: larger schemas are refused with a 400 naming them, since
 # their grammar would take unbounded time and memory to build, or crash llama.cpp's parser. See the README.
-SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 32, least=1)
+SCHEMA_MAX_DEPTH = _int("SCHEMA_MAX_DEPTH", 48, least=1)
 SCHEMA_MAX_REPETITION = _int("SCHEMA_MAX_REPETITION", 1000, least=1)
 SCHEMA_MAX_PROPERTIES = _int("SCHEMA_MAX_PROPERTIES", 256, least=1)
 GRAMMAR_MAX_BYTES = _int("GRAMMAR_MAX_BYTES", 1024 * 1024, least=1)

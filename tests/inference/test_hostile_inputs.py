@@ -110,9 +110,9 @@ async def test_tools_that_fit_alone_but_not_in_one_grammar_are_named_together(ap
 
 
 async def test_a_schema_nested_past_its_bound_is_named(api: API) -> None:
-    response = await api.post(CHAT, chat(response_format=output_schema(nested(20))))
+    response = await api.post(CHAT, chat(response_format=output_schema(nested(25))))
 
-    assert_refused(response, "response_format.json_schema.schema", "nested deeper than 32 levels")
+    assert_refused(response, "response_format.json_schema.schema", "nested deeper than 48 levels")
 
 
 async def test_a_body_nested_deeper_than_the_bound_is_a_400_not_a_recursion_error(api: API) -> None:

@@ -57,7 +57,7 @@ class SchemaLimits:
     converter a recursion, and its work grows with their square.
     """
 
-    depth: int = 32  # JSON nesting inside the schema, and groups nested in a pattern
+    depth: int = 48  # JSON nesting inside the schema, and groups nested in a pattern
     repetition: int = 1000  # minLength, maxLength, minItems, maxItems, a pattern's {m,n}
     properties: int = 256  # properties of one object; four times as many in the whole schema
     grammar_bytes: int = 1 << 20

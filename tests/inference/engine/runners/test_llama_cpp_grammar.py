@@ -1066,6 +1066,15 @@ def string_of_at_most(length: int) -> dict[str, Any]:
     return {"type": "object", "properties": {"a": {"type": "string", "maxLength": length}}, "required": ["a"]}
 
 
+def nullable_nested(levels: int) -> dict[str, Any]:
+    """Objects each holding the next or null, as zod and hand-written schemas nest them (four levels of JSON each)."""
+    schema: dict[str, Any] = {"type": "object", "properties": {"leaf": {"type": "string"}}, "required": ["leaf"]}
+    for _ in range(levels):
+        child = {"anyOf": [schema, {"type": "null"}]}
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "child": child}, "required": ["child"]}
+    return schema
+
+
 def nested(levels: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(levels):
@@ -1080,8 +1089,8 @@ def nested(levels: int) -> dict[str, Any]:
         ({"type": "array", "items": {"type": "integer"}, "minItems": 5000}, "minItems 5000"),
         ({"type": "array", "items": {"type": "integer"}, "maxItems": 1e9}, "maxItems 1e+09"),
         ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, "its pattern repeats {1,20000}"),
-        ({"type": "string", "pattern": "^" + "(" * 40 + "a" + ")" * 40 + "$"}, "nests groups deeper than 32"),
-        (nested(20), "nested deeper than 32 levels"),
+        ({"type": "string", "pattern": "^" + "(" * 50 + "a" + ")" * 50 + "$"}, "nests groups deeper than 48"),
+        (nested(25), "nested deeper than 48 levels"),
         ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}, "300 properties"),
         ({"enum": ["x" * 1000] * 2000}, "more than the 1048576 allowed"),
         ({"enum": [f"v{i}" for i in range(2000)]}, "holds 1999 alternatives"),
@@ -1128,9 +1137,10 @@ def test_the_bounds_are_settings(settings: Any) -> None:
         {"type": "string", "pattern": "^(a{0,999}){1,16}$"},
         {"type": "array", "items": {"type": "string", "maxLength": 1000}, "minItems": 1000, "maxItems": 1000},
         {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(256)}},
-        nested(15),
+        nested(23),
+        nullable_nested(11),
     ],
-    ids=["maxLength", "pattern", "nested-pattern", "array-of-strings", "properties", "depth"],
+    ids=["maxLength", "pattern", "nested-pattern", "array-of-strings", "properties", "depth", "nullable-depth"],
 )
 def test_the_largest_schemas_within_the_bounds_compile_in_llama_cpp_quickly(vocab: Any, schema: dict[str, Any]) -> None:
     started = time.monotonic()
