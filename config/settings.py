@@ -154,6 +154,17 @@ except (ValueError, KeyError) as exc:
         ("config.E004", f"DATABASE_URL cannot be read: {exc}", "Use postgres://user:pass@host/db or sqlite:///path.")
     )
     DATABASES = {"default": dj_database_url.parse(_default_db)}
+if DATABASES["default"]["ENGINE"] not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
+    # Another backend Django knows (mysql://, oracle://) would fail later, importing a driver this project lacks.
+    CONFIG_PROBLEMS.append(
+        (
+            "config.E004",
+            f"DATABASE_URL names the backend {DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}, which this project "
+            "does not run on.",
+            "Use postgres://user:pass@host/db or sqlite:///path.",
+        )
+    )
+    DATABASES = {"default": dj_database_url.parse(_default_db)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}

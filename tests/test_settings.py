@@ -27,7 +27,8 @@ CHECK = ["manage.py", "check", "--tag", "compatibility"]
 
 def run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DEBUG", "REDIS_URL")}
-    environment.update(B3OS_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL="", **env)
+    environment.update({"B3OS_VAR_DIR": str(tmp_path), "DJANGO_SETTINGS_MODULE": "config.settings", "DATABASE_URL": ""})
+    environment.update(env)
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
     )
@@ -86,6 +87,14 @@ def test_running_distributed_without_a_shared_secret_key_is_an_error(tmp_path: P
 
     assert unshared.returncode != 0 and "config.E012" in unshared.stderr
     assert shared.returncode == 0, shared.stderr
+
+
+@pytest.mark.parametrize("url", ["mysql://user@host/db", "oracle://user@host/db", "not a url"])
+def test_a_database_url_this_project_cannot_run_on_is_named_by_the_checks(tmp_path: Path, url: str) -> None:
+    # A backend Django knows but this project does not ship a driver for failed with an ImportError's traceback.
+    result = run(CHECK, tmp_path, DATABASE_URL=url)
+
+    assert result.returncode != 0 and "config.E004" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_log_level_is_read_in_any_case_and_one_that_is_none_is_named_by_the_checks(tmp_path: Path) -> None:
