@@ -1002,6 +1002,8 @@ class TensorRTLLMRunner:
                 if last is not None and (len(last.text) > sent or tokens):
                     yield TextChunk(last.text[sent:], tokens, logprobs, last.cached_tokens)
                 reason = _FINISH_REASONS.get(last.finish_reason or "stop", "stop") if last else "stop"
+                if reason == "length" and last is not None and _whole_value(job.constraint, last.text):
+                    reason = "stop"  # as it would have been one token later: the guide allowed nothing but the end
             yield Finished(
                 reason=reason,
                 prompt_tokens=prompt_tokens,
@@ -1015,6 +1017,21 @@ class TensorRTLLMRunner:
                 request.abort()
                 request.stop()
             engine.forget(request)
+
+
+def _whole_value(constraint: Constraint | None, text: str) -> bool:
+    """Whether ``text`` is the whole JSON value a schema or ``json_object`` output asks for, which its guide ends
+    there (an object, an array, a string or a literal closed; not a number, which may go on)."""
+    if constraint is None or constraint.kind not in ("json_schema", "json_object"):
+        return False
+    value = text.strip()
+    if not value or value[-1].isdigit():
+        return False
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _of_steps(

@@ -976,6 +976,27 @@ def test_a_schema_without_bounds_goes_to_xgrammar_as_a_schema(engine: Seen) -> N
 
 
 @pytest.mark.parametrize(
+    "kind", [Constraint(kind="json_schema", schema={"type": "object"}), Constraint(kind="json_object")]
+)
+def test_a_value_that_ends_as_the_budget_does_is_finished_not_cut(engine: Seen, kind: Constraint) -> None:
+    # The openai SDK's parse() refuses an answer that ended for its length: a whole value must not say so.
+    runner = runner_module.load(SETTINGS)
+    value = '{"city": "Salem"}'
+    _, free = collect(runner.stream(make_job(value, constraint=kind), never))
+
+    exact_chunks, exact = collect(
+        runner.stream(make_job(value, constraint=kind, max_tokens=free.completion_tokens), never)
+    )
+    _, short = collect(runner.stream(make_job(value, constraint=kind, max_tokens=free.completion_tokens - 1), never))
+    _, text = collect(runner.stream(make_job(value, max_tokens=free.completion_tokens), never))
+
+    assert free.reason == "stop"
+    assert "".join(c.text for c in exact_chunks) == value and exact.reason == "stop"
+    assert short.reason == "length"
+    assert text.reason == "length"  # free text that spends its budget may have gone on
+
+
+@pytest.mark.parametrize(
     "schema",
     [
         {"type": "string", "format": "uri"},
