@@ -24,10 +24,8 @@ import bisect
 import codecs
 import collections
 import contextlib
-import copy
 import ctypes
 import functools
-import json
 import logging
 import math
 import os
@@ -38,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import machinery
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,6 @@ from .base import (
     Delivery,
     Finished,
     GenerationJob,
-    JsonScan,
     PromptRenderer,
     RawEvent,
     RunnerError,
@@ -57,25 +54,16 @@ from .base import (
     TextChunk,
     TokenLogprob,
     prompt_pieces,
-    schema_at,
 )
+from .closing import PROPERTY_COST, Closing, ClosingVocabulary, JsonTail
 from .grammar import grammar_for, schema_problem
 
 logger = logging.getLogger(__name__)
 
-# A value that must be whole JSON (``Constraint.close_before_limit``) starts closing once the budget left is no more
-# than what closing it may take: a token per open quote and bracket, CLOSING_SLACK more (a separator, a number's
-# digit, the end), and for each property its schema requires that it has not written yet, its name's tokens and
-# PROPERTY_COST more (the colon, an empty value, a separator). Closing sooner cuts calls that would have fit; later,
-# calls that cannot close in time.
-CLOSING_SLACK = 4
-PROPERTY_COST = 3
 # Sampling under a grammar checks these many likeliest tokens first, then the rest of the vocabulary in slices of
 # GRAMMAR_SLICE, until a slice holds a token the grammar allows (``_Sampler._draw_allowed``).
 LIKELIEST = 512
 GRAMMAR_SLICE = 2048
-# A token under a grammar that would make the output other than UTF-8 is drawn again, this many times at most.
-UTF8_DRAWS = 16
 # A grammar that takes longer than this to check for one token ends its job: every sequence waits for it.
 GRAMMAR_CHECK_MAX_SECONDS = 1.0
 # How many prompt tokens one step reads at most, besides the generating sequences' tokens: a longer
@@ -274,13 +262,13 @@ class _Sampler:
     without it.
     """
 
-    def __init__(self, model: Any, sampling: Sampling, grammar: Any, pieces: Sequence[bytes]) -> None:
+    def __init__(self, model: Any, sampling: Sampling, grammar: Any, utf8: Utf8Pieces) -> None:
         from llama_cpp import _internals
         from llama_cpp import llama_cpp as lib
 
         self._lib = lib
         self._grammar = grammar
-        self._pieces = pieces
+        self._utf8 = utf8
         self._partial = b""  # the first bytes of a character still to come
         self._greedy = sampling.temperature == 0
         self._chain = _internals.LlamaSampler()
@@ -392,25 +380,30 @@ class _Sampler:
                 token = self._closing(logits, closing)
         if self._grammar:
             self._lib.llama_sampler_accept(self._grammar, token)
-            self._partial = _utf8_tail(self._partial + self._pieces[token]) or b""
+            self._partial = _utf8_tail(self._partial + self._utf8.pieces[token]) or b""
         self._lib.llama_sampler_accept(self._chain.sampler, token)
         return token
 
     def _keeps_utf8(self, token: int) -> bool:
         """Whether the output stays UTF-8 (or the start of a character still to come) with ``token``'s bytes."""
-        return _utf8_tail(self._partial + self._pieces[token]) is not None
+        return _utf8_tail(self._partial + self._utf8.pieces[token]) is not None
 
     def _draw_utf8(self, logits: np.ndarray, refused: int) -> int:
-        """A token the grammar allows that keeps the output UTF-8, ``refused`` left out: a few draws at most (after a
-        character's first byte, most of the byte tokens the grammar allows are its continuation)."""
-        logits = logits.copy()
-        token = refused
-        for _ in range(UTF8_DRAWS):
-            logits[token] = -np.inf
-            token = self._draw(logits, masked=True)
-            if self._keeps_utf8(token):
-                break
-        return token
+        """A token the grammar allows that keeps the output UTF-8, drawn once among those that do: after a
+        character's first bytes, the tokens that continue it as UTF-8 allows; else those whose bytes can stand
+        anywhere. ``refused`` itself when there is none."""
+        if self._partial:
+            keeping = [token for token in self._utf8.continuing if self._keeps_utf8(int(token))]
+            kept = np.full(len(logits), -np.inf, dtype=logits.dtype)
+            kept[keeping] = logits[keeping]
+        else:
+            kept = logits.copy()
+            kept[self._utf8.broken] = -np.inf
+        try:
+            token = self._draw(kept, masked=True)
+        except RunnerError:  # the grammar allows no such token
+            return refused
+        return token if self._keeps_utf8(token) else refused
 
     def _closing(self, logits: np.ndarray, closing: Closing) -> int:
         candidates = self._candidates
@@ -418,6 +411,23 @@ class _Sampler:
         self._lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates.candidates))
         token, self.departed = closing.choose(candidates.candidates_data.logit)
         return token
+
+
+@dataclass(frozen=True)
+class Utf8Pieces:
+    """A vocabulary's tokens as bytes, with those that cannot keep a text UTF-8 where they stand: the ones whose first
+    byte continues a character (the only ones that may follow a character's first bytes), and those whose bytes
+    are no UTF-8 wherever they stand (a byte C0, an encoded surrogate)."""
+
+    pieces: Sequence[bytes]
+    continuing: np.ndarray
+    broken: np.ndarray
+
+    @classmethod
+    def of(cls, pieces: Sequence[bytes]) -> Utf8Pieces:
+        continuing = [token for token, piece in enumerate(pieces) if piece and 0x80 <= piece[0] < 0xC0]
+        broken = [token for token, piece in enumerate(pieces) if _utf8_tail(piece) is None]
+        return cls(pieces, np.array(continuing, dtype=np.intc), np.array(broken, dtype=np.intc))
 
 
 def _utf8_tail(data: bytes) -> bytes | None:
@@ -443,354 +453,6 @@ def seed_32(seed: int) -> int:
     mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _64_BITS
     mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _64_BITS
     return (mixed ^ (mixed >> 31)) % 0xFFFFFFFF
-
-
-# The most alternatives (``anyOf`` and ``oneOf`` branches, across ``allOf`` parts) followed for one open value, and
-# the most schemas looked at to find them.
-SHAPES_MOST = 64
-SHAPES_VISITS = 512
-
-Shape = tuple[dict[str, Any], ...]
-
-
-def _shapes(node: Any, root: Any) -> list[Shape]:
-    """The alternatives a value of ``node`` may take, each as the schema objects it must meet together: ``$ref``s
-    followed, ``allOf`` parts joined, ``anyOf`` and ``oneOf`` branches apart. A ``$ref`` back to a schema being
-    followed adds no alternative (its value nests inside), and at most ``SHAPES_VISITS`` schemas are followed."""
-    return _expanded(node, root, frozenset(), [SHAPES_VISITS]) or [()]
-
-
-def _expanded(node: Any, root: Any, path: frozenset[int], visits: list[int]) -> list[Shape]:
-    if not isinstance(node, dict):
-        return [()]
-    if id(node) in path or visits[0] <= 0:
-        return []
-    visits[0] -= 1
-    path |= {id(node)}
-    shapes: list[Shape] = [(node,)]
-    if isinstance(ref := node.get("$ref"), str):
-        shapes = _joined(shapes, _expanded(schema_at(root, ref), root, path, visits))
-    parts = node.get("allOf")
-    for part in parts if isinstance(parts, list) else ():
-        shapes = _joined(shapes, _expanded(part, root, path, visits))
-    branches = node.get("anyOf") or node.get("oneOf")
-    if isinstance(branches, list) and branches:
-        shapes = _joined(shapes, [shape for branch in branches for shape in _expanded(branch, root, path, visits)])
-    return shapes
-
-
-def _joined(shapes: list[Shape], more: list[Shape]) -> list[Shape]:
-    return [(*shape, *other) for shape in shapes for other in more][:SHAPES_MOST]
-
-
-def _required(shape: Shape) -> list[str]:
-    names: dict[str, None] = {}
-    for part in shape:
-        if isinstance(listed := part.get("required"), list):
-            names.update((name, None) for name in listed if isinstance(name, str))
-    return list(names)
-
-
-def _property(shape: Shape, name: str) -> Any:
-    """The schema of an object's property ``name`` (of an unnamed one: its ``additionalProperties``)."""
-    for part in shape:
-        if isinstance(properties := part.get("properties"), dict) and name in properties:
-            return properties[name]
-    return next((extra for part in shape if isinstance(extra := part.get("additionalProperties"), dict)), None)
-
-
-def _item(shape: Shape, index: int) -> Any:
-    """The schema of an array's item at ``index``."""
-    for part in shape:
-        if isinstance(prefix := part.get("prefixItems"), list) and index < len(prefix):
-            return prefix[index]
-    return next((items for part in shape if isinstance(items := part.get("items"), dict)), None)
-
-
-def _least_items(shape: Shape) -> int:
-    return max((least for part in shape if isinstance(least := part.get("minItems"), int)), default=0)
-
-
-def _of_type(shape: Shape, kind: str) -> bool:
-    """Whether ``shape`` lets a value be of the JSON type ``kind`` (a nullable object's null branch does not)."""
-    for part in shape:
-        named = part.get("type")
-        if isinstance(named, str) and named != kind or isinstance(named, list) and kind not in named:
-            return False
-    return True
-
-
-def _admits(node: Any, root: Any, value: Any) -> bool:
-    """Whether a value's ``const`` or ``enum`` lets ``value`` be it (a call's ``name``: which function it calls)."""
-    for shape in _shapes(node, root):
-        if all(
-            ("const" not in part or part["const"] == value)
-            and (not isinstance(part.get("enum"), list) or value in part["enum"])
-            for part in shape
-        ):
-            return True
-    return False
-
-
-class _Open:
-    """An object or array open in the text, with the alternatives of its schema still possible."""
-
-    def __init__(self, array: bool, shapes: list[Shape]) -> None:
-        self.array = array
-        self.shapes = shapes
-        self.keys: set[str] = set()  # an object's properties named so far
-        self.key: str | None = None  # the property whose value is being written
-        self.awaiting = True  # an object's key, or an array's next item, is still to come
-        self.comma = False  # a comma asks for that key or item
-        self.count = 0  # an array's items begun
-        self.string = ""  # the string being read, as written
-
-
-class JsonTail:
-    """How far a JSON text written so far is from whole: its open strings and brackets, and what its schema still
-    requires it to write, followed as the text is written (the properties each open object must still name, with
-    what their values must name in turn; an array's items short of its ``minItems``)."""
-
-    def __init__(self, schema: Any = None, cost: Callable[[str], int] = lambda name: 0) -> None:
-        self.open: list[str] = []  # the closing bracket of each open array or object, innermost last
-        self.scan = JsonScan()
-        self._root = schema
-        self._cost = cost
-        self._opened: list[_Open] = []
-        self._name_costs: dict[str, int] = {}
-        self._costs: dict[int, int] = {}
-
-    def feed(self, text: str) -> None:
-        for char in text:
-            inside = self.scan.in_string
-            move = self.scan.read(char)
-            current = self._opened[-1] if self._opened else None
-            if inside:
-                if self.scan.in_string:
-                    if current is not None:
-                        current.string += char
-                elif current is not None:
-                    self._string_read(current)
-                continue
-            if current is not None and current.array and current.awaiting and not char.isspace() and char not in ",]":
-                current.count, current.awaiting, current.comma = current.count + 1, False, False  # an item begins
-            if move > 0:
-                self.open.append("}" if char == "{" else "]")
-                kind = "array" if char == "[" else "object"
-                shapes = self._child_shapes(current)
-                self._opened.append(_Open(kind == "array", [s for s in shapes if _of_type(s, kind)] or shapes))
-            elif move < 0:
-                if self.open:
-                    self.open.pop()
-                if self._opened:
-                    self._opened.pop()
-            elif current is not None and char == ",":
-                current.awaiting = current.comma = True
-            elif current is not None and char == '"':
-                current.string = ""
-
-    def _string_read(self, current: _Open) -> None:
-        try:
-            value = json.loads(f'"{current.string}"')
-        except ValueError:
-            value = current.string
-        if not current.array and current.awaiting:  # a property's name
-            current.key, current.awaiting, current.comma = value, False, False
-            current.keys.add(value)
-            return
-        if not current.array and current.key is not None:  # its value: the alternatives it leaves
-            key = current.key
-            admitting = [s for s in current.shapes if _admits(_property(s, key), self._root, value)]
-            current.shapes = admitting or current.shapes
-
-    def _child_shapes(self, parent: _Open | None) -> list[Shape]:
-        if parent is None:
-            return _shapes(self._root, self._root)
-        nodes = {}
-        for shape in parent.shapes:
-            node = _item(shape, parent.count - 1) if parent.array else _property(shape, parent.key or "")
-            nodes[id(node)] = node
-        return [shape for node in nodes.values() for shape in _shapes(node, self._root)][:SHAPES_MOST] or [()]
-
-    def missing(self) -> int:
-        """The tokens what the schema still requires takes to write at the least: each property an open object
-        must still name, with an empty value, and in turn what that value must name; an array's items short of its
-        ``minItems``, or asked for by a comma; and what the value still to be opened must name (a text that has not
-        begun its value)."""
-        if self._root is None:
-            return 0
-        if not self._opened:
-            return self._value_cost(self._root)
-        return sum(min(self._still(opened, shape) for shape in opened.shapes) for opened in self._opened)
-
-    def _still(self, opened: _Open, shape: Shape) -> int:
-        if opened.array:
-            items = max(_least_items(shape) - opened.count, int(opened.comma))
-            return items * self._value_cost(_item(shape, opened.count))
-        required = sum(self._property_cost(shape, name) for name in _required(shape) if name not in opened.keys)
-        if required or not opened.comma:
-            return required
-        # A comma after the last required property asks for one more: the cheapest the schema names.
-        properties = [part.get("properties") for part in shape]
-        named = {name for found in properties if isinstance(found, dict) for name in found} - opened.keys
-        return min((self._property_cost(shape, name) for name in named), default=PROPERTY_COST + 1)
-
-    def _property_cost(self, shape: Shape, name: str) -> int:
-        """The tokens the property ``name`` takes at the least: its name with an empty value, and what its value
-        must name in turn."""
-        return self._name_cost(name) + self._value_cost(_property(shape, name))
-
-    def _name_cost(self, name: str) -> int:
-        """The tokens writing the property ``name`` with an empty value takes, spelled the longer way (its characters
-        as they are, or escaped)."""
-        if name not in self._name_costs:
-            spellings = {json.dumps(name, ensure_ascii=False), json.dumps(name)}
-            self._name_costs[name] = max(map(self._cost, spellings))
-        return self._name_costs[name]
-
-    def _value_cost(self, node: Any) -> int:
-        """What a value of ``node`` must name takes at the least, wherever it is written: the properties it requires,
-        what their values require in turn (an optional property's own are not needed), its ``minItems`` items'; of
-        alternatives, the cheapest."""
-        if not isinstance(node, dict):
-            return 0
-        if id(node) not in self._costs:
-            self._costs[id(node)] = 0  # a schema that refers to itself needs nothing more where it does
-            self._costs[id(node)] = min(map(self._shape_cost, _shapes(node, self._root)))
-        return self._costs[id(node)]
-
-    def _shape_cost(self, shape: Shape) -> int:
-        required = sum(self._property_cost(shape, name) for name in _required(shape))
-        return required + _least_items(shape) * self._value_cost(_item(shape, 0))
-
-    def closers(self) -> str:
-        """The quotes and brackets that close every open string, array and object, in order."""
-        if self.scan.escaped:  # an escape needs its letter before the string can close
-            return ""
-        return ('"' if self.scan.in_string else "") + "".join(reversed(self.open))
-
-    def needs(self, after: str = "") -> int:
-        """The tokens closing the text takes at the most (``after`` more of it): one per closing quote and bracket,
-        ``CLOSING_SLACK`` more, and what the schema still requires."""
-        tail = self
-        if after:
-            tail = copy.copy(self)
-            tail.open, tail.scan = list(self.open), replace(self.scan)
-            tail._opened = [copy.copy(opened) for opened in self._opened]
-            for opened in tail._opened:
-                opened.keys = set(opened.keys)
-            tail.feed(after)
-        return len(tail.closers()) + CLOSING_SLACK + tail.missing()
-
-
-@dataclass(frozen=True)
-class Closing:
-    """One step of closing a JSON value: the closing vocabulary and the quotes and brackets still open."""
-
-    vocabulary: ClosingVocabulary
-    closers: str
-    # Each token's bytes, to hold closing's choice against the model's (none: any other token departs from it).
-    pieces: Sequence[bytes] = ()
-    # Whether the text is inside a JSON string, where spaces are text (elsewhere they are nothing).
-    in_string: bool = False
-
-    def choose(self, allowed: np.ndarray) -> tuple[int, bool]:
-        """``pick``'s token, and whether it departs from the text the model was about to write (its likeliest allowed
-        token): closing then cut the value short, rather than finishing it as the model would have. Spaces between
-        JSON tokens count for nothing."""
-        token = self.pick(allowed)
-        own = int(np.argmax(allowed))
-        if token == own or not self.pieces:
-            return token, token != own
-        meant = self._text(own)
-        if token in self.vocabulary.ends:  # the value is whole: the model meant to end it too, or to write nothing
-            return token, bool(meant)
-        chosen = self._text(token)
-        if meant.startswith(chosen):  # less of the model's text: its rest may follow
-            return token, False
-        if not chosen.startswith(meant):
-            return token, True
-        # More of it is the model's text where the grammar admits no other (a function's name, an empty object's
-        # brackets), or where what it adds closes what the model's token left open; not a value of closing's own (a
-        # string the model had just opened, closed empty or filled; a comma and the next name).
-        scan = JsonScan(in_string=self.in_string)
-        for char in meant.decode("utf-8", errors="replace"):
-            scan.read(char)
-        more = chosen[len(meant) :]
-        closes_only = not b"".join(more.split()).strip(b'"]}')
-        return token, not self._one_text(allowed, chosen) and (scan.in_string or not closes_only)
-
-    def _one_text(self, allowed: np.ndarray, longest: bytes) -> bool:
-        """Whether every token the grammar allows spells a start of ``longest``: the text is the grammar's, not the
-        model's to choose."""
-        return all(longest.startswith(self._text(int(token))) for token in np.flatnonzero(np.isfinite(allowed)))
-
-    def _text(self, token: int) -> bytes:
-        piece = self.pieces[token]
-        return piece if self.in_string else b"".join(piece.split())
-
-    def pick(self, allowed: np.ndarray) -> int:
-        """Of the tokens the grammar allows (finite ``allowed`` logits): an end of generation once the value is
-        whole; else the longest run of the open quotes and brackets, in order; else, for what the grammar still
-        requires (a property's name, a value, a digit), a token that is not only spaces and opens the fewest
-        objects and arrays (``{}`` for an object that may be empty, not ``{"``: a recursive schema would never
-        close), and of those the longest, to spell it in as few as it allows."""
-        vocabulary = self.vocabulary
-        ends = vocabulary.ends[np.isfinite(allowed[vocabulary.ends])]
-        if ends.size:
-            return int(ends[np.argmax(allowed[ends])])
-        closers = [
-            (len(text), allowed[token], token)
-            for token, text in vocabulary.closers
-            if self.closers.startswith(text) and np.isfinite(allowed[token])
-        ]
-        if closers:
-            return int(max(closers)[2])
-        ids = np.flatnonzero(np.isfinite(allowed))
-        if (spelled := ids[~vocabulary.blank[ids]]).size:  # a space between JSON tokens takes a token for nothing
-            ids = spelled
-        opened = vocabulary.opened[int(self.closers.startswith('"')), ids]
-        ids = ids[opened == opened.min()]
-        ids = ids[vocabulary.lengths[ids] == vocabulary.lengths[ids].max()]
-        return int(ids[np.argmax(allowed[ids])])
-
-
-@dataclass(frozen=True)
-class ClosingVocabulary:
-    """What closing a JSON value takes: the tokens that end generation, the tokens made only of quotes, closing
-    brackets and spaces (``"``, ``"}``, `` ]}`` …, each with its spaces taken out), and every token's length."""
-
-    ends: np.ndarray
-    closers: tuple[tuple[int, str], ...]
-    lengths: np.ndarray
-    # How many more objects and arrays each token leaves open than were before it (fewer: negative), written
-    # outside a string (row 0) and inside one (row 1); and which tokens are spaces only.
-    opened: np.ndarray
-    blank: np.ndarray
-
-    @classmethod
-    def of(cls, vocabulary: Vocabulary) -> ClosingVocabulary:
-        size = len(vocabulary.pieces)
-        closers, lengths = [], np.zeros(size, dtype=np.intc)
-        opened = np.zeros((2, size), dtype=np.intc)
-        blank = np.zeros(size, dtype=bool)
-        for token, piece in enumerate(vocabulary.pieces):
-            text = piece.decode("utf-8", errors="replace")
-            lengths[token] = len(text)
-            blank[token] = not text.strip()
-            opened[0, token], opened[1, token] = _opened(text, in_string=False), _opened(text, in_string=True)
-            bare = "".join(text.split())  # a space is insignificant between JSON tokens and harmless in a string
-            if bare and not bare.strip('"]}'):
-                closers.append((token, bare))
-        ends = np.array(sorted(vocabulary.ends), dtype=np.intc)
-        return cls(ends=ends, closers=tuple(closers), lengths=lengths, opened=opened, blank=blank)
-
-
-def _opened(text: str, *, in_string: bool) -> int:
-    """How many more objects and arrays are open after ``text`` than before it, read from in or out of a string (a
-    string always ends at its quote; brackets nest)."""
-    scan = JsonScan(in_string=in_string)
-    return sum(scan.read(char) for char in text)
 
 
 def _by_logit(logits: np.ndarray) -> Iterator[np.ndarray]:
@@ -837,6 +499,7 @@ class Vocabulary:
         # For logprobs' alternatives: a control token (the end of a turn) by its name, as its text (none) cannot.
         self.names = [text or piece(model, token, special=True) for token, text in enumerate(self.pieces)]
         self.ends = frozenset(token for token in range(model.n_vocab()) if lib.llama_vocab_is_eog(model.vocab, token))
+        self.utf8 = Utf8Pieces.of(self.pieces)
         self._closing: ClosingVocabulary | None = None
 
     def is_end(self, token: int) -> bool:
@@ -848,7 +511,7 @@ class Vocabulary:
     @property
     def closing(self) -> ClosingVocabulary:
         if self._closing is None:
-            self._closing = ClosingVocabulary.of(self)
+            self._closing = ClosingVocabulary.of(self.pieces, self.ends)
         return self._closing
 
 
@@ -903,7 +566,11 @@ class _Sequence:
         constraint = job.constraint
         self.tail = None
         if constraint and constraint.close_before_limit:
-            self.tail = JsonTail(constraint.schema, lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST)
+            self.tail = JsonTail(
+                constraint.schema,
+                cost=lambda name: len(vocabulary.tokenize(name)) + PROPERTY_COST,
+                value_cost=lambda value: len(vocabulary.tokenize(value)),
+            )
         # Whether closing it changed what the model wrote (then it was cut short, not finished).
         self.steered = False
         # Whether the output is one JSON value (a schema's, an object, a forced call), not text that may hold one.
@@ -1206,7 +873,7 @@ class LlamaCppRunner:
             grammar = self._lib.llama_sampler_init_grammar(self._model.vocab, text.encode("utf-8"), b"root")
             if not grammar:
                 raise RunnerError("the output constraint could not be compiled to a grammar", code="invalid_constraint")
-        sampler = _Sampler(self._model, job.sampling, grammar, self.vocabulary.pieces)
+        sampler = _Sampler(self._model, job.sampling, grammar, self.vocabulary.utf8)
         max_tokens = min(job.sampling.max_tokens, context - len(prompt))
         interval = self.settings.stream_interval
         return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, interval, deliver)

@@ -18,7 +18,7 @@ import regex
 from llama_cpp import llama_cpp as lib
 
 from inference.engine.decoding import FunctionTool, ToolChoice, plan_decoding
-from inference.engine.runners import llama_cpp
+from inference.engine.runners import closing, llama_cpp
 from inference.engine.runners.base import Constraint
 from inference.engine.runners.grammar import SchemaTooLarge, grammar_for, schema_problem
 from tests.conftest import DEFAULT_MODEL
@@ -903,9 +903,9 @@ def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written
         vocabulary.model.vocab, grammar_for(Constraint("json_schema", schema)).encode(), b"root"
     )
     sampler = llama_cpp._Sampler(
-        vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar, vocabulary.pieces
+        vocabulary.model, llama_cpp.Sampling(max_tokens=64, temperature=0), grammar, vocabulary.utf8
     )
-    tail = llama_cpp.JsonTail()
+    tail = closing.JsonTail()
     bracey = np.array(
         [float(bool(p.strip()) and not p.strip().strip(b"}]")) * 50 + float(b'{"' in p) * 25 for p in vocabulary.pieces]
     )
@@ -918,8 +918,8 @@ def closed(vocabulary: llama_cpp.Vocabulary, parameters: dict[str, Any], written
             tail.feed(vocabulary.pieces[token].decode())
             text += vocabulary.pieces[token].decode()
         for steps in range(32):
-            closing = llama_cpp.Closing(vocabulary.closing, tail.closers())
-            token = sampler.next(bracey.astype(np.float32), closing=closing)
+            closer = closing.Closing(vocabulary.closing, tail.closers())
+            token = sampler.next(bracey.astype(np.float32), closing=closer)
             if vocabulary.is_end(token):
                 return text, steps
             tail.feed(vocabulary.pieces[token].decode())
@@ -975,7 +975,7 @@ def sampler_for(
     grammar = grammar_for(Constraint("json_schema", schema)).encode()
     compiled = lib.llama_sampler_init_grammar(vocabulary.model.vocab, grammar, b"root")
     sampling = llama_cpp.Sampling(max_tokens=8, temperature=temperature, seed=seed)
-    return llama_cpp._Sampler(vocabulary.model, sampling, compiled, vocabulary.pieces)
+    return llama_cpp._Sampler(vocabulary.model, sampling, compiled, vocabulary.utf8)
 
 
 def quotes_least_likely(vocabulary: llama_cpp.Vocabulary) -> np.ndarray:
@@ -1013,6 +1013,25 @@ def test_under_a_grammar_a_token_that_would_write_no_character_utf8_allows_is_dr
 
     assert written == [b'"', b"\xed", b"\x9f", b"\x80"]
     assert b"".join(written).decode() == '"\ud7c0'
+
+
+def test_under_a_grammar_the_output_stays_utf8_when_every_likely_token_would_break_it(
+    vocabulary: llama_cpp.Vocabulary,
+) -> None:
+    # After ED, every byte from A0 up begins a surrogate: the tokens drawn again were the next likeliest of them.
+    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
+    sampler = sampler_for(vocabulary, {"type": "string"}, temperature=0)
+    written = []
+    try:
+        for favoured in ([ord('"')], [0xED], [*range(0xBF, 0x9F, -1), 0x85]):
+            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
+            for rank, value in enumerate(favoured):
+                logits[byte[value]] = 100.0 - rank
+            written.append(vocabulary.pieces[sampler.next(logits)])
+    finally:
+        sampler.close()
+
+    assert written == [b'"', b"\xed", b"\x85"]
 
 
 def test_under_a_grammar_the_output_stays_utf8_whatever_bytes_the_model_favours(
@@ -1179,15 +1198,13 @@ PIECES = [b'"', b'", "', b'"}', b'""', b"}", b"<end>", b'"Eug', b"Eug", b"{", b"
 def closing_choice(own: bytes, allowed: list[bytes], closers: str, *, in_string: bool) -> tuple[bytes, bool]:
     """What closing writes when the model's likeliest token is ``own`` and the grammar allows ``allowed``, and
     whether it departs from the model's text."""
-    from types import SimpleNamespace
-
-    vocabulary = llama_cpp.ClosingVocabulary.of(SimpleNamespace(pieces=PIECES, ends=frozenset({5})))  # type: ignore[arg-type]
+    vocabulary = closing.ClosingVocabulary.of(PIECES, {5})
     logits = np.full(len(PIECES), -np.inf)
     for piece in allowed:
         logits[PIECES.index(piece)] = 1.0
     logits[PIECES.index(own)] = 2.0
-    closing = llama_cpp.Closing(vocabulary, closers, pieces=PIECES, in_string=in_string)
-    token, departed = closing.choose(logits)
+    closer = closing.Closing(vocabulary, closers, pieces=PIECES, in_string=in_string)
+    token, departed = closer.choose(logits)
     return PIECES[token], departed
 
 
@@ -1332,7 +1349,7 @@ GET = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["
     ids=["none-named", "a-function-named-as-an-argument", "the-other-function"],
 )
 def test_closing_a_call_in_time_counts_the_names_the_function_it_calls_needs(written: str, missing: set[str]) -> None:
-    tail = llama_cpp.JsonTail(
+    tail = closing.JsonTail(
         call_schema(FunctionTool("lookup", None, LOOKUP, False), FunctionTool("get", None, GET, False)),
         cost=lambda spelled: 1,
     )
@@ -1390,10 +1407,48 @@ ORDER = {
 def test_what_is_still_needed_is_what_the_open_objects_of_the_text_require(written: str, missing: set[str]) -> None:
     # An item past minItems, or a nested model, opened late needed nothing, a name written by an earlier object
     # counted as written in every later one, and a comma asked for nothing: a forced call began closing too late.
-    tail = llama_cpp.JsonTail(ORDER, cost=lambda spelled: 1)
+    tail = closing.JsonTail(ORDER, cost=lambda spelled: 1)
     tail.feed(written)
 
     assert tail.missing() == len(missing)
+
+
+XYZ = {"type": "object", "properties": {name: {"type": "integer"} for name in "xyz"}, "required": ["x", "y", "z"]}
+PAIR = {"type": "array", "prefixItems": [XYZ, XYZ], "items": False}
+
+
+@pytest.mark.parametrize(
+    ("schema", "written", "missing"),
+    [
+        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a"', 3),
+        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a": ', 3),
+        ({"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]}, '{"pair": [', 6),
+        (
+            {"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]},
+            '{"pair": [{"x": 1, "y": 2, "z": 3}, ',
+            3,
+        ),
+        ({"anyOf": [{"enum": ["x", "y"]}, XYZ]}, "{", 3),
+        ({"anyOf": [XYZ, {"type": "object", "properties": {"a": {}}, "additionalProperties": False}]}, '{"x": 1', 2),
+    ],
+    ids=["a-value-not-begun", "after-its-colon", "a-tuple", "a-tuples-second-item", "an-enum-beside", "a-branch-left"],
+)
+def test_what_is_still_needed_counts_every_value_the_text_has_committed_to(
+    schema: dict[str, Any], written: str, missing: int
+) -> None:
+    # A named property's value counted nothing until its bracket came, prefixItems nothing at all, and an enum of
+    # strings was an alternative of an object already open.
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
+    tail.feed(written)
+
+    assert tail.missing() == missing
+
+
+def test_a_const_or_an_enums_value_counts_its_own_tokens() -> None:
+    schema = {"type": "object", "properties": {"kind": {"const": "a-rather-long-name"}}, "required": ["kind"]}
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1, value_cost=lambda value: len(value))
+
+    assert tail.missing() == 1 + len('"a-rather-long-name"')
 
 
 def test_following_a_schemas_alternatives_stays_bounded_however_its_refs_branch_and_loop() -> None:
@@ -1401,7 +1456,7 @@ def test_following_a_schemas_alternatives_stays_bounded_however_its_refs_branch_
     definitions = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}] * 2} for i in range(40)}
     definitions["D40"] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     schema = {"$defs": definitions, "anyOf": [{"$ref": "#/$defs/D0"}, {"$ref": "#"}]}
-    tail = llama_cpp.JsonTail(schema, cost=lambda spelled: 1)
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
 
     assert tail.missing() == 1
     tail.feed('{"a": 1')
