@@ -170,6 +170,54 @@ async def test_a_forced_call_whose_list_items_require_properties_is_closed_in_ti
     assert finish_reason in ("tool_calls", "length")
 
 
+def strict_object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+# A union told apart by a tag, a map of objects, and a choice of a cheap and a dear branch: what the model commits to
+# is known before the string that commits it ends.
+COMMITTING = {
+    "tagged-union-items": strict_object(
+        {
+            "shapes": {
+                "type": "array",
+                "items": {
+                    "anyOf": [
+                        strict_object({"kind": {"const": "circle"}, "radius": {"type": "integer"}}),
+                        strict_object({"kind": {"const": "rect"}, **{n: {"type": "integer"} for n in ("w", "h")}}),
+                    ]
+                },
+            }
+        }
+    ),
+    "map-of-objects": strict_object(
+        {"users": {"type": "object", "additionalProperties": strict_object({"age": {"type": "integer"}, "email": {}})}}
+    ),
+    "cheap-or-dear": {
+        "anyOf": [
+            strict_object({"op": {"const": "noop"}}),
+            strict_object(
+                {"op": {"const": "create_record"}, **{n: {"type": "string"} for n in ("first", "last", "city")}}
+            ),
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("max_tokens", [26, 32, 44, 56])
+@pytest.mark.parametrize("schema", COMMITTING.values(), ids=COMMITTING.keys())
+async def test_a_forced_call_that_commits_to_a_dearer_part_mid_string_is_closed_in_time(
+    api: API, openai_spec: OpenAISpec, schema: dict[str, Any], max_tokens: int
+) -> None:
+    body = chat_body(1, stream=False, choice="required", schema=schema, max_tokens=max_tokens, temperature=1.2)
+    body["messages"] = [{"role": "user", "content": "Call the tool with sensible values."}]
+
+    function, _, finish_reason = await chat_call(api, openai_spec, body)
+
+    jsonschema.validate(json.loads(function["arguments"]), schema)
+    assert finish_reason in ("tool_calls", "length")
+
+
 TIME = {
     "type": "object",
     "properties": {"tz": {"type": "string"}, "fmt": {"type": "string", "enum": ["12h", "24h"]}},

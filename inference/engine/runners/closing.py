@@ -30,6 +30,8 @@ PROPERTY_COST = 3
 # most schemas looked at to find them.
 SHAPES_MOST = 64
 SHAPES_VISITS = 512
+# Closing weighs at most this many of the tokens it ranks first by what each leaves to write.
+CLOSING_CANDIDATES = 64
 # The most characters of a property's name, or of a value a ``const`` or ``enum`` may name, read to tell which.
 READ_MOST = 1024
 
@@ -149,6 +151,7 @@ class _Open:
     awaiting: bool = True  # an object's next name, or an array's next item, is still to come
     comma: bool = False  # a comma asks for that name or item
     value_due: bool = False  # the property named last has no value begun yet
+    signed: bool = False  # a number is begun with its sign alone
     count: int = 0  # an array's items begun
     string: list[str] | None = None  # the string being read, where it may tell something (a name, a const's value)
     cost: int | None = None  # what it still requires, until it changes
@@ -192,11 +195,14 @@ class JsonTail:
                 if self.scan.in_string:
                     if current.string is not None and len(current.string) < READ_MOST:
                         current.string.append(char)
+                        current.cost = None
                 else:
                     self._string_read(current)
                 continue
             if char.isspace() or char == ":":
                 continue
+            if current.signed != (char == "-"):
+                current.signed, current.cost = char == "-", None
             if move < 0:
                 self.open.pop()
                 self._opened.pop()
@@ -209,14 +215,14 @@ class JsonTail:
                 if move > 0:
                     self._begin(current, char)
             elif current.awaiting:  # a property's name begins
-                current.string = [] if char == '"' else None
+                current.string, current.cost = ([] if char == '"' else None), None
             elif current.value_due:  # its value begins
                 current.value_due, current.cost = False, None
                 if move > 0:
                     self._begin(current, char)
                 elif char == '"':
                     literal = any(_literals(shape) is not None for shape in self._value_shapes(current))
-                    current.string = [] if literal else None
+                    current.string, current.cost = ([] if literal else None), None
 
     def _begin(self, parent: _Open | None, char: str) -> None:
         """An object or array opens: it may be what the alternatives of the value it is allow."""
@@ -260,6 +266,17 @@ class JsonTail:
             current.shapes = admitting or current.shapes
         current.cost = None
 
+    def _admits_start(self, node: Any, written: str) -> bool:
+        """Whether a value of ``node`` may be a string that begins with ``written`` (as written, escapes and all)."""
+        for shape in self._shapes_of(node):
+            literals = _literals(shape)
+            if literals is None or any(
+                isinstance(value, str) and json.dumps(value, ensure_ascii=False)[1:].startswith(written)
+                for value in literals
+            ):
+                return True
+        return False
+
     def _admits(self, node: Any, value: Any) -> bool:
         """Whether a value of ``node`` may be ``value`` (a call's ``name``: which function it calls)."""
         for shape in self._shapes_of(node):
@@ -283,22 +300,41 @@ class JsonTail:
         total = 0
         for opened in self._opened:
             if opened.cost is None:
-                opened.cost = min(self._still(opened, shape) for shape in opened.shapes)
+                costs = [cost for shape in opened.shapes if (cost := self._still(opened, shape)) is not None]
+                opened.cost = min(costs, default=0)
             total += opened.cost
         return total
 
-    def _still(self, opened: _Open, shape: Shape) -> int:
+    def _still(self, opened: _Open, shape: Shape) -> int | None:
+        """What ``opened`` still requires if it is of ``shape``; None where the text rules ``shape`` out."""
+        written = "".join(opened.string) if opened.string is not None else None
+        value = written is not None and not opened.array and not opened.awaiting and opened.key is not None
+        if value and not self._admits_start(_property(shape, opened.key or ""), written or ""):
+            return None  # a const's or an enum's value being written that this alternative's cannot begin
         if opened.array:
             least = max(_least_items(shape), opened.count + int(opened.comma))
-            return sum(self._value_cost(_item(shape, index)) for index in range(opened.count, least))
-        required = sum(self._property_cost(shape, name) for name in _required(shape) if name not in opened.keys)
-        if opened.value_due and opened.key is not None:
-            required += self._value_cost(_property(shape, opened.key))
-        if required or not opened.comma:
-            return required
-        # A comma after the last required property asks for one more: the cheapest the schema names.
-        costs = [self._property_cost(shape, name) for name in _names(shape) - opened.keys]
-        return min(costs, default=PROPERTY_COST + 1)
+            items = sum(self._value_cost(_item(shape, index)) for index in range(opened.count, least))
+            return items + int(opened.signed)
+        missing = [name for name in _required(shape) if name not in opened.keys]
+        required = sum(self._property_cost(shape, name) for name in missing) + int(opened.signed)
+        if opened.value_due and opened.key is not None:  # at least a token of it
+            required += 1 + self._value_cost(_property(shape, opened.key))
+        if written is not None and opened.awaiting and not any(name.startswith(written) for name in missing):
+            # A name being written that no required property's begins with: the cheapest it may still become.
+            required += self._cheapest_more(shape, opened, written)
+        elif opened.comma and not required:
+            # A comma after the last required property asks for one more.
+            required += self._cheapest_more(shape, opened, "")
+        return required
+
+    def _cheapest_more(self, shape: Shape, opened: _Open, begun: str) -> int:
+        """The least a property not written yet whose name begins with ``begun`` takes: one the schema names, or
+        one of its ``additionalProperties`` (a map's entry), with what its value requires."""
+        costs = [self._property_cost(shape, name) for name in _names(shape) - opened.keys if name.startswith(begun)]
+        extra = next((extra for part in shape if isinstance(extra := part.get("additionalProperties"), dict)), None)
+        if extra is not None or all(part.get("additionalProperties") is not False for part in shape):
+            costs.append(PROPERTY_COST + self._value_cost(extra))
+        return min(costs, default=0)
 
     def _property_cost(self, shape: Shape, name: str) -> int:
         """The tokens the property ``name`` takes at the least: its name with an empty value, and what its value
@@ -351,7 +387,11 @@ class JsonTail:
                 for opened in self._opened[kept:]
             ]
             tail.feed(after)
-        return len(tail.closers()) + CLOSING_SLACK + tail.missing()
+        closers = len(tail.open) + 2 if tail.scan.escaped else len(tail.closers())  # an escape's letter, a quote
+        innermost = tail._opened[-1] if tail._opened else None
+        if innermost is not None and innermost.awaiting and innermost.string is not None and tail.scan.in_string:
+            closers -= 1  # a property's name being written: its quote is in what the name takes
+        return closers + CLOSING_SLACK + tail.missing()
 
 
 @dataclass(frozen=True)
@@ -364,6 +404,9 @@ class Closing:
     pieces: Sequence[bytes] = ()
     # Whether the text is inside a JSON string, where spaces are text (elsewhere they are nothing).
     in_string: bool = False
+    # What closing takes after a token's text (``JsonTail.needs``): of the tokens ``pick`` ranks first, the one
+    # that leaves the least to write is taken.
+    needs: Callable[[str], int] | None = None
 
     def choose(self, allowed: np.ndarray) -> tuple[int, bool]:
         """``pick``'s token, and whether it departs from the text the model was about to write (its likeliest allowed
@@ -402,28 +445,36 @@ class Closing:
 
     def pick(self, allowed: np.ndarray) -> int:
         """Of the tokens the grammar allows (finite ``allowed`` logits): an end of generation once the value is
-        whole; else the longest run of the open quotes and brackets, in order; else, for what the grammar still
-        requires (a property's name, a value, a digit), a token that is not only spaces and opens the fewest
-        objects and arrays (``{}`` for an object that may be empty, not ``{"``: a recursive schema would never
-        close), and of those the longest, to spell it in as few as it allows."""
+        whole. Else, ranked: the longest runs of the open quotes and brackets, in order; then, for what the grammar
+        still requires (a property's name, a value, a digit), tokens that are not only spaces, those that open the
+        fewest objects and arrays first (``{}`` for an object that may be empty, not ``{"``: a recursive schema
+        would never close), the longest first, to spell it in as few as it allows. Of the first
+        ``CLOSING_CANDIDATES`` of them, the one after which ``needs`` is least (the cheaper branch of a union, the
+        required property rather than an optional one), the first of those ranked alike."""
         vocabulary = self.vocabulary
         ends = vocabulary.ends[np.isfinite(allowed[vocabulary.ends])]
         if ends.size:
             return int(ends[np.argmax(allowed[ends])])
-        closers = [
-            (len(text), allowed[token], token)
-            for token, text in vocabulary.closers
-            if self.closers.startswith(text) and np.isfinite(allowed[token])
-        ]
-        if closers:
-            return int(max(closers)[2])
+        closers = sorted(
+            (
+                (len(text), allowed[token], token)
+                for token, text in vocabulary.closers
+                if self.closers.startswith(text) and np.isfinite(allowed[token])
+            ),
+            reverse=True,
+        )
+        ranked = [token for _, _, token in closers]
         ids = np.flatnonzero(np.isfinite(allowed))
         if (spelled := ids[~vocabulary.blank[ids]]).size:  # a space between JSON tokens takes a token for nothing
             ids = spelled
         opened = vocabulary.opened[int(self.closers.startswith('"')), ids]
-        ids = ids[opened == opened.min()]
-        ids = ids[vocabulary.lengths[ids] == vocabulary.lengths[ids].max()]
-        return int(ids[np.argmax(allowed[ids])])
+        ids = ids[np.lexsort((-allowed[ids], -vocabulary.lengths[ids], opened))]
+        ranked += [int(token) for token in ids[:CLOSING_CANDIDATES] if token not in ranked]
+        if self.needs is None or not self.pieces or len(ranked) == 1:
+            return ranked[0]
+        candidates = ranked[:CLOSING_CANDIDATES]
+        left = [self.needs(self.pieces[token].decode("utf-8", errors="ignore")) for token in candidates]
+        return candidates[left.index(min(left))]
 
 
 @dataclass(frozen=True)

@@ -630,7 +630,8 @@ class _Sequence:
     def _closing(self) -> Closing:
         assert self.tail is not None
         vocabulary = self.vocabulary
-        return Closing(vocabulary.closing, self.tail.closers(), vocabulary.pieces, self.tail.scan.in_string)
+        tail = self.tail
+        return Closing(vocabulary.closing, tail.closers(), vocabulary.pieces, tail.scan.in_string, needs=tail.needs)
 
     def _overreaching(self, token: int) -> Closing | None:
         """Closing instead of ``token`` when the token begins what the budget left after it cannot finish (an item of

@@ -1388,7 +1388,10 @@ ORDER = {
             '{"city": "x", "list": [{"id": 1, "qty": 2}], "more": [{"id": 1, "qty": 2}], "next": {',
             {*ORDER["required"], "id", "qty"},
         ),
-        ('{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [{"id": 1, "qty"', {"more", "next"}),
+        (
+            '{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [{"id": 1, "qty"',
+            {"qty's value", "more", "next"},
+        ),
         ('{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [', {"id", "qty", "more", "next"}),
         ('{"city": "x", "list": [{"id": 1, "qty": 2},', {"id", "qty", "more", "next"}),
         ('{"city": "x", "list": [], "more": [], "next": null,', {"extra", "units"}),
@@ -1420,8 +1423,8 @@ PAIR = {"type": "array", "prefixItems": [XYZ, XYZ], "items": False}
 @pytest.mark.parametrize(
     ("schema", "written", "missing"),
     [
-        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a"', 3),
-        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a": ', 3),
+        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a"', 1 + 3),  # a token of its own
+        ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a": ', 1 + 3),
         ({"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]}, '{"pair": [', 6),
         (
             {"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]},
@@ -1438,6 +1441,50 @@ def test_what_is_still_needed_counts_every_value_the_text_has_committed_to(
 ) -> None:
     # A named property's value counted nothing until its bracket came, prefixItems nothing at all, and an enum of
     # strings was an alternative of an object already open.
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
+    tail.feed(written)
+
+    assert tail.missing() == missing
+
+
+USERS = {
+    "type": "object",
+    "additionalProperties": {"type": "object", "properties": {"age": {}, "email": {}}, "required": ["age", "email"]},
+}
+SHAPE_LIST = {
+    "type": "array",
+    "items": {
+        "anyOf": [
+            {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {}}, "required": ["kind", "r"]},
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "rect"}, **XYZ["properties"]},
+                "required": ["kind", *"xyz"],
+            },
+        ]
+    },
+}
+MORE = {"type": "object", "properties": {"a": {}, "bb": XYZ}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize(
+    ("schema", "written", "missing"),
+    [
+        (USERS, "{", 0),
+        (USERS, '{ "', 3 + 2),  # a map's key begun: its value's properties too
+        (USERS, '{"ann": {"age": 1, "email": ""},', 3 + 2),
+        (SHAPE_LIST, '[{"kind": "', 1),  # the cheapest branch, while the value may be either
+        (SHAPE_LIST, '[{"kind": "re', 3),
+        (SHAPE_LIST, '[{"kind": "ci', 1),
+        (MORE, '{"a": 1, "b', 1 + 3),  # no required name begins so: the optional one it may become
+    ],
+    ids=["a-map", "a-maps-key-begun", "a-comma-in-a-map", "a-tag-begun", "the-dearer-tag", "the-cheaper-tag", "a-name"],
+)
+def test_what_is_still_needed_follows_the_string_being_written(
+    schema: dict[str, Any], written: str, missing: int
+) -> None:
+    # A union's tag, a map's key or an optional property's name cost nothing until its string ended: by then the
+    # grammar allowed only its quote, and closing could not keep the call within its budget.
     tail = closing.JsonTail(schema, cost=lambda spelled: 1)
     tail.feed(written)
 
