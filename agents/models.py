@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
+from jinja2 import TemplateError
 
 from agents.tools.registry import REGISTRY
 from inference.engine.exceptions import ContextLengthExceeded
@@ -114,6 +115,8 @@ def _instructions_problem(instance: AgentInstance) -> str | None:
         tokens, at_least = prompt.tokens, False
     except ContextLengthExceeded as exc:
         tokens, at_least = exc.prompt_tokens, exc.at_least
+    except TemplateError as exc:
+        return f"The catalog model {entry}'s chat template refuses them: {exc}"
     except RunnerError:
         return None
     if tokens < entry.context_length:

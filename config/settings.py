@@ -159,8 +159,8 @@ if DATABASES["default"]["ENGINE"] not in ("django.db.backends.sqlite3", "django.
     CONFIG_PROBLEMS.append(
         (
             "config.E004",
-            f"DATABASE_URL names the backend {DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}, which this project "
-            "does not run on.",
+            f"DATABASE_URL names a {urlparse(os.environ['DATABASE_URL']).scheme}:// database, which this "
+            "project does not run on.",
             "Use postgres://user:pass@host/db or sqlite:///path.",
         )
     )

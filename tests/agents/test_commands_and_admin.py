@@ -193,6 +193,27 @@ def test_an_instance_is_refused_instructions_that_leave_no_room_for_a_conversati
     assert make_instance("g.agent", instructions="Answer in plain English. " * 1000).full_clean() is None
 
 
+def test_an_instance_is_refused_instructions_its_models_chat_template_refuses(
+    make_instance: Callable[..., AgentInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A template that takes no system message (Gemma's, Mistral's) raised through the admin: a 500.
+    from django.core.exceptions import ValidationError
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from inference.engine import execution
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("System role not supported")
+
+    execution._renderers.clear()
+    monkeypatch.setattr(Jinja2ChatFormatter, "__call__", refuse)
+    try:
+        with pytest.raises(ValidationError, match="chat template refuses them: System role not supported"):
+            make_instance("h.agent", instructions="Answer briefly.")
+    finally:
+        execution._renderers.clear()
+
+
 def test_a_guardrail_with_a_broken_regular_expression_is_refused(make_instance: Callable[..., AgentInstance]) -> None:
     from django.core.exceptions import ValidationError
 

@@ -39,11 +39,11 @@ from .schema_ends import endless_problem
 # A character of a JSON string: any but a quote, a backslash or a control character, or an escape. A character past
 # U+FFFF escaped is a pair of escapes (a high surrogate's, then a low one's), one character as maxLength and minLength
 # count; a surrogate escaped alone is no character.
-_HEX = "[0-9a-fA-F]"
+_HEX_DIGIT = "[0-9a-fA-F]"
 JSON_STRING_CHAR = (
     r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" ('
-    f"[0-9a-cA-Ce-fE-F] {_HEX} {_HEX} {_HEX} | [dD] [0-7] {_HEX} {_HEX} | "
-    rf'[dD] [89abAB] {_HEX} {_HEX} [\\] "u" [dD] [c-fC-F] {_HEX} {_HEX}))'
+    f"[0-9a-cA-Ce-fE-F] {_HEX_DIGIT} {_HEX_DIGIT} {_HEX_DIGIT} | [dD] [0-7] {_HEX_DIGIT} {_HEX_DIGIT} | "
+    rf'[dD] [89abAB] {_HEX_DIGIT} {_HEX_DIGIT} [\\] "u" [dD] [c-fC-F] {_HEX_DIGIT} {_HEX_DIGIT}))'
 )
 
 

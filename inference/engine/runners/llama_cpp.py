@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from .base import (
     Delivery,
@@ -1094,7 +1095,10 @@ def renderer(settings: dict[str, Any]) -> PromptRenderer:
     native_tools = "tools" in template
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return formatter(messages=messages, tools=tools).prompt  # type: ignore[arg-type]  # plain dicts of that shape
+        try:
+            return formatter(messages=messages, tools=tools).prompt  # type: ignore[arg-type]  # plain dicts of that shape
+        except ValueError as exc:  # the template's raise_exception ("System role not supported")
+            raise TemplateError(str(exc)) from None
 
     def count_tokens(text: str, literal: tuple[tuple[int, int], ...]) -> int:
         return len(tokenize(vocab, text, literal))

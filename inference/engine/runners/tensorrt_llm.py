@@ -1029,7 +1029,7 @@ def _whole_value(constraint: Constraint | None, text: str) -> bool:
         return False
     try:
         json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python's parser reads
         return False
     return True
 
