@@ -1358,6 +1358,13 @@ def test_closing_a_call_in_time_counts_the_names_the_function_it_calls_needs(wri
     assert tail.missing() == len(missing)
 
 
+def missing_after(schema: dict[str, Any], written: str) -> int:
+    """What the schema still requires after ``written``, each property's name counted as one token."""
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
+    tail.feed(written)
+    return tail.missing()
+
+
 ORDER = {
     "type": "object",
     "properties": {
@@ -1410,10 +1417,7 @@ ORDER = {
 def test_what_is_still_needed_is_what_the_open_objects_of_the_text_require(written: str, missing: set[str]) -> None:
     # An item past minItems, or a nested model, opened late needed nothing, a name written by an earlier object
     # counted as written in every later one, and a comma asked for nothing: a forced call began closing too late.
-    tail = closing.JsonTail(ORDER, cost=lambda spelled: 1)
-    tail.feed(written)
-
-    assert tail.missing() == len(missing)
+    assert missing_after(ORDER, written) == len(missing)
 
 
 XYZ = {"type": "object", "properties": {name: {"type": "integer"} for name in "xyz"}, "required": ["x", "y", "z"]}
@@ -1441,10 +1445,7 @@ def test_what_is_still_needed_counts_every_value_the_text_has_committed_to(
 ) -> None:
     # A named property's value counted nothing until its bracket came, prefixItems nothing at all, and an enum of
     # strings was an alternative of an object already open.
-    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
-    tail.feed(written)
-
-    assert tail.missing() == missing
+    assert missing_after(schema, written) == missing
 
 
 USERS = {
@@ -1485,10 +1486,7 @@ def test_what_is_still_needed_follows_the_string_being_written(
 ) -> None:
     # A union's tag, a map's key or an optional property's name cost nothing until its string ended: by then the
     # grammar allowed only its quote, and closing could not keep the call within its budget.
-    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
-    tail.feed(written)
-
-    assert tail.missing() == missing
+    assert missing_after(schema, written) == missing
 
 
 def test_a_const_or_an_enums_value_counts_its_own_tokens() -> None:
