@@ -995,21 +995,27 @@ def test_sampling_under_a_grammar_finds_an_allowed_token_far_down_the_vocabulary
     assert vocabulary.pieces[token].lstrip().startswith(b'"')
 
 
+def greedy_bytes(vocabulary: llama_cpp.Vocabulary, schema: dict[str, Any], steps: list[list[int]]) -> list[bytes]:
+    """What greedy sampling under ``schema`` writes when each step's logits favour its bytes, the first most."""
+    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
+    sampler = sampler_for(vocabulary, schema, temperature=0)
+    written = []
+    try:
+        for favoured in steps:
+            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
+            for rank, value in enumerate(favoured):
+                logits[byte[value]] = 100.0 - rank
+            written.append(vocabulary.pieces[sampler.next(logits)])
+    finally:
+        sampler.close()
+    return written
+
+
 def test_under_a_grammar_a_token_that_would_write_no_character_utf8_allows_is_drawn_again(
     vocabulary: llama_cpp.Vocabulary,
 ) -> None:
     # The grammar reads ED A0 as the start of U+D800, a surrogate: the text held U+FFFD in its place.
-    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
-    sampler = sampler_for(vocabulary, {"type": "string", "maxLength": 1}, temperature=0)
-    written = []
-    try:
-        for favoured in ([ord('"')], [0xED], [0xA0, 0x9F], [0x80]):
-            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
-            for rank, value in enumerate(favoured):
-                logits[byte[value]] = 30.0 - rank
-            written.append(vocabulary.pieces[sampler.next(logits)])
-    finally:
-        sampler.close()
+    written = greedy_bytes(vocabulary, {"type": "string", "maxLength": 1}, [[ord('"')], [0xED], [0xA0, 0x9F], [0x80]])
 
     assert written == [b'"', b"\xed", b"\x9f", b"\x80"]
     assert b"".join(written).decode() == '"\ud7c0'
@@ -1019,17 +1025,7 @@ def test_under_a_grammar_the_output_stays_utf8_when_every_likely_token_would_bre
     vocabulary: llama_cpp.Vocabulary,
 ) -> None:
     # After ED, every byte from A0 up begins a surrogate: the tokens drawn again were the next likeliest of them.
-    byte = {piece[0]: token for token, piece in enumerate(vocabulary.pieces) if len(piece) == 1}
-    sampler = sampler_for(vocabulary, {"type": "string"}, temperature=0)
-    written = []
-    try:
-        for favoured in ([ord('"')], [0xED], [*range(0xBF, 0x9F, -1), 0x85]):
-            logits = np.zeros(len(vocabulary.pieces), dtype=np.float32)
-            for rank, value in enumerate(favoured):
-                logits[byte[value]] = 100.0 - rank
-            written.append(vocabulary.pieces[sampler.next(logits)])
-    finally:
-        sampler.close()
+    written = greedy_bytes(vocabulary, {"type": "string"}, [[ord('"')], [0xED], [*range(0xBF, 0x9F, -1), 0x85]])
 
     assert written == [b'"', b"\xed", b"\x85"]
 
