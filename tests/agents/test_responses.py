@@ -1068,8 +1068,11 @@ async def test_a_client_call_the_budget_cut_short_is_not_sent_for_the_client_to_
     tenant: Tenant, plain_agent: AgentInstance
 ) -> None:
     # The protocol has the client run every function_call: one with cut arguments would be run as it is (and the
-    # openai SDK's stream helper, parsing a strict tool's arguments, raised on it).
-    strict = {**WEATHER, "strict": True, "parameters": {**WEATHER["parameters"], "additionalProperties": False}}
+    # openai SDK's stream helper, parsing a strict tool's arguments, raised on it). A required name of 15 tokens:
+    # no call of this tool closes within the least budget a response may ask for.
+    address = "the_full_postal_address_of_the_customer_including_zip_code"
+    parameters = {"type": "object", "properties": {address: {"type": "string"}}, "required": [address]}
+    strict = {**WEATHER, "strict": True, "parameters": {**parameters, "additionalProperties": False}}
     events, response = await tenant.stream(
         model=plain_agent.instance_id,
         input="What is the weather in Eugene, Oregon?",
