@@ -279,14 +279,7 @@ class JsonTail:
 
     def _admits(self, node: Any, value: Any) -> bool:
         """Whether a value of ``node`` may be ``value`` (a call's ``name``: which function it calls)."""
-        for shape in self._shapes_of(node):
-            if all(
-                ("const" not in part or part["const"] == value)
-                and (not isinstance(part.get("enum"), list) or value in part["enum"])
-                for part in shape
-            ):
-                return True
-        return False
+        return any((literals := _literals(shape)) is None or value in literals for shape in self._shapes_of(node))
 
     def missing(self) -> int:
         """The tokens what the schema still requires takes to write at the least: each property an open object
