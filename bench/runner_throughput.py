@@ -359,11 +359,10 @@ def interval(platform: list[float], other: list[float], draws: int = 2000) -> tu
     return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's threads: the model's (its scheduler and the OpenMP threads it started,
-    which inherit its name), the event loop's (the main thread) and the others."""
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of a process: its name and the CPU seconds it has used."""
     clock = os.sysconf("SC_CLK_TCK")
-    by_role: dict[str, float] = {}
+    threads: dict[int, tuple[str, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
@@ -371,14 +370,44 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        if name.startswith("llama-sched"):
-            role = "model (scheduler and its OpenMP threads)"
-        elif int(task.name) == pid:
-            role = "event loop (HTTP, SSE encoding)"
-        else:
-            role = "other threads (database, usage writer)"
-        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / clock
-    return by_role
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / clock)
+    return threads
+
+
+@dataclass
+class ThreadTime:
+    """CPU seconds a server's threads spent over the rounds measured, and the tokens those rounds generated."""
+
+    pid: int
+    seconds: dict[int, tuple[str, float]] = field(default_factory=dict)
+    tokens: int = 0
+
+    def add(self, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], tokens: int) -> None:
+        for tid, (name, spent) in after.items():
+            previous = self.seconds.get(tid, (name, 0.0))[1]
+            self.seconds[tid] = (name, previous + spent - before.get(tid, (name, 0.0))[1])
+        self.tokens += tokens
+
+    def by_role(self, server: str, threads: int) -> dict[str, float]:
+        """The platform names its scheduler thread (its OpenMP threads inherit the name); its main thread runs the
+        event loop. llama-server's main thread runs its slots and each step (with ``threads`` - 1 OpenMP threads,
+        the busiest of the others); the rest serve HTTP."""
+        roles: dict[str, float] = {}
+        others = sorted((tid for tid in self.seconds if tid != self.pid), key=lambda tid: -self.seconds[tid][1])
+        for tid, (name, spent) in self.seconds.items():
+            if server == EMBEDDED:
+                if name.startswith("llama-sched"):
+                    role = "model (scheduler and its OpenMP threads)"
+                elif tid == self.pid:
+                    role = "event loop (HTTP, SSE encoding)"
+                else:
+                    role = "other threads (database, usage writer)"
+            elif tid == self.pid or tid in others[: threads - 1]:
+                role = "model (main thread: slots, steps; OpenMP threads)"
+            else:
+                role = "HTTP threads (SSE encoding)"
+            roles[role] = roles.get(role, 0.0) + spent
+        return roles
 
 
 # What ``--servers`` picks from, in the order they take their turns.
@@ -441,7 +470,7 @@ def main() -> None:
         for server in servers:  # warm up: models load, caches fill
             asyncio.run(load(server, 1, 8, 10_000))
         cells: dict[tuple[str, int], Cell] = {}
-        cpu: dict[str, float] = {}
+        cpu: dict[str, ThreadTime] = {}
         index = 0
         for round_ in range(args.rounds if servers else 0):  # --servers engine: llama-batched-bench alone
             # Each round starts with the next server, so that none is always the one after a slow one.
@@ -450,8 +479,10 @@ def main() -> None:
                 # Prompts not seen before, the same for every server: a repeated one would be a whole-prompt cache hit.
                 first, index = index, index + n
                 for server in order:
-                    embedded = server.processes[-1].pid if server.name == EMBEDDED else None
-                    before = thread_cpu(embedded) if embedded is not None else {}
+                    # Where each server spends CPU per token, at the most streams.
+                    timed = server.name in (EMBEDDED, LLAMA_SERVER) and n == max(streams)
+                    pid = server.processes[-1].pid if timed else None
+                    before = thread_cpu(pid) if pid is not None else {}
                     started = time.perf_counter()
                     results = asyncio.run(load(server, n, args.tokens, first))
                     cell = cells.setdefault((server.name, n), Cell())
@@ -460,11 +491,8 @@ def main() -> None:
                         result.tokens = len(vocabulary.tokenize(result.text))
                     cell.streams += results
                     cell.tokens.append(sum(result.tokens for result in results))
-                    if embedded is not None and n == max(streams):
-                        after = thread_cpu(embedded)
-                        for name, seconds in after.items():
-                            cpu[name] = cpu.get(name, 0.0) + seconds - before.get(name, 0.0)
-                        cpu["(tokens)"] = cpu.get("(tokens)", 0.0) + cell.tokens[-1]
+                    if pid is not None:
+                        cpu.setdefault(server.name, ThreadTime(pid)).add(before, thread_cpu(pid), cell.tokens[-1])
         engine = batched_bench(binaries, streams, args.tokens, threads) if "engine" in chosen else {}
     finally:
         for server in servers:
@@ -487,7 +515,7 @@ def report(
     streams: list[int],
     args: argparse.Namespace,
     threads: int,
-    cpu: dict[str, float],
+    cpu: dict[str, ThreadTime],
 ) -> None:
     print(
         f"\nSmolLM2-135M Q4_1, greedy, {args.tokens} tokens per stream, {args.slots} slots, {threads} threads, "
@@ -545,12 +573,11 @@ def report(
                 f"{ratio(key, LLAMA_CPP_SERVER, aggregate)} | {ratio(key, DIRECT, aggregate)} | "
                 f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} | {bounds} |"
             )
-    if cpu:
-        tokens = cpu.pop("(tokens)")
-        print(f"\nThe embedded server's CPU per generated token at {max(streams)} streams, by thread:")
-        for name, seconds in sorted(cpu.items(), key=lambda item: -item[1]):
+    for name, spent in cpu.items():
+        print(f"\n{name}'s CPU per generated token at {max(streams)} streams, by thread:")
+        for role, seconds in sorted(spent.by_role(name, threads).items(), key=lambda item: -item[1]):
             if seconds > 0.005:
-                print(f"  {name:<44} {seconds * 1000 / tokens:6.2f} ms/token")
+                print(f"  {role:<50} {seconds * 1000 / spent.tokens:6.2f} ms/token")
 
 
 if __name__ == "__main__":
