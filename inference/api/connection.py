@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import orjson
 from daphne.http_protocol import HTTPFactory
 from django.conf import settings
+from twisted.internet import tcp
 from twisted.internet.interfaces import ITCPTransport
 from twisted.web.http import HTTPChannel
 
@@ -117,6 +118,37 @@ class APIChannel(HTTPChannel):
     def requestDone(self, request: Any) -> None:  # noqa: N802 (Twisted's name)
         self._between_requests = True
         super().requestDone(request)
+
+    # Twisted's TCP transport buffers every write until the reactor's next turn finds the socket writable: two
+    # more system calls (registering the socket for writing, and unregistering it once the buffer is empty) and a
+    # turn of the event loop for each piece of a streamed response. A write that finds nothing buffered is sent
+    # at once; what the socket does not take, and every write behind it, is buffered as before.
+
+    def write(self, data: bytes) -> None:
+        if (rest := self._send_now(data)) is not None:
+            super().write(rest)
+
+    def writeSequence(self, iovec: list[bytes]) -> None:  # noqa: N802 (Twisted's name)
+        if (rest := self._send_now(b"".join(iovec))) is not None:
+            super().writeSequence([rest])
+
+    def _send_now(self, data: bytes) -> bytes | None:
+        """Sends what the socket takes of ``data`` when the transport holds nothing unsent; the rest (None when
+        none is left)."""
+        transport = self.transport
+        if (
+            type(transport) is not tcp.Server
+            or not data
+            or not transport.connected
+            or transport.disconnecting
+            or transport.dataBuffer
+            or transport._tempDataLen
+        ):
+            return data
+        sent = transport.writeSomeData(data)
+        if not isinstance(sent, int):  # the connection is lost: the reactor's own write reports it
+            return data
+        return data[sent:] or None
 
     def timeoutConnection(self) -> None:  # noqa: N802 (Twisted's name)
         if self._between_requests:

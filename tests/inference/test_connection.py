@@ -17,7 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from twisted.internet import tcp
 
+from inference.api.connection import APIChannel
 from tests.conftest import ROOT, LiveServer, start_server, stop_server, wait_for_http
 from tests.services import free_port
 
@@ -344,3 +346,79 @@ def test_the_server_answers_after_refusing(served: Served) -> None:
     with served.connect() as sock:
         sock.sendall(served.head("GET", "/v1/infer/models"))
         assert answer(sock).status == 200
+
+
+# --- writing: a piece of a response goes out when it is written, not on the reactor's next turn ---------------
+
+
+class _Reactor:
+    """What a TCP transport asks of its reactor, keeping the descriptors it is asked to watch for writing."""
+
+    def __init__(self) -> None:
+        self.writers: list[object] = []
+
+    def addReader(self, reader: object) -> None:  # noqa: N802 (Twisted's name)
+        pass
+
+    def removeReader(self, reader: object) -> None:  # noqa: N802 (Twisted's name)
+        pass
+
+    def addWriter(self, writer: object) -> None:  # noqa: N802 (Twisted's name)
+        if writer not in self.writers:  # a set, as a reactor's
+            self.writers.append(writer)
+
+    def removeWriter(self, writer: object) -> None:  # noqa: N802 (Twisted's name)
+        self.writers.remove(writer)
+
+
+@pytest.fixture
+def wire() -> Iterator[tuple[APIChannel, Any, socket.socket, _Reactor]]:
+    """A channel on a real TCP transport over a socket pair, and the client's end of it."""
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(2)
+    reactor = _Reactor()
+    channel = APIChannel()
+    transport = tcp.Server(ours, channel, ("127.0.0.1", 50000), None, 1, reactor)  # type: ignore[arg-type]
+    channel.transport = transport  # type: ignore[assignment]
+    yield channel, transport, theirs, reactor
+    ours.close()
+    theirs.close()
+
+
+def test_a_write_with_nothing_buffered_is_on_the_wire_at_once(
+    wire: tuple[APIChannel, Any, socket.socket, _Reactor],
+) -> None:
+    channel, transport, client, reactor = wire
+    channel.writeSequence([b"6\r\n", b"data: ", b"\r\n"])
+    channel.write(b"hello")
+    assert client.recv(100) == b"6\r\ndata: \r\nhello"
+    assert reactor.writers == [] and not transport.dataBuffer
+
+
+def test_a_write_behind_unsent_bytes_waits_its_turn_behind_them(
+    wire: tuple[APIChannel, Any, socket.socket, _Reactor],
+) -> None:
+    channel, transport, client, reactor = wire
+    transport.write(b"first ")  # buffered until the reactor finds the socket writable
+    channel.write(b"second")
+    client.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        client.recv(100)
+    assert reactor.writers == [transport]
+    transport.doWrite()
+    assert client.recv(100) == b"first second"
+
+
+def test_what_the_socket_does_not_take_is_buffered_and_sent_in_order(
+    wire: tuple[APIChannel, Any, socket.socket, _Reactor],
+) -> None:
+    channel, transport, client, reactor = wire
+    data = bytes(range(256)) * 40_000  # past what a socket's buffers hold
+    channel.write(data)
+    channel.write(b"tail")
+    assert reactor.writers == [transport]
+    received = bytearray()
+    while len(received) < len(data) + 4:
+        transport.doWrite()
+        received += client.recv(1 << 20)
+    assert bytes(received) == data + b"tail"
