@@ -306,7 +306,7 @@ class JsonTail:
             return None  # a const's or an enum's value being written that this alternative's cannot begin
         if opened.array:
             least = max(_least_items(shape), opened.count + int(opened.comma))
-            items = sum(self._value_cost(_item(shape, index)) for index in range(opened.count, least))
+            items = sum(self._item_cost(shape, index) for index in range(opened.count, least))
             return items + int(opened.signed)
         missing = [name for name in _required(shape) if name not in opened.keys]
         required = sum(self._property_cost(shape, name) for name in missing) + int(opened.signed)
@@ -357,7 +357,13 @@ class JsonTail:
         if (literals := _literals(shape)) is not None:
             return min((self._literal_cost(json.dumps(value, ensure_ascii=False)) for value in literals), default=0)
         required = sum(self._property_cost(shape, name) for name in _required(shape))
-        return required + sum(self._value_cost(_item(shape, index)) for index in range(_least_items(shape)))
+        return required + sum(self._item_cost(shape, index) for index in range(_least_items(shape)))
+
+    def _item_cost(self, shape: Shape, index: int) -> int:
+        """The tokens an item not begun yet takes at the least: a token of its own (an empty string, a digit), and
+        what its value must name in turn. Counted as nothing, a comma's item cost closing nothing to promise, and
+        closing that took `` "",`` (an item and the next comma) kept a list open until the budget ran out."""
+        return 1 + self._value_cost(_item(shape, index))
 
     def closers(self) -> str:
         """The quotes and brackets that close every open string, array and object, in order."""

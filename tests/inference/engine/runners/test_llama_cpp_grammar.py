@@ -1384,19 +1384,22 @@ ORDER = {
 @pytest.mark.parametrize(
     ("written", "missing"),
     [
-        ("", {"city", "list", "id", "qty", "more", "next"}),  # an optional object's own are not needed
-        ('{"city": "x", "extra": {', {"units", "list", "id", "qty", "more", "next"}),  # until it is opened
+        ("", {"city", "list", "an item", "id", "qty", "more", "next"}),  # an optional object's own are not needed
+        ('{"city": "x", "extra": {', {"units", "list", "an item", "id", "qty", "more", "next"}),  # until it is opened
         ('{"city": "x", "list": [{"id": 1, "qty": 2}], "more": [{"id": 1, "qty": 2}, {', {"id", "qty", "next"}),
         (
             '{"city": "x", "list": [{"id": 1, "qty": 2}], "more": [{"id": 1, "qty": 2}], "next": {',
-            {*ORDER["required"], "id", "qty"},
+            {*ORDER["required"], "an item", "id", "qty"},
         ),
         (
             '{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [{"id": 1, "qty"',
             {"qty's value", "more", "next"},
         ),
-        ('{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [', {"id", "qty", "more", "next"}),
-        ('{"city": "x", "list": [{"id": 1, "qty": 2},', {"id", "qty", "more", "next"}),
+        (
+            '{"city": "x", "list": [], "more": [], "next": {"city": "y", "list": [',
+            {"an item", "id", "qty", "more", "next"},
+        ),
+        ('{"city": "x", "list": [{"id": 1, "qty": 2},', {"an item", "id", "qty", "more", "next"}),
         ('{"city": "x", "list": [], "more": [], "next": null,', {"extra", "units"}),
     ],
     ids=[
@@ -1413,6 +1416,7 @@ ORDER = {
 def test_what_is_still_needed_is_what_the_open_objects_of_the_text_require(written: str, missing: set[str]) -> None:
     # An item past minItems, or a nested model, opened late needed nothing, a name written by an earlier object
     # counted as written in every later one, and a comma asked for nothing: a forced call began closing too late.
+    # An item not begun takes a token of its own besides the names it needs.
     assert missing_after(ORDER, written) == len(missing)
 
 
@@ -1425,11 +1429,11 @@ PAIR = {"type": "array", "prefixItems": [XYZ, XYZ], "items": False}
     [
         ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a"', 1 + 3),  # a token of its own
         ({"type": "object", "properties": {"a": XYZ}, "required": ["a"]}, '{"a": ', 1 + 3),
-        ({"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]}, '{"pair": [', 6),
+        ({"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]}, '{"pair": [', 2 * (1 + 3)),
         (
             {"type": "object", "properties": {"pair": PAIR}, "required": ["pair"]},
             '{"pair": [{"x": 1, "y": 2, "z": 3}, ',
-            3,
+            1 + 3,
         ),
         ({"anyOf": [{"enum": ["x", "y"]}, XYZ]}, "{", 3),
         ({"anyOf": [XYZ, {"type": "object", "properties": {"a": {}}, "additionalProperties": False}]}, '{"x": 1', 2),
@@ -1574,3 +1578,14 @@ def test_a_closed_tuple_is_enforced_as_its_prefix_items_and_no_other(vocab: Any)
     assert schema_problem(schema, vocab=vocab) is None
     assert accepts(vocab, schema, '[1, "a"]')
     assert not accepts(vocab, schema, '[1, "a", 2]') and not accepts(vocab, schema, "[1]")
+
+
+def test_closing_a_list_after_its_comma_writes_the_item_the_comma_asks_for_and_no_further_comma() -> None:
+    # Counted as nothing, the item a comma asks for made `` "",`` (an empty item and the next comma) as cheap to close
+    # as `` ""``, and closing, taking the longer, wrote empty items until the budget ran out: a forced call's
+    # arguments ended as `"options": ["red", "", "", "",` and were not sent.
+    schema = {"type": "object", "properties": {"options": {"type": "array", "items": {"type": "string"}}}}
+    tail = closing.JsonTail(schema, cost=lambda spelled: 1)
+    tail.feed('{"options": ["red",')
+
+    assert tail.needs(after=' ""') < tail.needs(after=' "",') == tail.needs()
