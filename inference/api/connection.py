@@ -129,8 +129,7 @@ class APIChannel(HTTPChannel):
             super().write(rest)
 
     def writeSequence(self, iovec: list[bytes]) -> None:  # noqa: N802 (Twisted's name)
-        if (rest := self._send_now(b"".join(iovec))) is not None:
-            super().writeSequence([rest])
+        self.write(b"".join(iovec))
 
     def _send_now(self, data: bytes) -> bytes | None:
         """Sends what the socket takes of ``data`` when the transport holds nothing unsent; the rest (None when
