@@ -161,12 +161,30 @@ async def test_a_forced_call_whose_list_items_require_properties_is_closed_in_ti
 ) -> None:
     # Closing counted the names of the items' objects nowhere (a list may be empty), and a name the first item wrote
     # as written for the next: arguments such as {"items": [{"name": "a", "qty": 1}, {"name":", ","qty" :-
-    body = chat_body(0, stream=False, choice="required", schema=ORDER, max_tokens=max_tokens, temperature=0)
-    body["messages"] = [{"role": "user", "content": "Order many items."}]
+    await forced_call_holds_to(
+        api, openai_spec, ORDER, "Order many items.", seed=0, max_tokens=max_tokens, temperature=0
+    )
+
+
+async def forced_call_holds_to(
+    api: API,
+    openai_spec: OpenAISpec,
+    schema: dict[str, Any],
+    ask: str,
+    *,
+    seed: int,
+    max_tokens: int,
+    temperature: float,
+) -> None:
+    """A required call asked for with ``ask`` comes back as arguments that ``schema`` holds, whole or closed in time."""
+    body = chat_body(
+        seed, stream=False, choice="required", schema=schema, max_tokens=max_tokens, temperature=temperature
+    )
+    body["messages"] = [{"role": "user", "content": ask}]
 
     function, _, finish_reason = await chat_call(api, openai_spec, body)
 
-    jsonschema.validate(json.loads(function["arguments"]), ORDER)
+    jsonschema.validate(json.loads(function["arguments"]), schema)
     assert finish_reason in ("tool_calls", "length")
 
 
@@ -209,13 +227,8 @@ COMMITTING = {
 async def test_a_forced_call_that_commits_to_a_dearer_part_mid_string_is_closed_in_time(
     api: API, openai_spec: OpenAISpec, schema: dict[str, Any], max_tokens: int
 ) -> None:
-    body = chat_body(1, stream=False, choice="required", schema=schema, max_tokens=max_tokens, temperature=1.2)
-    body["messages"] = [{"role": "user", "content": "Call the tool with sensible values."}]
-
-    function, _, finish_reason = await chat_call(api, openai_spec, body)
-
-    jsonschema.validate(json.loads(function["arguments"]), schema)
-    assert finish_reason in ("tool_calls", "length")
+    ask = "Call the tool with sensible values."
+    await forced_call_holds_to(api, openai_spec, schema, ask, seed=1, max_tokens=max_tokens, temperature=1.2)
 
 
 TIME = {
