@@ -1,0 +1,87 @@
+"""A loaded model's weights in the kernel's transparent huge pages (2 MB), on Linux.
+
+Each decode step reads every weight of the model. In the default 4 KB pages that is tens of thousands of
+pages a step (about 24,000 for SmolLM2-135M), and the CPU walks page tables for each one it has no
+translation cached for; in 2 MB pages, a few dozen. llama.cpp reads the weights into a buffer it gets
+from ``posix_memalign``, which glibc serves with an anonymous ``mmap`` of its own for a block that large.
+Most kernels ship with THP in ``madvise`` mode, where only memory marked ``MADV_HUGEPAGE`` gets huge pages.
+
+``huge_pages()`` wraps the code that makes such buffers: the anonymous memory the process maps meanwhile is
+marked ``MADV_HUGEPAGE`` and collapsed into huge pages at once (``MADV_COLLAPSE``, Linux 6.1 and later; on
+older kernels ``khugepaged`` collapses it in the background). Memory another thread maps in the same moment
+is marked too, which costs nothing but its rounding to 2 MB. Where the kernel has THP off, or the process
+runs elsewhere than Linux, nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+
+Range = tuple[int, int]
+
+
+def anonymous_ranges(maps: str) -> list[Range]:
+    """The anonymous private mappings in a ``/proc/<pid>/maps`` text (no file, not the heap or a stack)."""
+    ranges = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) != 5 or fields[4] != "0" or fields[1] != "rw-p":
+            continue
+        start, end = fields[0].split("-")
+        ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def new_huge_spans(before: list[Range], after: list[Range]) -> list[Range]:
+    """The whole 2 MB spans of ``after`` that no range of ``before`` touches: memory mapped in between.
+
+    A mapping made next to an older one joins it in the kernel's list, so what is new is counted by
+    address, not by mapping."""
+    spans = []
+    for start, end in after:
+        cut = [(s, e) for s, e in before if s < end and e > start]
+        cursor = start
+        for s, e in sorted(cut) + [(end, end)]:
+            low, high = -(-cursor // HUGE_PAGE) * HUGE_PAGE, min(s, end) // HUGE_PAGE * HUGE_PAGE
+            if high > low:
+                spans.append((low, high))
+            cursor = max(cursor, e)
+    return spans
+
+
+def _maps() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+@contextlib.contextmanager
+def huge_pages() -> Iterator[None]:
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    before = anonymous_ranges(_maps())
+    yield
+    spans = new_huge_spans(before, anonymous_ranges(_maps()))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    collapsed = 0
+    for start, end in spans:
+        if libc.madvise(ctypes.c_void_p(start), end - start, MADV_HUGEPAGE) != 0:
+            log.info("no huge pages: madvise(MADV_HUGEPAGE) failed with %s", errno.errorcode.get(ctypes.get_errno()))
+            return  # a kernel built without THP
+        for page in range(start, end, HUGE_PAGE):  # one by one: a range stops at the first page that fails
+            if libc.madvise(ctypes.c_void_p(page), HUGE_PAGE, MADV_COLLAPSE) == 0:
+                collapsed += HUGE_PAGE
+    marked = sum(end - start for start, end in spans)
+    log.info("%d MB marked for huge pages, %d MB of it collapsed into them at once", marked >> 20, collapsed >> 20)

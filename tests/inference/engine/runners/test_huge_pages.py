@@ -1,0 +1,105 @@
+"""A loaded model's weights sit in the kernel's 2 MB pages: the memory mapped while it loads is marked for huge
+pages and collapsed into them at once."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.engine.runners import llama_cpp
+from inference.engine.runners.huge_pages import HUGE_PAGE, anonymous_ranges, huge_pages, new_huge_spans
+from tests.conftest import DEFAULT_MODEL
+
+MB = 1 << 20
+MAPS = """\
+55b992a39000-55b9953c2000 rw-p 00000000 00:00 0                          [heap]
+7fc43ae00000-7fc477600000 rw-p 00000000 00:00 0
+7fc46fbb3000-7fc4757cf000 r--s 001b3000 fe:00 5441465                    /models/SmolLM2.gguf
+7fc477600000-7fc477601000 ---p 00000000 00:00 0
+7fc477e00000-7fc47be00000 rw-p 00000000 00:00 0
+7ffd1c0e5000-7ffd1c106000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def collapses_at_once() -> bool:
+    """THP not switched off, and ``MADV_COLLAPSE`` (Linux 6.1)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.exists() or "[never]" in enabled.read_text():
+        return False
+    major, minor = (int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    return (major, minor) >= (6, 1)
+
+
+needs_collapse = pytest.mark.skipif(
+    not collapses_at_once(), reason="the kernel collapses memory into huge pages only in the background"
+)
+
+
+def huge_kb(address: int) -> int:
+    """``AnonHugePages`` of the mapping that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def huge_kb_in_all() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    return int(re.search(r"^AnonHugePages:\s+(\d+)", rollup, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def test_the_anonymous_private_memory_is_read_from_the_maps_and_files_the_heap_stacks_and_guards_are_not() -> None:
+    assert anonymous_ranges(MAPS) == [(0x7FC43AE00000, 0x7FC477600000), (0x7FC477E00000, 0x7FC47BE00000)]
+
+
+def test_memory_mapped_meanwhile_counts_by_its_whole_huge_pages() -> None:
+    assert new_huge_spans([], [(3 * MB, 9 * MB)]) == [(4 * MB, 8 * MB)]
+    assert new_huge_spans([(0, 1 * MB)], [(0, 1 * MB), (6 * MB, 7 * MB)]) == []
+
+
+def test_memory_mapped_next_to_older_memory_counts_only_the_new_part() -> None:
+    before = [(10 * MB, 12 * MB), (20 * MB, 21 * MB)]
+    # The kernel joined the new memory to both older mappings: one range from 4 MB to 30 MB.
+    after = [(4 * MB, 30 * MB)]
+
+    assert new_huge_spans(before, after) == [(4 * MB, 10 * MB), (12 * MB, 20 * MB), (22 * MB, 30 * MB)]
+
+
+def test_memory_already_there_is_left_alone() -> None:
+    assert new_huge_spans([(0, 64 * MB)], [(0, 64 * MB)]) == []
+
+
+@needs_collapse
+def test_memory_mapped_and_written_inside_the_block_sits_in_huge_pages_when_it_ends() -> None:
+    with huge_pages():
+        memory = mmap.mmap(-1, 8 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        memory.write(b"\1" * (8 * MB))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+
+    assert huge_kb(address) >= 3 * HUGE_PAGE // 1024  # 8 MB from wherever it starts: at least three whole 2 MB pages
+
+    del address
+    memory.close()
+
+
+@needs_collapse
+def test_a_loaded_models_weights_sit_in_huge_pages() -> None:
+    path = llama_cpp.model_path(DEFAULT_MODEL["runner_settings"])
+    before = huge_kb_in_all()
+    model = llama_cpp._load_model(path, vocab_only=False)
+    try:
+        assert (huge_kb_in_all() - before) * 1024 >= Path(path).stat().st_size * 0.8
+    finally:
+        model.close()
