@@ -6,6 +6,7 @@ Same GGUF (SmolLM2-135M-Instruct Q4_1), same engine, same instruction-set flags;
   catalog's defaults, and once more embedded with every token a delta of its own (``stream_interval_ms`` 0);
 - llama.cpp's ``llama-server`` with ``-np`` equal to the platform's slots (continuous batching), built by
   this script from the llama.cpp sources vendored in the pinned llama-cpp-python sdist, with the runner's flags;
+  on request (``llama-server-huge``) once more with its memory in huge pages, as the platform's runner keeps its own;
 - llama-cpp-python's own server (``llama_cpp.server``), today's common choice, on the same installed library;
 - the engine's limit: ``llama-batched-bench`` at the same batch sizes, no HTTP at all.
 
@@ -16,7 +17,7 @@ server; "tokens per delta" is how many travelled together in one streamed delta.
 ratios.
 
     .venv/bin/python bench/runner_throughput.py [--tokens 128] [--streams 1,4,8] [--rounds 3] [--slots N] [--threads N]
-        [--servers direct,embedded,distributed,llama-server,llama_cpp.server,every-token,engine]
+        [--servers direct,embedded,distributed,llama-server,llama-server-huge,llama_cpp.server,every-token,engine]
 """
 
 from __future__ import annotations
@@ -222,8 +223,11 @@ def platform(work: Path, *, slots: int, distributed: bool, every_token: bool = F
     )
 
 
-def llama_server(binaries: Path, work: Path, *, slots: int, threads: int) -> Server:
+def llama_server(binaries: Path, work: Path, *, slots: int, threads: int, huge_pages: bool = False) -> Server:
+    """``huge_pages``: the weights read into memory (``-lm none``) and every large buffer in 2 MB pages, as the
+    platform's runner keeps its weights and context; glibc marks its large blocks for huge pages when told to."""
     port = free_port()
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if huge_pages else None
     process = subprocess.Popen(
         [
             str(binaries / "llama-server"),
@@ -242,13 +246,16 @@ def llama_server(binaries: Path, work: Path, *, slots: int, threads: int) -> Ser
             "--cont-batching",
             "-fa",
             "off",  # as the runner's context (its flash attention's numbers depend on how a prompt is batched)
+            *(("-lm", "none") if huge_pages else ()),
         ],
-        stdout=open(work / "llama-server.log", "wb"),
+        stdout=open(work / ("llama-server-huge.log" if huge_pages else "llama-server.log"), "wb"),
         stderr=subprocess.STDOUT,
+        env=env,
     )
     wait_http(port, process)
     wait_ready(f"http://127.0.0.1:{port}/health")
-    return Server(LLAMA_SERVER, f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
+    name = LLAMA_SERVER_HUGE if huge_pages else LLAMA_SERVER
+    return Server(name, f"http://127.0.0.1:{port}/v1/chat/completions", {}, "smollm2", [process])
 
 
 def llama_cpp_server(work: Path, *, threads: int) -> Server:
@@ -411,11 +418,22 @@ class ThreadTime:
 
 
 # What ``--servers`` picks from, in the order they take their turns.
-SERVERS = ("direct", "embedded", "distributed", "llama-server", "llama_cpp.server", "every-token", "engine")
-DIRECT, EMBEDDED, LLAMA_SERVER, LLAMA_CPP_SERVER = (
+SERVERS = (
+    "direct",
+    "embedded",
+    "distributed",
+    "llama-server",
+    "llama-server-huge",
+    "llama_cpp.server",
+    "every-token",
+    "engine",
+)
+DEFAULT_SERVERS = tuple(name for name in SERVERS if name != "llama-server-huge")
+DIRECT, EMBEDDED, LLAMA_SERVER, LLAMA_SERVER_HUGE, LLAMA_CPP_SERVER = (
     "runner, direct (no HTTP)",
     "platform, embedded",
     "llama-server",
+    "llama-server, huge pages",
     "llama_cpp.server",
 )
 
@@ -431,8 +449,8 @@ def start(choice: str, args: argparse.Namespace, binaries: Path, work: Path, thr
             runner=llama_cpp.LlamaCppRunner({**SETTINGS, "parallel": args.slots, "n_ctx": CONTEXT}),
             render=lambda messages: renderer.render(messages, None),
         )
-    if choice == "llama-server":
-        return llama_server(binaries, work, slots=args.slots, threads=threads)
+    if choice in ("llama-server", "llama-server-huge"):
+        return llama_server(binaries, work, slots=args.slots, threads=threads, huge_pages=choice == "llama-server-huge")
     if choice == "llama_cpp.server":
         return llama_cpp_server(work, threads=threads)
     return platform(work, slots=args.slots, distributed=choice == "distributed", every_token=choice == "every-token")
@@ -449,8 +467,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--servers",
-        default=",".join(SERVERS),
-        help=f"which of {', '.join(SERVERS)} to run (engine: llama-batched-bench); ratios to one left out show —",
+        default=",".join(DEFAULT_SERVERS),
+        help=(
+            f"which of {', '.join(SERVERS)} to run (default: all but llama-server-huge; engine: llama-batched-bench;"
+            " llama-server-huge: llama-server with its memory in huge pages); ratios to one left out show —"
+        ),
     )
     args = parser.parse_args()
     streams = [int(n) for n in args.streams.split(",")]
@@ -554,9 +575,9 @@ def report(
     print(
         f"\n| streams | platform | tokens/s ÷ {LLAMA_SERVER} | ÷ {LLAMA_CPP_SERVER} | ÷ the runner, direct "
         f"| ÷ embedded | first token p50 ÷ {LLAMA_SERVER} | ÷ {LLAMA_SERVER}, round by round: lowest, median, highest "
-        f"| tokens/s ÷ {LLAMA_SERVER}, 95% interval |"
+        f"| tokens/s ÷ {LLAMA_SERVER}, 95% interval | ÷ {LLAMA_SERVER_HUGE} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in streams:
         for server in [s for s in servers if s.name.startswith("platform")]:
             key = (server.name, n)
@@ -571,7 +592,8 @@ def report(
             print(
                 f"| {n} | {server.name} | {ratio(key, LLAMA_SERVER, aggregate)} | "
                 f"{ratio(key, LLAMA_CPP_SERVER, aggregate)} | {ratio(key, DIRECT, aggregate)} | "
-                f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} | {bounds} |"
+                f"{ratio(key, EMBEDDED, aggregate)} | {ratio(key, LLAMA_SERVER, first_p50)} | {spread} | {bounds} | "
+                f"{ratio(key, LLAMA_SERVER_HUGE, aggregate)} |"
             )
     for name, spent in cpu.items():
         print(f"\n{name}'s CPU per generated token at {max(streams)} streams, by thread:")
