@@ -816,7 +816,8 @@ class LlamaCppRunner:
         params.n_threads = params.n_threads_batch = config.threads
         params.no_perf = True
         try:
-            self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+            with huge_pages(collapse=False):  # the KV cache and the compute buffers: see huge_pages.py
+                self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         except ValueError as exc:
             raise RunnerError(f"could not create the model's context: {exc}", code="runner_unavailable") from None
         self._ctx = self._context.ctx

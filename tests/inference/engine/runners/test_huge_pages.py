@@ -1,5 +1,5 @@
-"""A loaded model's weights sit in the kernel's 2 MB pages: the memory mapped while it loads is marked for huge
-pages and collapsed into them at once."""
+"""A loaded model's weights and KV cache sit in the kernel's 2 MB pages: the memory mapped while they are made is
+marked for huge pages and collapsed into them at once."""
 
 from __future__ import annotations
 
@@ -103,3 +103,28 @@ def test_a_loaded_models_weights_sit_in_huge_pages() -> None:
         assert (huge_kb_in_all() - before) * 1024 >= Path(path).stat().st_size * 0.8
     finally:
         model.close()
+
+
+def marked_for_huge_pages() -> list[tuple[int, int]]:
+    """The anonymous mappings the kernel may give huge pages (``THPeligible``), and their sizes."""
+    marked, mapping = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            mapping = (start, end - start) if (start, end) in anonymous_ranges(line) else None
+        elif mapping and line.split() == ["THPeligible:", "1"]:
+            marked.append(mapping)
+    return marked
+
+
+@needs_collapse
+def test_a_runners_kv_cache_is_marked_for_huge_pages_and_left_for_the_kernel_to_collapse() -> None:
+    settings = {**DEFAULT_MODEL["runner_settings"], "parallel": 2, "n_ctx": 4096}
+    before = set(marked_for_huge_pages())
+    runner = llama_cpp.LlamaCppRunner(settings)
+    try:
+        grown = sum(size for start, size in marked_for_huge_pages() if (start, size) not in before)
+
+        assert grown >= runner.kv_cache_bytes
+    finally:
+        runner.close()
