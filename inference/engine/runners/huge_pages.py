@@ -75,11 +75,13 @@ def _maps() -> str:
 def huge_pages(*, collapse: bool = True) -> Iterator[None]:
     """``collapse``: into huge pages now, the load waiting for the copy (about a second for 720 MB); otherwise
     marked only, for ``khugepaged`` to collapse as it scans (16 MB every 10 s by default)."""
-    if not sys.platform.startswith("linux"):
-        yield
-        return
-    before = anonymous_ranges(_maps())
+    try:
+        before = anonymous_ranges(_maps()) if sys.platform.startswith("linux") else None
+    except OSError:  # no /proc (a sandbox): the memory keeps its pages
+        before = None
     yield
+    if before is None:
+        return
     spans = new_huge_spans(before, anonymous_ranges(_maps()))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

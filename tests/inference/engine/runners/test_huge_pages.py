@@ -81,6 +81,18 @@ def test_memory_already_there_is_left_alone() -> None:
     assert new_huge_spans([(0, 64 * MB)], [(0, 64 * MB)]) == []
 
 
+def test_without_proc_the_block_runs_and_its_memory_keeps_its_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_proc() -> str:
+        raise FileNotFoundError("/proc/self/maps")
+
+    monkeypatch.setattr("inference.engine.runners.huge_pages._maps", no_proc)
+    ran = []
+    with huge_pages():
+        ran.append(True)
+
+    assert ran == [True]
+
+
 @needs_collapse
 def test_memory_mapped_and_written_inside_the_block_sits_in_huge_pages_when_it_ends() -> None:
     with huge_pages():
