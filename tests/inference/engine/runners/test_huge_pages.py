@@ -43,16 +43,35 @@ needs_collapse = pytest.mark.skipif(
 )
 
 
-def huge_kb(address: int) -> int:
-    """``AnonHugePages`` of the mapping that holds ``address``."""
-    inside = False
+def mappings() -> list[tuple[str, dict[str, str]]]:
+    """Each mapping of ``/proc/self/smaps``: its line as in ``maps``, and its fields (``THPeligible``: ``1``)."""
+    found: list[tuple[str, dict[str, str]]] = []
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-            start, end = (int(part, 16) for part in line.split()[0].split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
+            found.append((line, {}))
+        elif found:
+            name, _, value = line.partition(":")
+            found[-1][1][name] = value.strip()
+    return found
+
+
+def huge_kb(address: int) -> int:
+    """``AnonHugePages`` of the mapping that holds ``address``."""
+    for line, fields in mappings():
+        start, end = (int(part, 16) for part in line.split()[0].split("-"))
+        if start <= address < end:
+            return int(fields["AnonHugePages"].split()[0])
     return 0
+
+
+def marked_for_huge_pages() -> list[tuple[int, int]]:
+    """The anonymous mappings the kernel may give huge pages (``THPeligible``), and their sizes."""
+    return [
+        (start, end - start)
+        for line, fields in mappings()
+        if fields.get("THPeligible") == "1"
+        for start, end in anonymous_ranges(line)
+    ]
 
 
 def huge_kb_in_all() -> int:
@@ -115,18 +134,6 @@ def test_a_loaded_models_weights_sit_in_huge_pages() -> None:
         assert (huge_kb_in_all() - before) * 1024 >= Path(path).stat().st_size * 0.8
     finally:
         model.close()
-
-
-def marked_for_huge_pages() -> list[tuple[int, int]]:
-    """The anonymous mappings the kernel may give huge pages (``THPeligible``), and their sizes."""
-    marked, mapping = [], None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-            start, end = (int(part, 16) for part in line.split()[0].split("-"))
-            mapping = (start, end - start) if (start, end) in anonymous_ranges(line) else None
-        elif mapping and line.split() == ["THPeligible:", "1"]:
-            marked.append(mapping)
-    return marked
 
 
 @needs_collapse
