@@ -150,7 +150,7 @@ async def load(server: Server, streams: int, tokens: int, first_index: int) -> l
 def platform(work: Path, *, slots: int, distributed: bool, every_token: bool = False) -> Server:
     """The platform with the catalog's defaults; ``every_token``: each token a delta of its own
     (``stream_interval_ms`` 0), to show what coalescing deltas buys."""
-    name = "platform, distributed" if distributed else "platform, embedded"
+    name = DISTRIBUTED if distributed else EMBEDDED
     if every_token:
         name += ", every token"
     var = work / name.replace("platform, ", "").replace(", ", "-").replace(" ", "-")
@@ -366,50 +366,70 @@ def interval(platform: list[float], other: list[float], draws: int = 2000) -> tu
     return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
-def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """Each thread of a process: its name and the CPU seconds it has used."""
+def thread_cpu(pids: list[int]) -> dict[int, tuple[int, str, float]]:
+    """Each thread of these processes: its process, its name and the CPU seconds it has used."""
     clock = os.sysconf("SC_CLK_TCK")
-    threads: dict[int, tuple[str, float]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except FileNotFoundError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / clock)
+    threads: dict[int, tuple[int, str, float]] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            threads[int(task.name)] = (pid, name, (int(fields[11]) + int(fields[12])) / clock)
     return threads
 
 
 @dataclass
 class ThreadTime:
-    """CPU seconds a server's threads spent over the rounds measured, and the tokens those rounds generated."""
+    """CPU seconds a server's threads spent over the rounds measured, and the tokens those rounds generated.
+    ``pids``: the server's processes, as it starts them (distributed: Redis, the worker, the API process)."""
 
-    pid: int
-    seconds: dict[int, tuple[str, float]] = field(default_factory=dict)
+    pids: list[int]
+    seconds: dict[int, tuple[int, str, float]] = field(default_factory=dict)
     tokens: int = 0
 
-    def add(self, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], tokens: int) -> None:
-        for tid, (name, spent) in after.items():
-            previous = self.seconds.get(tid, (name, 0.0))[1]
-            self.seconds[tid] = (name, previous + spent - before.get(tid, (name, 0.0))[1])
+    def add(
+        self, before: dict[int, tuple[int, str, float]], after: dict[int, tuple[int, str, float]], tokens: int
+    ) -> None:
+        for tid, (pid, name, spent) in after.items():
+            previous = self.seconds.get(tid, (pid, name, 0.0))[2]
+            self.seconds[tid] = (pid, name, previous + spent - before.get(tid, (pid, name, 0.0))[2])
         self.tokens += tokens
 
     def by_role(self, server: str, threads: int) -> dict[str, float]:
-        """The platform names its scheduler thread (its OpenMP threads inherit the name); its main thread runs the
-        event loop. llama-server's main thread runs its slots and each step (with ``threads`` - 1 OpenMP threads,
-        the busiest of the others); the rest serve HTTP."""
+        """The platform names its scheduler thread (its OpenMP threads inherit the name); the API process's main
+        thread runs the event loop. llama-server's main thread runs its slots and each step (with ``threads`` - 1
+        OpenMP threads, the busiest of the others); the rest serve HTTP."""
         roles: dict[str, float] = {}
-        others = sorted((tid for tid in self.seconds if tid != self.pid), key=lambda tid: -self.seconds[tid][1])
-        for tid, (name, spent) in self.seconds.items():
-            if server == EMBEDDED:
+        by_time = sorted(self.seconds, key=lambda tid: -self.seconds[tid][2])
+        others = [tid for tid in by_time if tid not in self.pids]
+        for tid, (pid, name, spent) in self.seconds.items():
+            if server == DISTRIBUTED:
+                redis, worker, api = self.pids
+                if pid == redis:
+                    role = "Redis"
+                elif pid == worker:
+                    if name.startswith("llama-sched"):
+                        role = "worker: model (scheduler and its OpenMP threads)"
+                    elif name.startswith("reply-publisher"):
+                        role = "worker: publisher (events to Redis)"
+                    else:
+                        role = "worker: job threads (listener, heartbeats), Celery"
+                elif tid == api:
+                    role = "API process: event loop (Redis to SSE)"
+                else:
+                    role = "API process: other threads (database, usage writer)"
+            elif server == EMBEDDED:
                 if name.startswith("llama-sched"):
                     role = "model (scheduler and its OpenMP threads)"
-                elif tid == self.pid:
+                elif tid == pid:
                     role = "event loop (HTTP, SSE encoding)"
                 else:
                     role = "other threads (database, usage writer)"
-            elif tid == self.pid or tid in others[: threads - 1]:
+            elif tid == pid or tid in others[: threads - 1]:
                 role = "model (main thread: slots, steps; OpenMP threads)"
             else:
                 role = "HTTP threads (SSE encoding)"
@@ -429,9 +449,10 @@ SERVERS = (
     "engine",
 )
 DEFAULT_SERVERS = tuple(name for name in SERVERS if name != "llama-server-huge")
-DIRECT, EMBEDDED, LLAMA_SERVER, LLAMA_SERVER_HUGE, LLAMA_CPP_SERVER = (
+DIRECT, EMBEDDED, DISTRIBUTED, LLAMA_SERVER, LLAMA_SERVER_HUGE, LLAMA_CPP_SERVER = (
     "runner, direct (no HTTP)",
     "platform, embedded",
+    "platform, distributed",
     "llama-server",
     "llama-server, huge pages",
     "llama_cpp.server",
@@ -501,9 +522,9 @@ def main() -> None:
                 first, index = index, index + n
                 for server in order:
                     # Where each server spends CPU per token, at the most streams.
-                    timed = server.name in (EMBEDDED, LLAMA_SERVER) and n == max(streams)
-                    pid = server.processes[-1].pid if timed else None
-                    before = thread_cpu(pid) if pid is not None else {}
+                    timed = server.name in (EMBEDDED, DISTRIBUTED, LLAMA_SERVER) and n == max(streams)
+                    pids = [process.pid for process in server.processes] if timed else []
+                    before = thread_cpu(pids)
                     started = time.perf_counter()
                     results = asyncio.run(load(server, n, args.tokens, first))
                     cell = cells.setdefault((server.name, n), Cell())
@@ -512,8 +533,8 @@ def main() -> None:
                         result.tokens = len(vocabulary.tokenize(result.text))
                     cell.streams += results
                     cell.tokens.append(sum(result.tokens for result in results))
-                    if pid is not None:
-                        cpu.setdefault(server.name, ThreadTime(pid)).add(before, thread_cpu(pid), cell.tokens[-1])
+                    if pids:
+                        cpu.setdefault(server.name, ThreadTime(pids)).add(before, thread_cpu(pids), cell.tokens[-1])
         engine = batched_bench(binaries, streams, args.tokens, threads) if "engine" in chosen else {}
     finally:
         for server in servers:

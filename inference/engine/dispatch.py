@@ -39,7 +39,8 @@ from django.conf import settings
 
 from core.outages import REDIS_ERRORS
 from core.redis import async_client, sync_client
-from inference.engine.execution import JobEvent, JobFailed, decode, encode, get_renderer, get_runner, run_job
+from inference.engine.execution import JobEvent, JobFailed, decode, get_renderer, get_runner, run_job, start_on_runner
+from inference.engine.replies import Publisher, Reply
 from inference.engine.runners.base import Finished, GenerationJob, RunnerError
 from inference.models import CatalogEntry
 
@@ -57,7 +58,6 @@ LISTENER_POLL_SECONDS = 0.2
 # looks every 0.1 s), short enough that a job whose client left while it was queued holds a thread only briefly.
 LISTENER_WAIT_SECONDS = 1.0
 LISTENER_WAIT_POLL_SECONDS = 0.02
-MESSAGE_TYPE = "job.events"
 # A worker refreshes its queues' keys every PRESENCE_BEAT_SECONDS; each lasts PRESENCE_TTL_SECONDS, and a job waiting
 # for its start gives up once its queue's key has been missing that long (a Redis restart empties them for a beat).
 PRESENCE_BEAT_SECONDS = 1.0
@@ -441,47 +441,41 @@ def end_served_jobs() -> int:
     with _running_lock:
         ends = list(_running.values())
     for end in ends:
-        try:
-            end()
-        except RuntimeError:  # its thread's event loop is closed: the job is over
-            pass
+        end()
     return len(ends)
 
 
-async def serve_job(job: GenerationJob, reply: str) -> None:
-    """Run ``job`` here and publish its events on ``reply``; stop once nobody listens there any more, or once
-    ``end_served_jobs`` ends it."""
-    layer = get_channel_layer()
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _publisher() -> Publisher:
+    global _the_publisher
+    with _running_lock:
+        if _the_publisher is None:
+            _the_publisher = Publisher(get_channel_layer().serialize)
+        return _the_publisher
+
+
+_the_publisher: Publisher | None = None
+
+
+async def serve_job(job: GenerationJob, channel: str) -> None:
+    """Run ``job`` here and publish its events on the reply ``channel``; stop once nobody listens there any more, or
+    once ``end_served_jobs`` ends it. The events go from the runner's thread to the worker's publisher; this thread
+    only watches for the listener and keeps the stream alive with heartbeats until the last one is out."""
     client = async_client()
-    cancelled = threading.Event()
-    # The runner's batches and the heartbeats leave one at a time, numbered as they leave, so that one tried again
-    # is not overtaken by the next.
-    sending = asyncio.Lock()
-    sent = 0
-    last_sent = time.monotonic()
+    publisher = _publisher()
+    reply = Reply(channel, job.job_id, threading.Event())
+    cancelled = reply.cancelled
 
     async def listened() -> bool:
         try:
-            [(_, listeners)] = await client.pubsub_numsub(reply)
+            [(_, listeners)] = await client.pubsub_numsub(channel)
         except REDIS_ERRORS:
-            return False  # as in send: nobody can read the events any more
+            return False  # as in publishing: nobody can read the events any more
         return bool(listeners)
-
-    async def send(wire: list[list[Any]]) -> None:
-        nonlocal sent, last_sent
-        async with sending:
-            # A message that cannot be sent even on a new connection keeps its number: should a later one get
-            # through, the API side ends the stream there rather than show the text with a hole in it.
-            message = {"type": MESSAGE_TYPE, "seq": sent, "events": wire}
-            sent += 1
-            last_sent = time.monotonic()
-            try:
-                await _on_a_live_connection(lambda: layer.send(reply, message))
-            except REDIS_ERRORS as exc:
-                # The events have nowhere to go, and the API side has ended the stream already (it watches Redis too).
-                if not cancelled.is_set():
-                    logger.warning("job %s stopped: Redis is unavailable: %s: %s", job.job_id, type(exc).__name__, exc)
-                cancelled.set()
 
     async def watch() -> None:
         while True:
@@ -491,8 +485,8 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
             if not await listened():
                 logger.info("job %s stopped: nobody listens on its reply channel", job.job_id)
                 cancelled.set()
-            elif time.monotonic() - last_sent >= HEARTBEAT_SECONDS:
-                await send([])
+            elif time.monotonic() - reply.last_sent >= HEARTBEAT_SECONDS:
+                publisher.post(reply, [])
 
     try:
         # Taken: the API side waits for the job's first message now. Tried again at once on a connection a Redis
@@ -506,30 +500,31 @@ async def serve_job(job: GenerationJob, reply: str) -> None:
             logger.info("job %s stopped: nobody listens on its reply channel", job.job_id)
             return
         await asyncio.sleep(LISTENER_WAIT_POLL_SECONDS)
-    await send([])  # started
-    watcher = asyncio.create_task(watch())
+    publisher.post(reply, [])  # started
     loop = asyncio.get_running_loop()
-    ended: list[asyncio.Task[None]] = []
-    done = False
+    out: asyncio.Future[None] = loop.create_future()
 
-    async def shut_down() -> None:
-        await send(encode([JobFailed("server_shutting_down", SHUT_DOWN)]))
+    def last_out() -> None:
+        loop.call_soon_threadsafe(_resolve, out)
+
+    def shut_down() -> None:
+        # The client's last event: the runner's last ones, posted after it, are for nobody.
+        publisher.post(reply, [JobFailed("server_shutting_down", SHUT_DOWN)], last=True)
         cancelled.set()
 
-    def shut_down_here() -> None:
-        if not done and not ended:
-            ended.append(loop.create_task(shut_down()))
-
+    watcher = asyncio.create_task(watch())
     with _running_lock:
-        _running[job.job_id] = lambda: loop.call_soon_threadsafe(shut_down_here)
+        _running[job.job_id] = shut_down
     try:
-        async for batch in run_job(job, cancelled):
-            if not ended:  # once ended, the client has its last event; the runner's last ones are for nobody
-                await send(encode(batch))
-        if ended:
-            await ended[0]
+        start_on_runner(
+            job,
+            cancelled,
+            put=lambda event: publisher.post(reply, [event]),
+            end=lambda event: publisher.post(reply, [event], last=True, then=last_out),
+        )
+        await out
     finally:
-        done = True
+        cancelled.set()
         with _running_lock:
             _running.pop(job.job_id, None)
         watcher.cancel()

@@ -245,31 +245,29 @@ JobEvent = RawEvent | JobFailed | Accepted
 _DONE = object()
 
 
-async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterator[list[JobEvent]]:
-    """Run ``job`` on its runner; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
+def start_on_runner(
+    job: GenerationJob,
+    cancelled: threading.Event,
+    put: Callable[[JobEvent], object],
+    end: Callable[[JobEvent], object],
+) -> None:
+    """Starts ``job`` on its runner without waiting for it: its events go to ``put`` as they come (``Accepted``
+    first), from the runner's thread or a pool thread, and the last one (``Finished`` or ``JobFailed``) to ``end``,
+    from a pool thread, once the job no longer counts as running."""
 
-    def put(item: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the reader's event loop is gone: nobody will read the rest
-            cancelled.set()
-
-    def end(item: JobEvent, runner_started: bool) -> None:
+    def ended(item: JobEvent, runner_started: bool) -> None:
         if runner_started:
             _job_ended(job)
-        put(item)
-        put(_DONE)
+        end(item)
 
     def handed_on(item: RawEvent | RunnerError) -> JobEvent:
         return JobFailed(item.code, str(item)) if isinstance(item, RunnerError) else item
 
     def end_pushed(item: RawEvent | RunnerError) -> None:
         try:
-            _executor.submit(end, handed_on(item), True)
+            _executor.submit(ended, handed_on(item), True)
         except RuntimeError:  # the interpreter is exiting (its runners closing, on its own thread): end it here
-            end(handed_on(item), True)
+            ended(handed_on(item), True)
 
     def work() -> None:
         runner = None
@@ -283,17 +281,35 @@ async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterat
             put(Accepted())
             for event in events:
                 if isinstance(event, Finished):
-                    end(event, True)
+                    ended(event, True)
                     return
                 put(event)
             raise RunnerError("the runner ended the job without finishing it")
         except RunnerError as exc:
-            end(JobFailed(exc.code, str(exc)), runner is not None)
+            ended(JobFailed(exc.code, str(exc)), runner is not None)
         except Exception as exc:
             logger.exception("runner failed on job %s", job.job_id)
-            end(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"), runner is not None)
+            ended(JobFailed("generation_failed", f"generation failed: {type(exc).__name__}"), runner is not None)
 
-    loop.run_in_executor(_executor, work)
+    _executor.submit(work)
+
+
+async def run_job(job: GenerationJob, cancelled: threading.Event) -> AsyncIterator[list[JobEvent]]:
+    """Run ``job`` on its runner; yield its events in batches, ending with ``Finished`` or ``JobFailed``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the reader's event loop is gone: nobody will read the rest
+            cancelled.set()
+
+    def end(item: JobEvent) -> None:
+        put(item)
+        put(_DONE)
+
+    start_on_runner(job, cancelled, put, end)
     try:
         while True:
             batch = [await queue.get()]
@@ -313,7 +329,7 @@ def _start_pushing(
     runner: PushingRunner,
     job: GenerationJob,
     cancelled: threading.Event,
-    put: Callable[[Any], None],
+    put: Callable[[JobEvent], object],
     end: Callable[[RawEvent | RunnerError], object],
 ) -> None:
     """Starts ``job`` on a runner that pushes its events: they go to ``put`` from the runner's thread, after

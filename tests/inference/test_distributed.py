@@ -24,10 +24,11 @@ from channels.layers import get_channel_layer
 from django.test import override_settings
 
 from inference.engine import dispatch, generation
-from inference.engine.dispatch import MESSAGE_TYPE, PRESENCE_TTL_SECONDS, ChannelJob, presence_key
+from inference.engine.dispatch import PRESENCE_TTL_SECONDS, ChannelJob, presence_key
 from inference.engine.exceptions import NotStarted
 from inference.engine.execution import Accepted, JobFailed
 from inference.engine.generation import GenerationRequest
+from inference.engine.replies import MESSAGE_TYPE
 from inference.engine.runners.base import Finished, GenerationJob, Sampling, TextChunk
 from inference.models import CatalogEntry
 from tests.conftest import (

@@ -704,6 +704,33 @@ class _Sequence:
         return TokenLogprob(self.vocabulary.pieces[token], float(logprobs[token]), best)
 
 
+class _StepEvents:
+    """The events of one decode step, handed on together once every sequence has taken its token: whoever reads
+    them (the event loop, a worker's publisher) wakes once a step, not once a sequence between the sampler's calls."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Delivery, RawEvent | RunnerError]] | None = None
+
+    def hand_on(self, deliver: Delivery, item: RawEvent | RunnerError) -> None:
+        if self._held is None:
+            deliver(item)
+        else:
+            self._held.append((deliver, item))
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for deliver, item in held:
+                try:
+                    deliver(item)
+                except Exception:  # one reader's fault must not keep the others' events
+                    logger.exception("could not hand on an event of a job")
+
+
 @dataclass
 class _Slot:
     """A sequence id of the context, and the tokens its part of the KV cache holds."""
@@ -833,6 +860,7 @@ class LlamaCppRunner:
         self._active: list[_Sequence] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._step_events = _StepEvents()
         self._thread = threading.Thread(target=self._loop, name="llama-cpp-scheduler", daemon=True)
         self._thread.start()
         _loaded.append(self.close)
@@ -887,7 +915,8 @@ class LlamaCppRunner:
         sampler = _Sampler(self._model, job.sampling, grammar, self.vocabulary.utf8)
         max_tokens = min(job.sampling.max_tokens, context - len(prompt))
         interval = self.settings.stream_interval
-        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, interval, deliver)
+        handed_on = functools.partial(self._step_events.hand_on, deliver)
+        return _Sequence(job, cancelled, prompt, max_tokens, sampler, self.vocabulary, interval, handed_on)
 
     def stats(self) -> RunnerStats:
         with self._cond:
@@ -948,7 +977,8 @@ class LlamaCppRunner:
                     self._release_gone_active()
                     self._admit()
                 if self._active:
-                    self._step()
+                    with self._step_events.holding():
+                        self._step()
             except Exception as exc:  # a fault here must end the jobs it touched, not leave them waiting forever
                 logger.exception("the scheduler of %s failed", self.settings.path)
                 self._fail_active(RunnerError(f"generation failed: {type(exc).__name__}"))
