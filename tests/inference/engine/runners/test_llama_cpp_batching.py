@@ -563,6 +563,39 @@ def test_each_decode_lists_its_sequences_in_slot_order_so_llama_cpp_runs_them_in
     assert seen and all(ids == sorted(ids) for ids in seen)
 
 
+def test_a_steps_events_are_handed_on_together_once_every_sequence_has_taken_its_token(
+    runner: llama_cpp.LlamaCppRunner, render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whoever reads them (the event loop, a worker's publisher) then wakes once a step, not between the sequences.
+    log: list[tuple[str, int]] = []
+    decode, logits = runner._lib.llama_decode, runner._lib.llama_get_logits_ith
+    monkeypatch.setattr(runner._lib, "llama_decode", lambda ctx, batch: log.append(("decode", 0)) or decode(ctx, batch))
+    monkeypatch.setattr(runner._lib, "llama_get_logits_ith", lambda ctx, i: log.append(("sample", i)) or logits(ctx, i))
+    ended = [threading.Event() for _ in QUESTIONS]
+
+    def delivery(index: int) -> Callable[[object], None]:
+        def deliver(item: object) -> None:
+            log.append(("event", index))
+            if isinstance(item, Finished | RunnerError):
+                ended[index].set()
+
+        return deliver
+
+    for index, question in enumerate(QUESTIONS):
+        runner.start(job(render(question), max_tokens=16), lambda: False, delivery(index))
+    assert all(end.wait(120) for end in ended)
+
+    steps: list[list[tuple[str, int]]] = []
+    for entry in log:
+        if entry[0] == "decode":
+            steps.append([])
+        elif steps:
+            steps[-1].append(entry)
+    kinds = ["".join(kind[0] for kind, _ in step) for step in steps]
+    assert all("es" not in step for step in kinds), kinds  # no sequence samples after an event of its step
+    assert any(len({index for kind, index in step if kind == "event"}) > 1 for step in steps)
+
+
 @pytest.mark.parametrize(("exiting", "code"), [(True, "server_shutting_down"), (False, "runner_unavailable")])
 def test_a_job_its_runner_closes_under_it_is_told_why(
     render: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, exiting: bool, code: str
