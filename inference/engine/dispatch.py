@@ -2,9 +2,9 @@
 
 Embedded mode (no ``REDIS_URL``): the job runs on this process's runner threads.
 Distributed mode: this process opens a reply channel on the Channels layer (Redis pub/sub: one ``PUBLISH`` per
-message, pushed to the subscriber) and sends the job as a Celery task to the model's queue; the worker publishes
-the events on the reply channel. Both hand the caller the same batches of events, ending in ``Finished`` or
-``JobFailed``.
+message, pushed to the subscriber) and sends the job as a Celery task to the model's queue; the worker's publisher
+(``replies``) puts the events on the reply channel. Both hand the caller the same batches of events, ending in
+``Finished`` or ``JobFailed``.
 
 Pub/sub keeps nothing for a subscriber that is not connected, so each message carries a sequence number: a message
 lost on the way ends the stream with an error instead of leaving a hole in its text. The worker keeps the stream
@@ -16,8 +16,9 @@ wait out ``JOB_START_TIMEOUT_SECONDS`` for a worker that is not there.
 
 A Redis restart closes every connection to it, and one pooled on an event loop that is not running (a worker
 thread's, between jobs) or not reading (this process's subscriber, with no reply channel open) is found closed only
-by the next command sent on it. Both sides are made to carry on by themselves once Redis is back: a send or a
-subscribe that fails on such a connection is made again at once on a new one (``_on_a_live_connection``), and a
+by the next command sent on it. Both sides are made to carry on by themselves once Redis is back: a command, a
+publish or a subscribe that fails on such a connection is made again at once on a new one (``_on_a_live_connection``,
+and the Redis clients' one retry), and a
 worker waits a moment for the listener of a new job (``LISTENER_WAIT_SECONDS``), since a subscription sent on a
 closed connection takes effect only once the Channels layer's receive loop reconnects and subscribes again.
 """

@@ -17,6 +17,7 @@ from typing import Any
 
 from core.outages import REDIS_ERRORS
 from core.redis import sync_client
+from core.threads import name_native_thread
 from inference.engine.execution import JobEvent, encode
 
 logger = logging.getLogger("inference.engine.dispatch")
@@ -68,6 +69,7 @@ class Publisher:
             self._cond.notify()
 
     def _run(self) -> None:
+        name_native_thread("reply-publisher")
         while True:
             with self._cond:
                 while not self._posted:

@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 from jinja2 import TemplateError
 
+from core.threads import name_native_thread
+
 from .base import (
     Delivery,
     Finished,
@@ -787,13 +789,6 @@ def capacity(settings: dict[str, Any]) -> Capacity:
     return Capacity(config.parallel, config.context, config.queue, kv)
 
 
-def _name_native_thread(name: str) -> None:
-    """Names the OS thread (what ``top -H`` shows); the OpenMP threads llama.cpp starts from it inherit the name."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -965,7 +960,7 @@ class LlamaCppRunner:
         return len(self._waiting) >= self.settings.queue + free
 
     def _loop(self) -> None:
-        _name_native_thread("llama-scheduler")
+        name_native_thread("llama-scheduler")  # its OpenMP threads inherit the name
         while True:
             try:
                 with self._cond:
