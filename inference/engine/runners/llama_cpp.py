@@ -60,7 +60,7 @@ from .base import (
 )
 from .closing import PROPERTY_COST, Closing, ClosingVocabulary, JsonTail
 from .grammar import grammar_for, schema_problem
-from .huge_pages import huge_pages
+from .huge_pages import collapse_in_background, huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def _load_model(path: str, *, vocab_only: bool) -> Any:
     _log_callback()
     params = lib.llama_model_default_params()
     params.vocab_only = vocab_only
-    loading: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    loading: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if not vocab_only:
         # The weights are read into the process's own memory, not mapped from the file: only that memory can sit in
         # huge pages, where a step's reads of every weight cost the CPU fewer page-table walks (huge_pages.py).
@@ -838,7 +838,7 @@ class LlamaCppRunner:
         params.n_threads = params.n_threads_batch = config.threads
         params.no_perf = True
         try:
-            with huge_pages(collapse=False):  # the KV cache and the compute buffers: see huge_pages.py
+            with huge_pages(collapse=False) as buffers:  # the KV cache and the compute buffers: see huge_pages.py
                 self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
         except ValueError as exc:
             raise RunnerError(f"could not create the model's context: {exc}", code="runner_unavailable") from None
@@ -858,6 +858,7 @@ class LlamaCppRunner:
         self._step_events = _StepEvents()
         self._thread = threading.Thread(target=self._loop, name="llama-cpp-scheduler", daemon=True)
         self._thread.start()
+        collapse_in_background(buffers, lambda: self._closed)
         _loaded.append(self.close)
 
     # --- the caller's side (any thread)

@@ -1,5 +1,5 @@
 """A loaded model's weights and KV cache sit in the kernel's 2 MB pages: the memory mapped while they are made is
-marked for huge pages and collapsed into them at once."""
+marked for huge pages and collapsed into them, the weights at once, the KV cache in the background."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ import mmap
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from inference.engine.runners import llama_cpp
-from inference.engine.runners.huge_pages import HUGE_PAGE, anonymous_ranges, huge_pages, new_huge_spans
+from inference.engine.runners.huge_pages import (
+    HUGE_PAGE,
+    anonymous_ranges,
+    collapse_in_background,
+    huge_pages,
+    new_huge_spans,
+)
 from tests.conftest import DEFAULT_MODEL
 
 MB = 1 << 20
@@ -137,13 +144,40 @@ def test_a_loaded_models_weights_sit_in_huge_pages() -> None:
 
 
 @needs_collapse
-def test_a_runners_kv_cache_is_marked_for_huge_pages_and_left_for_the_kernel_to_collapse() -> None:
+def test_memory_only_marked_in_the_block_is_collapsed_by_a_thread_in_the_background() -> None:
+    with huge_pages(collapse=False) as marked:
+        memory = mmap.mmap(-1, 8 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        memory.write(b"\1" * (8 * MB))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    collapsing = collapse_in_background(marked, lambda: False)
+
+    assert collapsing is not None
+    collapsing.join(timeout=120)
+    assert huge_kb(address) >= 3 * HUGE_PAGE // 1024
+    assert memory[: 8 * MB] == b"\1" * (8 * MB)
+
+    del address
+    memory.close()
+
+
+def test_nothing_marked_starts_no_thread() -> None:
+    assert collapse_in_background([], lambda: False) is None
+
+
+@needs_collapse
+def test_a_runners_kv_cache_is_marked_for_huge_pages_and_collapsed_into_them_in_the_background() -> None:
     settings = {**DEFAULT_MODEL["runner_settings"], "parallel": 2, "n_ctx": 4096}
-    before = set(marked_for_huge_pages())
+    before_marked, before_huge = set(marked_for_huge_pages()), huge_kb_in_all()
     runner = llama_cpp.LlamaCppRunner(settings)
     try:
-        grown = sum(size for start, size in marked_for_huge_pages() if (start, size) not in before)
-
+        grown = sum(size for start, size in marked_for_huge_pages() if (start, size) not in before_marked)
         assert grown >= runner.kv_cache_bytes
+        # Beside the weights, collapsed as they loaded; its thread runs on CPU nothing else wants.
+        expected = 0.8 * Path(llama_cpp.model_path(settings)).stat().st_size + 0.9 * runner.kv_cache_bytes
+        deadline = time.monotonic() + 120
+        while (huge_kb_in_all() - before_huge) * 1024 < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+        assert (huge_kb_in_all() - before_huge) * 1024 >= expected
     finally:
         runner.close()
