@@ -93,7 +93,7 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("redis-server did not start")
 
 
-def start_worker(env: dict[str, str], log: Path) -> Worker:
+def start_worker(env: dict[str, str], log: Path, concurrency: int = 1) -> Worker:
     handle = open(log, "wb")
     process = subprocess.Popen(
         [
@@ -108,7 +108,7 @@ def start_worker(env: dict[str, str], log: Path) -> Worker:
             "--pool",
             "threads",
             "--concurrency",
-            "1",
+            str(concurrency),
             "--without-gossip",
             "--without-mingle",
             "-l",
@@ -196,6 +196,30 @@ def test_a_streamed_request_runs_on_the_worker_and_matches_the_whole_answer(clus
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text == whole.json()["choices"][0]["message"]["content"]
     assert "inference.generate" in cluster.worker.log.read_text()
+
+
+def streamed_text(cluster: Cluster, body: dict) -> str:
+    lines = [line[6:] for line in stream_lines(cluster, body) if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in lines[:-1])
+
+
+def test_streams_running_at_once_on_one_worker_each_get_their_own_whole_answer(cluster: Cluster) -> None:
+    # The worker's one publisher sends every job's events, a decode step's together: none may land on another
+    # stream, or be lost, or come out of order.
+    questions = ["Name one river in Oregon.", "Write a haiku about rain.", "What is 2 + 2?", "Tell me about the moon."]
+    bodies = [{**QUESTION, "messages": [{"role": "user", "content": q}], "max_tokens": 32} for q in questions]
+    alone = [post(cluster, body).json()["choices"][0]["message"]["content"] for body in bodies]
+    cluster.worker.stop()
+    cluster.worker = start_worker(cluster.env, cluster.var_dir / "worker-4-threads.log", concurrency=4)
+    try:
+        with ThreadPoolExecutor(4) as clients:
+            together = list(clients.map(lambda body: streamed_text(cluster, body), bodies))
+    finally:
+        cluster.restart_worker()
+
+    assert together == alone
+    assert len(set(alone)) == 4
 
 
 def test_a_forced_tool_call_works_across_the_wire(cluster: Cluster) -> None:
