@@ -712,16 +712,17 @@ class _StepEvents:
 
     def __init__(self) -> None:
         self._held: list[tuple[Delivery, RawEvent | RunnerError]] | None = None
+        self._holder: int | None = None  # the thread stepping; another (a caller refusing a job) hands on at once
 
     def hand_on(self, deliver: Delivery, item: RawEvent | RunnerError) -> None:
-        if self._held is None:
+        if self._held is None or threading.get_ident() != self._holder:
             deliver(item)
         else:
             self._held.append((deliver, item))
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
-        self._held = []
+        self._held, self._holder = [], threading.get_ident()
         try:
             yield
         finally:
