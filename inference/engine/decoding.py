@@ -383,6 +383,11 @@ class StreamDecoder:
     def _drain(self, *, final: bool, ran_out: bool = False) -> list[Piece]:
         out: list[Piece] = []
         while True:
+            if self.ended:
+                # The one call the request allows is whole: what the model wrote after it is no part of the answer,
+                # however much of it came in the same piece of text.
+                self._buffer = ""
+                return out
             before = (self._state, len(self._buffer))
             if self._state == "forced":
                 self._stream_call(out)

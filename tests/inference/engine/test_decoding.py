@@ -129,6 +129,16 @@ def test_without_parallel_tool_calls_only_the_first_call_counts() -> None:
     assert [type(p) for p in pieces] == [ToolCallPiece]
 
 
+@pytest.mark.parametrize("split", [0, len(CALL), len(CALL) + 9])
+def test_without_parallel_tool_calls_nothing_written_after_the_first_call_is_sent_however_the_text_comes(
+    split: int,
+) -> None:
+    # All of it in one piece of text (the consumer was busy while it came), or split around the call.
+    pieces = decode(CALL + " and then " + CALL + " and some words after them", split=split, parallel=False)
+
+    assert [type(p) for p in pieces] == [ToolCallPiece]
+
+
 STOCKS = FunctionTool("get_stock_price", None, {"type": "object"}, None)
 
 
