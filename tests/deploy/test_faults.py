@@ -141,8 +141,8 @@ def stream_while_its_worker_fails(
                 fault.events.append(line[6:])
             if len(fault.events) == 3 and not fault.worker:
                 fault.worker = next(n for n, count in received.items() if jobs_received(topology, n) > count)
+                failed_at = time.monotonic()  # before: ``fail``'s signal may reach the worker before it returns
                 fail(fault.worker)
-                failed_at = time.monotonic()
     fault.ended_after = time.monotonic() - failed_at
 
 
