@@ -451,15 +451,16 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+_the_publisher: Publisher | None = None
+
+
 def _publisher() -> Publisher:
+    """The worker's one publisher, made with its first job."""
     global _the_publisher
     with _running_lock:
         if _the_publisher is None:
             _the_publisher = Publisher(get_channel_layer().serialize)
         return _the_publisher
-
-
-_the_publisher: Publisher | None = None
 
 
 async def serve_job(job: GenerationJob, channel: str) -> None:
